@@ -1,0 +1,1 @@
+"""hwgraph backend plugin for rocm."""

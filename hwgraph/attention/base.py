@@ -1,0 +1,55 @@
+"""The varlen attention interface every kernel implements, and its spec.
+
+Signature of every kernel: ``fn(q, k, v, cu_seqlens, max_seqlen, scale) -> out`` where ``q, k, v`` are packed
+``[tokens, heads, head_dim]`` tensors, ``cu_seqlens`` is an int32 device tensor of cumulative sequence starts
+(``[num_seqs + 1]``, first entry 0, non-decreasing; trailing repeats are zero-length padding sequences),
+``max_seqlen`` a host int (a captured graph keeps the value it was captured with) and ``scale`` a float.
+``out`` is ``[tokens, heads, head_dim]`` in q's dtype. Rows at or past ``cu_seqlens[-1]`` belong to no sequence:
+their output is zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hwgraph.capability import Capability
+from hwgraph.platform import PlatformInfo
+
+VarlenAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str  # "TORCH_SDPA", "FLASH_ATTN", ...
+    impl_path: str  # "package.module:function", a VarlenAttention; imported only when chosen
+    kinds: tuple[str, ...]  # platform kinds it runs on
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: tuple[int, int]  # inclusive range of supported head dims
+    graph_safe: bool
+    gate: Callable[[PlatformInfo], Capability]
+    priority: int = 0  # higher is preferred when chosen automatically
+    description: str = ""
+
+    def capability(self, platform: PlatformInfo, dtype: torch.dtype | None = None,
+                   head_dim: int | None = None) -> Capability:
+        try:
+            reasons = list(self.gate(platform).reasons)
+        except Exception as exc:  # a gate that crashes is a reason, not a crash
+            reasons = [f"the {self.name} gate failed: {type(exc).__name__}: {exc}"]
+        if not reasons and platform.kind not in self.kinds:
+            reasons.append(f"{self.name} runs on {'/'.join(self.kinds)}, this platform is {platform.kind}")
+        if dtype is not None and dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            reasons.append(f"{self.name} supports dtypes {names}, got {str(dtype).removeprefix('torch.')}")
+        lo, hi = self.head_dims
+        if head_dim is not None and not lo <= head_dim <= hi:
+            reasons.append(f"{self.name} supports head_dim {lo}..{hi}, got {head_dim}")
+        return Capability(tuple(reasons))
+
+    def load(self) -> VarlenAttention:
+        from hwgraph.registry import load_object
+
+        return load_object(self.impl_path)

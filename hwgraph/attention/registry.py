@@ -1,0 +1,91 @@
+"""The attention-kernel registry: built-in kernels plus those each backend plugin brings; automatic choice.
+
+Automatic choice takes, among the kernels that serve the detected platform and pass their gate for the dtype and
+head dim, the one with the highest priority. The documented order:
+
+- cuda: FLASH_ATTN (30) > TRITON_ATTN (20) > TORCH_SDPA (0)
+- rocm: ROCM_AITER_FA (30) > TRITON_ATTN (20) > TORCH_SDPA (0)
+- npu:  NPU (30) > TORCH_SDPA (0)
+- cpu:  TORCH_SDPA
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hwgraph.attention.base import KernelSpec, VarlenAttention
+from hwgraph.capability import Capability
+from hwgraph.platform import PlatformInfo, detect
+from hwgraph.registry import SelectionError, backend_specs
+
+ATTENTION_ENV = "HWGRAPH_ATTENTION"
+
+
+def builtin_kernels() -> tuple[KernelSpec, ...]:
+    from hwgraph.attention.sdpa import TORCH_SDPA
+    from hwgraph.attention.triton_attn import TRITON_ATTN
+
+    return (TORCH_SDPA, TRITON_ATTN)
+
+
+def kernel_specs() -> tuple[KernelSpec, ...]:
+    """Every known kernel: built-in first, then each plugin's, each name once."""
+    specs = list(builtin_kernels())
+    for backend in backend_specs():
+        for kernel in backend.attention:
+            if all(k.name != kernel.name for k in specs):
+                specs.append(kernel)
+    return tuple(specs)
+
+
+def kernel_named(name: str) -> KernelSpec:
+    for spec in kernel_specs():
+        if spec.name == name.upper():
+            return spec
+    known = ", ".join(k.name for k in kernel_specs())
+    raise SelectionError(f"unknown attention kernel {name!r}; known: {known}")
+
+
+def list_kernels(platform: PlatformInfo | None = None, dtype=None, head_dim=None) -> list[tuple[KernelSpec, Capability]]:
+    platform = platform or detect()
+    return [(spec, spec.capability(platform, dtype, head_dim)) for spec in kernel_specs()]
+
+
+@dataclass(frozen=True)
+class SelectedKernel:
+    spec: KernelSpec
+    fn: VarlenAttention
+    reason: str
+
+
+def choose_attention(name: str | None = None, platform: PlatformInfo | None = None,
+                     dtype: torch.dtype | None = None, head_dim: int | None = None,
+                     graph_safe: bool = False) -> SelectedKernel:
+    """``name``, else ``$HWGRAPH_ATTENTION``, else the highest-priority kernel available here.
+
+    An explicit choice that is unavailable raises ``SelectionError`` naming its reasons; with nothing explicit,
+    TORCH_SDPA is always available.
+    """
+    platform = platform or detect()
+    name = name or os.environ.get(ATTENTION_ENV) or None
+    if name:
+        spec = kernel_named(name)
+        cap = spec.capability(platform, dtype, head_dim)
+        if graph_safe and not spec.graph_safe:
+            cap = cap & Capability.unavailable(f"{spec.name} is not graph-safe")
+        if not cap.ok:
+            raise SelectionError(f"attention kernel {spec.name!r} is unavailable: " + "; ".join(cap.reasons))
+        return SelectedKernel(spec, spec.load(), "explicit")
+    refused = []
+    for spec in sorted(kernel_specs(), key=lambda k: -k.priority):
+        if platform.kind not in spec.kinds or (graph_safe and not spec.graph_safe):
+            continue
+        cap = spec.capability(platform, dtype, head_dim)
+        if cap.ok:
+            why = f"best available for {platform.kind}" + (f" (refused: {'; '.join(refused)})" if refused else "")
+            return SelectedKernel(spec, spec.load(), why)
+        refused.append(f"{spec.name}: {cap.describe()}")
+    raise SelectionError("no attention kernel is available: " + "; ".join(refused))

@@ -1,0 +1,95 @@
+"""Capability gates: whether a backend or kernel can run here, and if not, why.
+
+A gate never raises for a missing dependency: an ImportError becomes a reason. Comparisons use typed values
+(``packaging.version.Version`` and integer tuples), never strings.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+
+@dataclass(frozen=True)
+class Capability:
+    """``ok`` when ``reasons`` is empty; otherwise each reason says what is missing, in words a user can act on."""
+
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @classmethod
+    def available(cls) -> Capability:
+        return cls(())
+
+    @classmethod
+    def unavailable(cls, *reasons: str) -> Capability:
+        if not reasons:
+            raise ValueError("an unavailable Capability needs at least one reason")
+        return cls(tuple(reasons))
+
+    def __and__(self, other: Capability) -> Capability:
+        return Capability(self.reasons + tuple(r for r in other.reasons if r not in self.reasons))
+
+    def describe(self) -> str:
+        return "available" if self.ok else "; ".join(self.reasons)
+
+
+def combine(*caps: Capability) -> Capability:
+    """All reasons of all gates, in order, without repeats."""
+    out = Capability()
+    for cap in caps:
+        out = out & cap
+    return out
+
+
+def parse_version(text: str | None) -> Version | None:
+    """``Version`` of a version string such as ``2.13.0+cpu`` or ``13.0``; None when absent or unparsable."""
+    if not text:
+        return None
+    try:
+        return Version(text)
+    except InvalidVersion:
+        match = re.match(r"\d+(\.\d+)*", str(text))
+        return Version(match.group(0)) if match else None
+
+
+def require_version(what: str, found: str | None, minimum: str) -> Capability:
+    """Gate on ``found >= minimum`` compared as versions (so 2.10 > 2.9)."""
+    have = parse_version(found)
+    if have is None:
+        return Capability.unavailable(f"{what} >= {minimum} is needed, found none")
+    if have < Version(minimum):
+        return Capability.unavailable(f"{what} >= {minimum} is needed, found {found}")
+    return Capability.available()
+
+
+def sm_tuple(arch: str | None) -> tuple[int, int] | None:
+    """``'sm_90'`` -> ``(9, 0)``, ``'sm_100'`` -> ``(10, 0)``; None when not an sm_ architecture."""
+    match = re.fullmatch(r"sm_(\d+)(\d)a?", arch or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def gfx_name(arch: str | None) -> str | None:
+    """``'gfx942:sramecc+:xnack-'`` -> ``'gfx942'`` (the part before the first ':')."""
+    if not arch:
+        return None
+    base = arch.split(":", 1)[0].strip()
+    return base if base.startswith("gfx") else None
+
+
+def require_module(module: str, what: str) -> Capability:
+    """Gate on an importable module; the ImportError text becomes the reason."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # ImportError, or a vendor SDK failing while it initialises
+        return Capability.unavailable(f"{what} needs the {module} package ({type(exc).__name__}: {exc})")
+    return Capability.available()

@@ -1,0 +1,84 @@
+"""The graph-backend interface every capture/replay implementation provides."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from hwgraph.capability import Capability
+
+Outputs = Any  # a tensor, or a tuple/list of tensors, as returned by the captured callable
+
+
+class CaptureError(RuntimeError):
+    """A capture failed; the manager logs it and leaves that budget eager."""
+
+
+class HostSyncError(RuntimeError):
+    """A device-to-host synchronisation happened inside ``sync_guard()``."""
+
+
+class CapturedGraph(ABC):
+    """One captured callable. ``outputs`` are static tensors that every ``replay()`` overwrites in place."""
+
+    outputs: Outputs
+
+    @abstractmethod
+    def replay(self) -> None: ...
+
+    def release(self) -> None:
+        """Drop the graph and its outputs; the pool memory returns once every graph in it is released."""
+        self.outputs = None
+
+
+class GraphBackend(ABC):
+    """Capture/replay primitives of one accelerator.
+
+    ``capture(fn, pool)`` calls ``fn()`` (which reads only static input tensors and returns its outputs) to warm
+    it up, then captures it; ``replay()`` reruns it on whatever the static inputs hold now, into the same output
+    tensors.
+    """
+
+    name: ClassVar[str]
+    modes: ClassVar[tuple[str, ...]] = ("full",)
+    #: Whether replay actually saves launches (False only for the CPU reference emulation).
+    accelerates: ClassVar[bool] = True
+
+    def __init__(self, device: torch.device | str | None = None, mode: str | None = None):
+        self.device = torch.device(device) if device is not None else self.default_device()
+        mode = mode or self.modes[0]
+        if mode not in self.modes:
+            raise ValueError(f"graph backend {self.name!r} has modes {list(self.modes)}, got mode={mode!r}")
+        self.mode = mode
+
+    @classmethod
+    @abstractmethod
+    def capability(cls, device: torch.device | str | None = None) -> Capability: ...
+
+    @classmethod
+    def default_device(cls) -> torch.device:
+        return torch.device("cpu")
+
+    @abstractmethod
+    def new_pool(self) -> Any: ...
+
+    @abstractmethod
+    def capture(self, fn: Callable[[], Outputs], pool: Any = None) -> CapturedGraph: ...
+
+    @abstractmethod
+    def synchronize(self) -> None: ...
+
+    @abstractmethod
+    def memory_in_use(self) -> int:
+        """Bytes of device memory this backend's allocator holds now (graph pools included)."""
+
+    @abstractmethod
+    def sync_guard(self) -> contextlib.AbstractContextManager:
+        """A context inside which any device-to-host synchronisation raises."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device}, mode={self.mode!r})"

@@ -1,0 +1,127 @@
+"""The CPU reference backend: exact graph semantics, no speed (it runs on any device, eagerly).
+
+Capture records the callable and the output tensors of its first run; replay reruns the callable and copies
+the results into those same tensors. Inputs are whatever the captured static buffers hold at replay time, so
+stale inputs, outputs overwritten by the next replay, and padding leaking out show up on CPU exactly as they
+would on a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from hwgraph.capability import Capability
+from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend, HostSyncError, Outputs
+
+
+def flat_tensors(outputs: Outputs) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (tuple, list)):
+        return [t for item in outputs for t in flat_tensors(item)]
+    raise CaptureError(f"a captured callable must return tensors or tuples of tensors, got {type(outputs).__name__}")
+
+
+class CpuPool:
+    """Emulated memory pool: tracks the graphs captured into it."""
+
+    def __init__(self):
+        self.graphs: weakref.WeakSet = weakref.WeakSet()
+
+    def bytes_held(self) -> int:
+        return sum(g.nbytes() for g in list(self.graphs))
+
+
+class CpuCapturedGraph(CapturedGraph):
+    def __init__(self, fn: Callable[[], Outputs], outputs: Outputs):
+        self.fn = fn
+        self.outputs = outputs
+
+    def replay(self) -> None:
+        if self.outputs is None:
+            raise RuntimeError("replay() of a released graph")
+        with torch.inference_mode():
+            fresh = flat_tensors(self.fn())
+        static = flat_tensors(self.outputs)
+        if len(fresh) != len(static):
+            raise CaptureError("the captured callable returned a different number of outputs on replay")
+        for dst, src in zip(static, fresh):
+            if dst.shape != src.shape:
+                raise CaptureError(f"replay produced shape {tuple(src.shape)}, captured {tuple(dst.shape)}")
+            dst.copy_(src)
+
+    def nbytes(self) -> int:
+        if self.outputs is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in flat_tensors(self.outputs))
+
+    def release(self) -> None:
+        self.fn = None
+        self.outputs = None
+
+
+class _RejectHostReads(TorchFunctionMode):
+    """Rejects the tensor methods that read device memory back to the host."""
+
+    FORBIDDEN = {
+        torch.Tensor.item: ".item()",
+        torch.Tensor.tolist: ".tolist()",
+        torch.Tensor.cpu: ".cpu()",
+        torch.Tensor.numpy: ".numpy()",
+        torch.Tensor.__bool__: "bool()",
+        torch.Tensor.__int__: "int()",
+        torch.Tensor.__float__: "float()",
+    }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        what = self.FORBIDDEN.get(func)
+        if what is not None:
+            raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
+                                f"on the replay path")
+        return func(*args, **(kwargs or {}))
+
+
+class CpuGraphBackend(GraphBackend):
+    name = "cpu"
+    modes = ("emulated",)
+    accelerates = False
+
+    def __init__(self, device=None, mode=None):
+        # Any device works: replay is an eager rerun, so this is also the eager-equivalent fallback elsewhere.
+        super().__init__(device, mode)
+        self._pools: list[CpuPool] = []
+
+    @classmethod
+    def capability(cls, device=None) -> Capability:
+        return Capability.available()
+
+    def new_pool(self) -> CpuPool:
+        pool = CpuPool()
+        self._pools.append(pool)
+        return pool
+
+    def capture(self, fn, pool=None) -> CpuCapturedGraph:
+        pool = pool if pool is not None else self.new_pool()
+        with torch.inference_mode():
+            fn()  # warm-up, as a device backend does before capturing
+            outputs = fn()
+        flat_tensors(outputs)
+        graph = CpuCapturedGraph(fn, outputs)
+        pool.graphs.add(graph)
+        return graph
+
+    def synchronize(self) -> None:
+        return None
+
+    def memory_in_use(self) -> int:
+        return sum(pool.bytes_held() for pool in self._pools)
+
+    @contextlib.contextmanager
+    def sync_guard(self):
+        with _RejectHostReads():
+            yield

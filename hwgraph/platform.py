@@ -1,0 +1,94 @@
+"""Detect the accelerator this process runs on: kind, device name, architecture and versions.
+
+``detect()`` is explicit and side-effect free where the vendor allows it: importing this module imports no
+vendor SDK. ROCm is told from CUDA by ``torch.version.hip``; an NPU by an importable ``torch_npu`` with a device.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+KINDS = ("cuda", "rocm", "npu", "cpu")
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    kind: str  # one of KINDS
+    device_name: str | None
+    arch: str | None  # "sm_90", "gfx942", "Ascend910B", None on CPU
+    torch_version: str
+    runtime: str | None  # "CUDA", "HIP", "CANN"
+    runtime_version: str | None
+    device_count: int
+    notes: tuple[str, ...] = ()  # why a present SDK was not used, e.g. "torch_npu imports but sees no NPU"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def npu_module():
+    """The ``torch_npu`` module if it is importable (already imported or installed), else None."""
+    if "torch_npu" in sys.modules:
+        return sys.modules["torch_npu"]
+    if importlib.util.find_spec("torch_npu") is None:
+        return None
+    try:
+        return importlib.import_module("torch_npu")
+    except Exception:
+        return None
+
+
+def npu_info(notes: list[str]) -> PlatformInfo | None:
+    mod = npu_module()
+    if mod is None:
+        return None
+    npu = getattr(torch, "npu", None) or getattr(mod, "npu", None)
+    try:
+        count = int(npu.device_count()) if npu is not None else 0
+    except Exception as exc:
+        notes.append(f"torch_npu imports but cannot count devices ({exc})")
+        return None
+    if count == 0:
+        notes.append("torch_npu imports but sees no NPU device")
+        return None
+    name = npu.get_device_name(0) if hasattr(npu, "get_device_name") else "Ascend NPU"
+    soc = getattr(npu, "get_soc_version", None)
+    arch = str(name).split()[0] if name else None
+    cann = getattr(getattr(mod, "version", None), "cann", None) or getattr(mod, "__version__", None)
+    return PlatformInfo("npu", str(name), arch, torch.__version__, "CANN", cann, count,
+                        tuple(notes) + ((f"soc version {soc()}",) if callable(soc) else ()))
+
+
+def cuda_info(notes: list[str]) -> PlatformInfo | None:
+    """CUDA or ROCm (both answer through ``torch.cuda``); None without a visible device."""
+    hip = getattr(torch.version, "hip", None)
+    if not hip and not torch.version.cuda:
+        return None
+    try:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as exc:
+        notes.append(f"torch.cuda failed to count devices ({exc})")
+        return None
+    if count == 0:
+        notes.append(f"torch is a {'ROCm' if hip else 'CUDA'} build but no device is visible")
+        return None
+    props = torch.cuda.get_device_properties(0)
+    if hip:
+        arch = getattr(props, "gcnArchName", None) or None
+        return PlatformInfo("rocm", props.name, arch, torch.__version__, "HIP", str(hip), count, tuple(notes))
+    arch = f"sm_{props.major}{props.minor}"
+    return PlatformInfo("cuda", props.name, arch, torch.__version__, "CUDA", torch.version.cuda, count, tuple(notes))
+
+
+def detect() -> PlatformInfo:
+    """Which accelerator this process would use, with the facts capability gates compare against."""
+    notes: list[str] = []
+    info = cuda_info(notes) or npu_info(notes)
+    if info is not None:
+        return info
+    return PlatformInfo("cpu", "cpu", None, torch.__version__, None, None, 0, tuple(notes))

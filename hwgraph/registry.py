@@ -1,0 +1,158 @@
+"""Discover graph backends (the built-in CPU reference and every ``hwgraph.backends`` entry point) and pick one.
+
+An entry point names a *probe*: a cheap function in the plugin's ``platform.py`` that returns a
+``BackendSpec``. The spec carries the backend's class path, imported only when that backend is chosen, its gate,
+and the attention kernels the plugin brings.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib.metadata import entry_points
+
+from hwgraph.capability import Capability
+from hwgraph.platform import PlatformInfo, detect
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "hwgraph.backends"
+GRAPH_BACKEND_ENV = "HWGRAPH_GRAPH_BACKEND"
+
+
+class SelectionError(RuntimeError):
+    """No candidate could be used; the message lists every candidate with its reasons."""
+
+
+def load_object(path: str):
+    """Import ``'package.module:attribute'``."""
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a plugin's probe returns; nothing here imports a vendor SDK."""
+
+    name: str
+    class_path: str  # "package.module:Class", a GraphBackend subclass
+    kinds: tuple[str, ...]  # platform kinds it serves ("cuda", "rocm", "npu", "cpu")
+    gate: Callable[[PlatformInfo], Capability]
+    modes: tuple[str, ...] = ("full",)
+    priority: int = 0  # higher wins among available backends for the detected kind
+    attention: tuple = ()  # KernelSpec of the kernels this plugin brings
+    description: str = ""
+    distribution: str | None = field(default=None, compare=False)
+
+    def capability(self, platform: PlatformInfo | None = None) -> Capability:
+        platform = platform or detect()
+        try:
+            return self.gate(platform)
+        except Exception as exc:  # a gate that crashes is a reason, not a crash
+            return Capability.unavailable(f"the {self.name} gate failed: {type(exc).__name__}: {exc}")
+
+    def load(self):
+        return load_object(self.class_path)
+
+
+def cpu_probe() -> BackendSpec:
+    return BackendSpec(
+        name="cpu",
+        class_path="hwgraph.graphs.cpu:CpuGraphBackend",
+        kinds=("cpu",),
+        gate=lambda platform: Capability.available(),
+        modes=("emulated",),
+        priority=0,
+        description="reference backend: emulates capture/replay exactly, eagerly; no speed-up",
+    )
+
+
+@lru_cache(maxsize=1)
+def discovered() -> tuple[tuple[BackendSpec, ...], tuple[str, ...]]:
+    """(specs, problems): the built-in CPU backend and every entry point; a broken plugin is a problem, not a crash."""
+    specs = [cpu_probe()]
+    problems = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            spec = ep.load()()
+            if not isinstance(spec, BackendSpec):
+                raise TypeError(f"probe returned {type(spec).__name__}, expected BackendSpec")
+        except Exception as exc:
+            problems.append(f"entry point {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}")
+            continue
+        if any(s.name == spec.name for s in specs):
+            problems.append(f"entry point {ep.name!r} repeats the backend name {spec.name!r}; ignored")
+            continue
+        specs.append(spec)
+    for problem in problems:
+        log.warning(problem)
+    return tuple(specs), tuple(problems)
+
+
+def backend_specs() -> tuple[BackendSpec, ...]:
+    return discovered()[0]
+
+
+def spec_named(name: str) -> BackendSpec:
+    for spec in backend_specs():
+        if spec.name == name:
+            return spec
+    known = ", ".join(s.name for s in backend_specs())
+    raise SelectionError(f"unknown graph backend {name!r}; known: {known} "
+                         f"(plugins install with pip install 'hwgraph[cuda|rocm|npu]')")
+
+
+def list_backends(platform: PlatformInfo | None = None) -> list[tuple[BackendSpec, Capability]]:
+    """Every known graph backend with its capability on this platform."""
+    platform = platform or detect()
+    return [(spec, spec.capability(platform)) for spec in backend_specs()]
+
+
+@dataclass(frozen=True)
+class Selected:
+    spec: BackendSpec
+    reason: str  # why this one: "explicit", "best available for cuda", or the fallback's why
+
+
+def choose_backend(name: str | None = None, platform: PlatformInfo | None = None) -> Selected:
+    """Pick a graph backend: ``name``, else ``$HWGRAPH_GRAPH_BACKEND``, else the best available for the platform.
+
+    An explicit choice that fails its gate raises ``SelectionError`` with its reasons. An automatic choice that
+    finds nothing falls back to the CPU reference backend (eager-equivalent) and says why.
+    """
+    platform = platform or detect()
+    name = name or os.environ.get(GRAPH_BACKEND_ENV) or None
+    if name:
+        spec = spec_named(name)
+        cap = spec.capability(platform)
+        if not cap.ok:
+            raise SelectionError(f"graph backend {name!r} is unavailable: " + "; ".join(cap.reasons))
+        return Selected(spec, "explicit")
+    refused = []
+    for spec in sorted(backend_specs(), key=lambda s: -s.priority):
+        if platform.kind not in spec.kinds:
+            continue
+        cap = spec.capability(platform)
+        if cap.ok:
+            return Selected(spec, f"best available for {platform.kind}")
+        refused.append(f"{spec.name}: {cap.describe()}")
+    why = "; ".join(refused) or f"no installed backend serves {platform.kind} (pip install 'hwgraph[{platform.kind}]')"
+    reason = f"falling back to the cpu reference backend (eager-equivalent, no speed-up): {why}"
+    if platform.kind != "cpu":
+        log.warning(reason)
+    return Selected(spec_named("cpu"), reason)
+
+
+def create_backend(name: str | None = None, device=None, mode: str | None = None, platform=None):
+    """Instantiate the chosen graph backend (importing its class only now)."""
+    selected = choose_backend(name, platform)
+    cls = selected.spec.load()
+    log.info("graph backend %s (%s)", selected.spec.name, selected.reason)
+    return cls(device=device, mode=mode)
