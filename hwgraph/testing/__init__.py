@@ -1,0 +1,1 @@
+"""The conformance suite vendors run against their graph backend (pytest plugin ``hwgraph``)."""

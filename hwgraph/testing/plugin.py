@@ -1,0 +1,40 @@
+"""pytest plugin (entry point ``pytest11``): accelerator markers, and skips that say why.
+
+A test marked ``cuda``, ``rocm`` or ``npu`` runs only where ``hwgraph.platform.detect()`` finds that
+accelerator; elsewhere it is skipped with the reason, never reported as passed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+ACCELERATOR_MARKERS = {
+    "cuda": "needs an NVIDIA GPU with a CUDA build of torch",
+    "rocm": "needs an AMD GPU with a ROCm build of torch",
+    "npu": "needs an Ascend NPU with torch_npu",
+}
+OTHER_MARKERS = {
+    "vllm": "needs vllm installed (tox -e vllm / ci/test.sh vllm)",
+    "slow": "long-running test (soak, large configs)",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def detected_kind() -> str:
+    from hwgraph.platform import detect
+
+    return detect().kind
+
+
+def pytest_configure(config):
+    for name, text in {**ACCELERATOR_MARKERS, **OTHER_MARKERS}.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker, need in ACCELERATOR_MARKERS.items():
+            if item.get_closest_marker(marker) is not None and detected_kind() != marker:
+                item.add_marker(pytest.mark.skip(reason=f"{need}; this machine is {detected_kind()}"))
