@@ -76,6 +76,10 @@ class GraphBackend(ABC):
     def memory_in_use(self) -> int:
         """Bytes of device memory this backend's allocator holds now (graph pools included)."""
 
+    def empty_cache(self) -> None:
+        """Return freed pool memory to the device (after graphs are released); no-op where there is no cache."""
+        return None
+
     @abstractmethod
     def sync_guard(self) -> contextlib.AbstractContextManager:
         """A context inside which any device-to-host synchronisation raises."""

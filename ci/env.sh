@@ -1,0 +1,30 @@
+# Sourced by ci/*.sh: make .venv (if missing) and install hwgraph, its three backend plugins and the test tools.
+# On a machine without an accelerator torch==2.13.0 (CPU build) is installed into the venv; on an accelerator
+# machine the vendor's torch (CUDA, ROCm, torch_npu) comes from the system site-packages and is never replaced.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ACCEL="${1:-cpu}"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  if [ "$ACCEL" = cpu ] || [ "$ACCEL" = vllm ]; then
+    "$PYTHON" -m venv .venv
+  else
+    "$PYTHON" -m venv --system-site-packages .venv
+  fi
+fi
+VPY=.venv/bin/python
+PIP="$VPY -m pip --disable-pip-version-check -q"
+if ! $VPY -c "import torch" 2>/dev/null; then
+  if [ "$ACCEL" = cpu ]; then
+    $PIP install torch==2.13.0
+  elif [ "$ACCEL" != vllm ]; then
+    echo "ci: no torch for $ACCEL in this environment: install the vendor's torch build first" >&2; exit 2
+  fi
+fi
+if [ "$ACCEL" = cpu ]; then
+  # The Triton interpreter runs TRITON_ATTN's correctness tests on CPU.
+  $PIP install -e ".[test,triton]" -e backends/cuda -e backends/rocm -e backends/npu
+else
+  # Accelerator machines may be offline: no build isolation, no dependency resolution beyond what is there.
+  $PIP install --no-build-isolation --no-deps -e . -e backends/cuda -e backends/rocm -e backends/npu
+fi

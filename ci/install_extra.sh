@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Usage: ci/install_extra.sh WHEELDIR EXTRAS [--offline]
+# Installs hwgraph (editable) with the given extras, e.g. "cuda,test", into the current Python environment.
+# The backend distributions are not on an index: their wheels are built into WHEELDIR first and found there.
+# --offline (accelerator machines): no index; torch, transformers and pytest come from the system site-packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS="$1"; EXTRAS="$2"; OFFLINE="${3:-}"
+PIP="python -m pip --disable-pip-version-check -q"
+mkdir -p "$WHEELS"
+for vendor in cuda rocm npu; do
+  $PIP wheel --no-deps --no-build-isolation -w "$WHEELS" "backends/$vendor"
+done
+if [ "$OFFLINE" = --offline ]; then
+  $PIP install --no-build-isolation --no-index --find-links "$WHEELS" -e ".[$EXTRAS]"
+else
+  $PIP install --no-build-isolation --find-links "$WHEELS" -e ".[$EXTRAS]"
+fi

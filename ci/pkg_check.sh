@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Usage: ci/pkg_check.sh WORKDIR
+# Builds wheels of the core and the three backend plugins, installs hwgraph[rocm] from them into a fresh venv
+# with --find-links, and checks that the rocm backend is discovered through its entry point (and cuda/npu are not,
+# since only the rocm extra was asked for).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORK="$1"; rm -rf "$WORK"; mkdir -p "$WORK/wheels"
+PIP="python -m pip --disable-pip-version-check -q"
+for dist in . backends/cuda backends/rocm backends/npu; do
+  $PIP wheel --no-deps --no-build-isolation -w "$WORK/wheels" "$dist"
+done
+ls "$WORK/wheels"
+python -m venv "$WORK/venv"
+VPIP="$WORK/venv/bin/python -m pip --disable-pip-version-check -q"
+$VPIP install torch==2.13.0
+$VPIP install --find-links "$WORK/wheels" "hwgraph[rocm]"
+cd "$WORK"
+"$WORK/venv/bin/python" - <<'PY'
+from hwgraph.registry import list_backends
+names = {spec.name: cap for spec, cap in list_backends()}
+assert "rocm" in names, f"rocm backend not discovered: {sorted(names)}"
+assert "cuda" not in names and "npu" not in names, f"only the rocm extra was installed: {sorted(names)}"
+assert not names["rocm"].ok and names["rocm"].reasons, "rocm must be unavailable here, with reasons"
+print("pkg: hwgraph[rocm] installed from wheels; rocm backend discovered:", names["rocm"].describe())
+PY
+"$WORK/venv/bin/hwgraph" info

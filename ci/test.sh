@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Usage: ci/test.sh [cpu|cuda|rocm|npu|vllm] [pytest args]   (default cpu)
+# Builds the environment (ci/env.sh) and runs the suite for that accelerator with pytest-xdist. Tests marked for
+# another accelerator are skipped with the reason; vllm tests run only in the vllm mode (their own venv).
+set -euo pipefail
+ACCEL="${1:-cpu}"
+case "$ACCEL" in cpu|cuda|rocm|npu|vllm) ;; *) echo "usage: ci/test.sh [cpu|cuda|rocm|npu|vllm]" >&2; exit 2;; esac
+[ $# -gt 0 ] && shift
+cd "$(dirname "$0")/.."
+if [ "$ACCEL" = vllm ]; then
+  exec bash ci/vllm.sh "$@"
+fi
+source ci/env.sh "$ACCEL"
+.venv/bin/hwgraph info
+exec .venv/bin/python -m pytest -n auto -m "not vllm" tests backends "$@"

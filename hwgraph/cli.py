@@ -1,0 +1,97 @@
+"""The ``hwgraph`` command line: ``info``, ``bench``, ``validate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def table(rows: list[list[str]], headers: list[str]) -> str:
+    """A plain-text table; the last column may be long (reasons) and is not padded."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers) - 1)]
+    lines = []
+    for row in [headers, ["-" * w for w in widths] + ["-" * len(headers[-1])], *rows]:
+        cells = [str(c).ljust(w) for c, w in zip(row, widths)] + [str(row[-1])]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def info_data() -> dict:
+    from hwgraph.attention.registry import list_kernels
+    from hwgraph.platform import detect
+    from hwgraph.registry import choose_backend, discovered, list_backends
+
+    platform = detect()
+    selected = choose_backend(platform=platform)
+    backends = [
+        {"name": spec.name, "available": cap.ok, "reasons": list(cap.reasons), "kinds": list(spec.kinds),
+         "modes": list(spec.modes), "priority": spec.priority, "class": spec.class_path,
+         "selected": spec.name == selected.spec.name}
+        for spec, cap in list_backends(platform)
+    ]
+    kernels = [
+        {"name": spec.name, "available": cap.ok, "reasons": list(cap.reasons), "kinds": list(spec.kinds),
+         "dtypes": [str(d).removeprefix("torch.") for d in spec.dtypes], "head_dims": list(spec.head_dims),
+         "graph_safe": spec.graph_safe, "priority": spec.priority}
+        for spec, cap in list_kernels(platform)
+    ]
+    return {"platform": platform.as_dict(), "graph_backends": backends, "selected_backend": selected.spec.name,
+            "selection_reason": selected.reason, "attention_kernels": kernels, "problems": list(discovered()[1])}
+
+
+def format_info(data: dict) -> str:
+    p = data["platform"]
+    out = ["Platform",
+           table([[k, "" if v is None else str(v)] for k, v in p.items() if k != "notes"], ["field", "value"])]
+    for note in p.get("notes") or ():
+        out.append(f"note: {note}")
+    out += ["", "Graph backends",
+            table([[("* " if b["selected"] else "  ") + b["name"], "yes" if b["available"] else "no",
+                    ",".join(b["modes"]), "; ".join(b["reasons"]) or "-"] for b in data["graph_backends"]],
+                  ["backend", "available", "modes", "reasons"]),
+            f"selected: {data['selected_backend']} ({data['selection_reason']})",
+            "", "Attention kernels",
+            table([[k["name"], "yes" if k["available"] else "no", "/".join(k["kinds"]),
+                    "yes" if k["graph_safe"] else "no", "; ".join(k["reasons"]) or "-"]
+                   for k in data["attention_kernels"]], ["kernel", "available", "platforms", "graph-safe", "reasons"])]
+    for problem in data["problems"]:
+        out.append(f"problem: {problem}")
+    return "\n".join(out)
+
+
+def cmd_info(args) -> int:
+    data = info_data()
+    print(json.dumps(data, indent=2) if args.json else format_info(data))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hwgraph", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at info level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="the platform, graph backends and attention kernels, with reasons")
+    info.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    info.set_defaults(func=cmd_info)
+    for register in optional_commands():
+        register(sub)
+    return parser
+
+
+def optional_commands():
+    """``bench`` and ``validate`` register themselves from their own modules."""
+    from hwgraph import bench, validate
+
+    return [bench.register_cli, validate.register_cli]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
