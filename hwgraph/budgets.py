@@ -1,0 +1,50 @@
+"""Token budgets: validation, auto-inference, and the patch grid that fills a budget."""
+
+from __future__ import annotations
+
+import math
+
+MIN_AUTO_BUDGET = 64  # merged tokens of the smallest image the Qwen3-Omni processor makes
+DEFAULT_CAP = 256
+CALIBRATION_CAP = 2048
+DEFAULT_MAX_IMAGES = 8
+
+
+def auto_budgets(cap: int = DEFAULT_CAP, start: int = MIN_AUTO_BUDGET) -> list[int]:
+    """Budgets doubling from ``start`` up to and including ``cap``: 64, 128, 256."""
+    if cap < start:
+        raise ValueError(f"budget cap {cap} is below the smallest auto budget {start}")
+    out, b = [], start
+    while b <= cap:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def validate_budgets(budgets, max_images_per_graph: int) -> list[int]:
+    """Sorted budgets; ``ValueError`` naming the rule and the values on a violation."""
+    values = list(budgets)
+    if not values:
+        raise ValueError("budgets must not be empty")
+    bad = [b for b in values if not isinstance(b, int) or isinstance(b, bool)]
+    if bad:
+        raise ValueError(f"budgets must be ints (merged-token counts), got {bad}")
+    nonpositive = [b for b in values if b <= 0]
+    if nonpositive:
+        raise ValueError(f"budgets must be positive, got {nonpositive}")
+    dups = sorted({b for b in values if values.count(b) > 1})
+    if dups:
+        raise ValueError(f"budgets must not repeat, got duplicates {dups} in {values}")
+    values.sort()
+    if not isinstance(max_images_per_graph, int) or max_images_per_graph < 1:
+        raise ValueError(f"max_images_per_graph must be a positive int, got {max_images_per_graph!r}")
+    if max_images_per_graph > values[0]:
+        raise ValueError(f"max_images_per_graph ({max_images_per_graph}) must not be above the smallest "
+                         f"budget ({values[0]}): every image has at least one token")
+    return values
+
+
+def filling_grid(tokens: int, merge: int) -> tuple[int, int, int]:
+    """A single-frame patch grid ``(1, h, w)`` with exactly ``tokens`` merged tokens, as square as possible."""
+    a = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
+    return (1, a * merge, (tokens // a) * merge)
