@@ -1,0 +1,310 @@
+"""EncoderGraphManager: capture the tower once per token budget, replay a step when one graph holds it all.
+
+Dispatch is the single-replay policy: a call's images replay together in the smallest captured graph that holds
+them all (image count and merged tokens); otherwise the whole group runs as one eager call. Video grids (t > 1)
+go eager. Outputs handed back are copies: a later replay never overwrites them and padded rows never leak.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hwgraph import budgets as budget_rules
+from hwgraph.graphs.base import CapturedGraph, GraphBackend
+from hwgraph.platform import PlatformInfo, detect
+from hwgraph.registry import create_backend
+from hwgraph.timing import median_ms
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BudgetGraph:
+    """One captured budget: its static inputs, its graph, and its output buffer ``[1 + deepstack, budget, out]``."""
+
+    budget: int
+    num_patches: int
+    pixels: torch.Tensor
+    metadata: object  # the tower's device metadata whose tensors are the graph's static inputs
+    graph: CapturedGraph
+    output: torch.Tensor
+    memory_bytes: int
+    capture_seconds: float
+
+
+@dataclass
+class ManagerStats:
+    hits: int = 0  # images served by a replay
+    misses: int = 0  # images run eagerly
+    replays: int = 0
+    eager_groups: int = 0
+    eager_reasons: dict = field(default_factory=dict)  # why groups went eager -> count
+    padding_tokens: int = 0  # budget tokens replayed that held no image
+    replays_per_budget: dict = field(default_factory=dict)
+    capture_bytes_per_budget: dict = field(default_factory=dict)
+    capture_seconds_per_budget: dict = field(default_factory=dict)
+    capture_failures: dict = field(default_factory=dict)  # budget -> reason
+    calibration: dict = field(default_factory=dict)  # budget -> {"eager_ms", "replay_ms", "kept"}
+
+    def as_dict(self) -> dict:
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+
+
+def platform_for(device: torch.device) -> PlatformInfo:
+    """The platform that serves ``device``: a CPU tower on a GPU machine is a CPU job."""
+    info = detect()
+    if device.type == "cpu" and info.kind != "cpu":
+        return PlatformInfo("cpu", "cpu", None, info.torch_version, None, None, 0)
+    return info
+
+
+class EncoderGraphManager:
+    """Captures ``tower.forward_with_metadata`` per token budget and dispatches groups of images.
+
+    ``budgets`` are merged-token counts (validated: positive, no repeats, ``max_images_per_graph`` not above the
+    smallest); ``None`` doubles from 64 up to 256, or with ``calibrate=True`` up to ``max_budget`` and then keeps
+    only the budgets whose replay beats eager on this device.
+    """
+
+    def __init__(self, tower, device=None, dtype=None, budgets=None, max_images_per_graph=None,
+                 graph_backend=None, attention=None, calibrate=False, max_budget=None, verify=True,
+                 log_every=1000):
+        first = next(tower.parameters())
+        self.tower = tower
+        self.device = torch.device(device) if device is not None else first.device
+        self.dtype = dtype or first.dtype
+        if first.device != self.device or first.dtype != self.dtype:
+            tower.to(device=self.device, dtype=self.dtype)
+        tower.eval()
+        self.platform = platform_for(self.device)
+        self.backend: GraphBackend = create_backend(graph_backend, device=self.device, platform=self.platform)
+        tower.set_attention(attention, platform=self.platform)
+        self.calibrate_on_capture = calibrate
+        if budgets is None:
+            cap = max_budget or (budget_rules.CALIBRATION_CAP if calibrate else budget_rules.DEFAULT_CAP)
+            budgets = budget_rules.auto_budgets(cap)
+        if max_images_per_graph is None:
+            max_images_per_graph = min(budget_rules.DEFAULT_MAX_IMAGES, min(budgets) if budgets else 1)
+        self.budgets = budget_rules.validate_budgets(budgets, max_images_per_graph)
+        self.max_images = max_images_per_graph
+        self.verify = verify
+        self.log_every = log_every
+        self.graphs: dict[int, BudgetGraph] = {}
+        self.pool = None
+        self._stats = ManagerStats()
+        self._calls = 0
+        self._closed = False
+
+    # ---------------------------------------------------------------- capture
+    @property
+    def merge_area(self) -> int:
+        return self.tower.spatial_merge_size ** 2
+
+    def capture_refusal(self) -> str | None:
+        """Why this backend/kernel pair must stay eager, or None."""
+        if not self.tower.attention_spec.graph_safe:
+            return f"attention kernel {self.tower.attention_kernel} is not graph-safe"
+        return None
+
+    def capture(self) -> dict[int, BudgetGraph]:
+        """Capture every budget, largest first, into one shared pool; failures leave that budget eager."""
+        if self._closed:
+            raise RuntimeError("capture() after close()")
+        refusal = self.capture_refusal()
+        if refusal:
+            log.warning("no graphs captured, every call runs eagerly: %s", refusal)
+            for b in self.budgets:
+                self._stats.capture_failures[b] = refusal
+            return self.graphs
+        self.pool = self.pool or self.backend.new_pool()
+        for budget in sorted(self.budgets, reverse=True):
+            if budget in self.graphs:
+                continue
+            try:
+                self.graphs[budget] = self._capture_budget(budget)
+            except Exception as exc:  # a failed capture is a logged fallback, never a wrong answer
+                reason = f"{type(exc).__name__}: {exc}"
+                self._stats.capture_failures[budget] = reason
+                log.warning("capture of budget %d failed on %s/%s, it stays eager: %s", budget,
+                            self.backend.name, self.tower.attention_kernel, reason)
+                self.backend.synchronize()
+        if self.calibrate_on_capture:
+            self.calibrate()
+        log.info("captured budgets %s on %s/%s; memory per budget (MiB): %s", sorted(self.graphs),
+                 self.backend.name, self.tower.attention_kernel,
+                 {b: round(g.memory_bytes / 2**20, 1) for b, g in sorted(self.graphs.items())})
+        return self.graphs
+
+    def _capture_budget(self, budget: int) -> BudgetGraph:
+        num_patches = budget * self.merge_area
+        grid = [budget_rules.filling_grid(budget, self.tower.spatial_merge_size)]
+        host = self.tower.prepare_metadata(grid)
+        static_meta = host.padded(num_patches, self.max_images).to(self.device)
+        pixels = torch.randn(num_patches, self.tower.patch_row_width, device=self.device, dtype=self.dtype)
+        tower = self.tower
+
+        def forward() -> torch.Tensor:
+            out = tower.forward_with_metadata(pixels, static_meta)
+            return torch.stack((out.embeds, *out.deepstack))
+
+        self.backend.synchronize()
+        before = self.backend.memory_in_use()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            graph = self.backend.capture(forward, self.pool)
+        self.backend.synchronize()
+        seconds = time.perf_counter() - start
+        used = self.backend.memory_in_use() - before
+        entry = BudgetGraph(budget, num_patches, pixels, static_meta, graph, graph.outputs, used, seconds)
+        if self.verify:
+            try:
+                self._verify(entry, host, grid)
+            except Exception:
+                graph.release()
+                raise
+        self._stats.capture_bytes_per_budget[budget] = used
+        self._stats.capture_seconds_per_budget[budget] = seconds
+        return entry
+
+    def _verify(self, entry: BudgetGraph, host, grid) -> None:
+        """Replay once on fresh inputs and compare with eager: a capture that replays wrongly is refused."""
+        pixels = torch.randn_like(entry.pixels)
+        self._fill(entry, pixels, host)
+        entry.graph.replay()
+        with torch.inference_mode():
+            eager = self.tower.forward(pixels, grid)
+        want = torch.stack((eager.embeds, *eager.deepstack))
+        got = entry.output[:, : want.shape[1]]
+        torch.testing.assert_close(got, want, msg=lambda m: f"replay differs from eager after capture: {m}")
+
+    # ---------------------------------------------------------------- dispatch
+    def select_graph(self, grid: list[tuple[int, int, int]], tokens: int) -> tuple[BudgetGraph | None, str]:
+        """The smallest captured graph holding every image, or None and why the group goes eager."""
+        if any(t != 1 for t, _, _ in grid):
+            return None, "video"
+        if len(grid) > self.max_images:
+            return None, "too many images"
+        for budget in sorted(self.graphs):
+            if budget >= tokens:
+                return self.graphs[budget], "replay"
+        return None, "over budget" if self.graphs else "no graphs"
+
+    def encode(self, pixel_values: torch.Tensor, grid_thw) -> list:
+        """Encode one step's images; returns one ``VisionOutput`` per image, in the caller's order.
+
+        ``pixel_values``: ``[patches, patch_row_width]`` rows of every image in order; ``grid_thw``: ``(t, h, w)``
+        patch grids (host list or int tensor on the host).
+        """
+        if self._closed:
+            raise RuntimeError("encode() after close()")
+        host = self.tower.prepare_metadata(grid_thw)
+        grid = [tuple(int(x) for x in row) for row in host.grid_thw]
+        self.tower.check_pixels(pixel_values, host)
+        tokens = int(host.num_tokens)
+        entry, why = self.select_graph(grid, tokens)
+        self._calls += 1
+        if entry is None:
+            outputs = self._eager(pixel_values, host, why, len(grid))
+        else:
+            outputs = self._replay(entry, pixel_values, host, tokens, len(grid))
+        if self.log_every and self._calls % self.log_every == 0:
+            log.info("encoder graph stats after %d calls: %s", self._calls, self.stats())
+        return outputs
+
+    def _eager(self, pixel_values, host, why: str, count: int) -> list:
+        self._stats.misses += count
+        self._stats.eager_groups += 1
+        self._stats.eager_reasons[why] = self._stats.eager_reasons.get(why, 0) + 1
+        with torch.inference_mode():
+            out = self.tower.forward_with_metadata(self._to_device(pixel_values), host)
+        return out.split(list(host.token_counts))
+
+    def _replay(self, entry: BudgetGraph, pixel_values, host, tokens: int, count: int) -> list:
+        self._fill(entry, pixel_values, host)
+        entry.graph.replay()
+        # One copy out of the graph's buffer: the next replay overwrites it, and rows past `tokens` are padding.
+        group = entry.output[:, :tokens].clone()
+        self._stats.hits += count
+        self._stats.replays += 1
+        self._stats.padding_tokens += entry.budget - tokens
+        self._stats.replays_per_budget[entry.budget] = self._stats.replays_per_budget.get(entry.budget, 0) + 1
+        return self.tower.output_type(group[0], tuple(group[1:])).split(list(host.token_counts))
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device == self.device and tensor.dtype == self.dtype:
+            return tensor
+        if tensor.device.type == "cpu" and self.device.type != "cpu":
+            tensor = tensor.pin_memory()  # an async H2D copy; a pageable one would block the host
+        return tensor.to(self.device, self.dtype, non_blocking=True)
+
+    def _fill(self, entry: BudgetGraph, pixel_values: torch.Tensor, host) -> None:
+        """Copy this call's inputs into the graph's static buffers (no device-to-host reads)."""
+        patches = pixel_values.shape[0]
+        entry.pixels[:patches].copy_(pixel_values, non_blocking=True)
+        padded = host.padded(entry.num_patches, self.max_images)
+        entry.metadata.copy_from(padded)
+
+    # ---------------------------------------------------------------- calibration
+    def time_ms(self, fn, warmup: int = 3, samples: int = 10) -> float:
+        """Median milliseconds of ``fn`` on this backend (device events on accelerators, wall clock on CPU)."""
+        return median_ms(fn, self.device, warmup=warmup, samples=samples)
+
+    def calibrate(self, warmup: int = 3, samples: int = 10) -> dict:
+        """Keep only budgets whose replay beats eager here; the cap becomes the largest kept. Returns findings."""
+        findings = {}
+        for budget in sorted(self.graphs):
+            entry = self.graphs[budget]
+            grid = [budget_rules.filling_grid(budget, self.tower.spatial_merge_size)]
+            host = self.tower.prepare_metadata(grid)
+            pixels = torch.randn_like(entry.pixels)
+
+            def eager():
+                with torch.inference_mode():
+                    self.tower.forward_with_metadata(pixels, host)
+
+            def replay():
+                self._fill(entry, pixels, host)
+                entry.graph.replay()
+
+            eager_ms = self.time_ms(eager, warmup, samples)
+            replay_ms = self.time_ms(replay, warmup, samples)
+            findings[budget] = {"eager_ms": eager_ms, "replay_ms": replay_ms, "kept": replay_ms < eager_ms}
+        kept = [b for b, f in findings.items() if f["kept"]]
+        for budget, f in findings.items():
+            if not f["kept"]:
+                self.graphs.pop(budget).graph.release()
+        self.budgets = sorted(kept) or self.budgets
+        self._stats.calibration = findings
+        log.info("calibration on %s/%s: %s; cap %s", self.backend.name, self.tower.attention_kernel,
+                 {b: (round(f["eager_ms"], 3), round(f["replay_ms"], 3), f["kept"]) for b, f in findings.items()},
+                 max(kept) if kept else None)
+        return findings
+
+    # ---------------------------------------------------------------- bookkeeping
+    def stats(self) -> dict:
+        out = self._stats.as_dict()
+        out.update(budgets=sorted(self.graphs), graph_backend=self.backend.name,
+                   attention=self.tower.attention_kernel, calls=self._calls,
+                   images=self._stats.hits + self._stats.misses)
+        return out
+
+    def close(self) -> None:
+        """Release every graph, its static buffers and the pool."""
+        for entry in self.graphs.values():
+            entry.graph.release()
+        self.graphs.clear()
+        self.pool = None
+        self.backend.synchronize()
+        self.backend.empty_cache()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
