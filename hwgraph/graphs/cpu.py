@@ -45,15 +45,16 @@ class CpuCapturedGraph(CapturedGraph):
     def replay(self) -> None:
         if self.outputs is None:
             raise RuntimeError("replay() of a released graph")
+        # The static outputs were made under inference_mode at capture, so they may only be written inside it.
         with torch.inference_mode():
             fresh = flat_tensors(self.fn())
-        static = flat_tensors(self.outputs)
-        if len(fresh) != len(static):
-            raise CaptureError("the captured callable returned a different number of outputs on replay")
-        for dst, src in zip(static, fresh):
-            if dst.shape != src.shape:
-                raise CaptureError(f"replay produced shape {tuple(src.shape)}, captured {tuple(dst.shape)}")
-            dst.copy_(src)
+            static = flat_tensors(self.outputs)
+            if len(fresh) != len(static):
+                raise CaptureError("the captured callable returned a different number of outputs on replay")
+            for dst, src in zip(static, fresh, strict=True):
+                if dst.shape != src.shape:
+                    raise CaptureError(f"replay produced shape {tuple(src.shape)}, captured {tuple(dst.shape)}")
+                dst.copy_(src)
 
     def nbytes(self) -> int:
         if self.outputs is None:
@@ -65,8 +66,11 @@ class CpuCapturedGraph(CapturedGraph):
         self.outputs = None
 
 
-class _RejectHostReads(TorchFunctionMode):
-    """Rejects the tensor methods that read device memory back to the host."""
+class RejectHostReads(TorchFunctionMode):
+    """Rejects the tensor methods that read device memory back to the host.
+
+    Public so that device backends without a runtime sync-debug mode (e.g. NPU) reuse it as their sync guard.
+    """
 
     FORBIDDEN = {
         torch.Tensor.item: ".item()",
@@ -123,5 +127,5 @@ class CpuGraphBackend(GraphBackend):
 
     @contextlib.contextmanager
     def sync_guard(self):
-        with _RejectHostReads():
+        with RejectHostReads():
             yield

@@ -1,0 +1,61 @@
+"""The cuda plugin's probe and capability gate.
+
+Cheap and side-effect free: importing this module imports torch and hwgraph only, and the probe runs at discovery
+(``hwgraph.registry``) on every machine, so nothing here touches a device or imports flash_attn.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hwgraph.capability import Capability
+from hwgraph.graphs.torch_cuda import torch_build, torch_version_capability
+from hwgraph.platform import PlatformInfo
+from hwgraph.registry import BackendSpec
+
+log = logging.getLogger(__name__)
+
+
+def not_cuda_reason(platform: PlatformInfo) -> str:
+    """Why the detected platform is not a usable NVIDIA GPU, in words that say what to do."""
+    build, version = torch_build()
+    if build == "rocm":
+        return f"torch is a ROCm (HIP {version}) build: use the rocm backend"
+    if build == "cpu":
+        return f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch"
+    notes = f" ({'; '.join(platform.notes)})" if platform.notes else ""
+    return (f"torch {torch.__version__} is a CUDA {version} build but no NVIDIA GPU is visible{notes}; "
+            f"check nvidia-smi and CUDA_VISIBLE_DEVICES")
+
+
+def gate(platform: PlatformInfo) -> Capability:
+    if platform.kind != "cuda":
+        return Capability.unavailable(not_cuda_reason(platform))
+    return torch_version_capability("cuda", platform.torch_version)
+
+
+def attention_kernels() -> tuple:
+    """The plugin's attention kernels; empty while ``hwgraph_cuda.attention`` is absent or fails to import."""
+    try:
+        from hwgraph_cuda.attention import FLASH_ATTN
+    except ImportError as exc:
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name == "hwgraph_cuda.attention"
+        (log.debug if missing else log.warning)("hwgraph_cuda brings no attention kernels: %s", exc)
+        return ()
+    return (FLASH_ATTN,)
+
+
+def probe() -> BackendSpec:
+    return BackendSpec(
+        name="cuda",
+        class_path="hwgraph_cuda.graphs:CudaGraphBackend",
+        kinds=("cuda",),
+        gate=gate,
+        modes=("full",),
+        priority=100,
+        attention=attention_kernels(),
+        description="CUDA graphs through torch.cuda (CUDAGraph, private memory pools)",
+        distribution="hwgraph-backend-cuda",
+    )

@@ -1,0 +1,134 @@
+"""CUDA graph capture and replay on a real GPU (skipped, with the reason, elsewhere)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from hwgraph.graphs import CaptureError, HostSyncError
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture
+def backend():
+    from hwgraph_cuda.graphs import CudaGraphBackend
+
+    return CudaGraphBackend()
+
+
+@pytest.fixture
+def buffers(backend):
+    torch.manual_seed(0)
+    x = torch.zeros(16, 64, device=backend.device)  # the static input buffer the graph reads
+    weight = torch.randn(64, 32, device=backend.device)
+    return x, weight
+
+
+def forward(x, weight):
+    return torch.relu(x @ weight) * 2 + 1
+
+
+def test_replay_after_copying_new_input_reflects_it(backend, buffers):
+    x, weight = buffers
+    graph = backend.capture(lambda: forward(x, weight))
+    new = torch.randn(16, 64, device=backend.device)
+    x.copy_(new)
+    graph.replay()
+    backend.synchronize()
+    torch.testing.assert_close(graph.outputs, forward(new, weight))
+
+
+def test_replay_without_copying_returns_the_old_answer(backend, buffers):
+    x, weight = buffers
+    graph = backend.capture(lambda: forward(x, weight))
+    first = torch.randn(16, 64, device=backend.device)
+    x.copy_(first)
+    graph.replay()
+    not_copied = torch.randn(16, 64, device=backend.device)  # never copied into x
+    graph.replay()
+    backend.synchronize()
+    torch.testing.assert_close(graph.outputs, forward(first, weight))
+    assert not torch.allclose(graph.outputs, forward(not_copied, weight))
+
+
+def test_outputs_are_the_same_memory_across_replays(backend, buffers):
+    x, weight = buffers
+    graph = backend.capture(lambda: (forward(x, weight), x.sum(dim=1)))
+    pointers = [t.data_ptr() for t in graph.outputs]
+    for _ in range(3):
+        x.normal_()
+        graph.replay()
+    assert [t.data_ptr() for t in graph.outputs] == pointers
+
+
+def test_graphs_captured_into_one_pool_replay_independently(backend, buffers):
+    x, weight = buffers
+    pool = backend.new_pool()
+    double = backend.capture(lambda: x * 2, pool)
+    shifted = backend.capture(lambda: x + 1, pool)
+    x.fill_(3.0)
+    double.replay()
+    shifted.replay()
+    backend.synchronize()
+    assert torch.all(double.outputs == 6.0) and torch.all(shifted.outputs == 4.0)
+
+
+def test_a_capture_that_syncs_with_the_host_fails_and_leaves_the_device_usable(backend, buffers):
+    x, weight = buffers
+    x.fill_(1.0)
+    with pytest.raises(CaptureError, match="capture failed"):
+        backend.capture(lambda: x * x.sum().item())
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    y = (x + 1).sum()  # eager work, a host read, freeing memory, and a new capture all still work
+    assert y.item() == 2.0 * x.numel()
+    torch.cuda.empty_cache()
+    graph = backend.capture(lambda: forward(x, weight))
+    graph.replay()
+    backend.synchronize()
+    torch.testing.assert_close(graph.outputs, forward(x, weight))
+
+
+@pytest.mark.parametrize("host_read", [
+    pytest.param(lambda t: t.sum().item(), id="item"),
+    pytest.param(lambda t: t.cpu(), id="cpu"),
+    pytest.param(lambda t: t.tolist(), id="tolist"),
+])
+def test_sync_guard_raises_on_host_reads_of_device_tensors(backend, host_read):
+    tensor = torch.ones(8, device=backend.device)
+    before = torch.cuda.get_sync_debug_mode()
+    with backend.sync_guard():
+        with pytest.raises(HostSyncError):
+            host_read(tensor)
+        doubled = tensor * 2  # device work is fine
+    assert torch.cuda.get_sync_debug_mode() == before
+    assert doubled.sum().item() == 16.0
+
+
+def test_memory_in_use_grows_on_capture_and_drops_after_release(backend):
+    big = torch.randn(1024, 1024, device=backend.device)
+    nbytes = big.numel() * big.element_size()
+    # A first capture makes the capture stream and its per-stream cuBLAS workspace, which outlive any graph.
+    backend.capture(lambda: big @ big).release()
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = backend.memory_in_use()
+    graph = backend.capture(lambda: (big @ big).relu() + 1)
+    during = backend.memory_in_use()
+    assert during >= before + nbytes  # the graph's private pool holds at least its output
+    graph.release()
+    gc.collect()
+    torch.cuda.empty_cache()
+    after = backend.memory_in_use()
+    assert after <= during - nbytes
+
+
+def test_a_released_graph_refuses_to_replay(backend, buffers):
+    x, _ = buffers
+    graph = backend.capture(lambda: x + 1)
+    graph.release()
+    with pytest.raises(RuntimeError, match="released"):
+        graph.replay()

@@ -1,0 +1,96 @@
+"""The cuda plugin's gate and selection: refused here (CPU-only torch) with reasons, chosen on a simulated GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+from hwgraph_cuda.graphs import CudaGraphBackend
+from hwgraph_cuda.platform import attention_kernels, gate, probe
+
+from hwgraph.platform import PlatformInfo, detect
+from hwgraph.registry import SelectionError, choose_backend, create_backend
+
+
+class DeviceProperties:
+    def __init__(self, name: str, major: int, minor: int, gcnArchName: str = ""):  # noqa: N803 (torch's spelling)
+        self.name, self.major, self.minor, self.gcnArchName = name, major, minor, gcnArchName
+
+
+def simulate_gpu(monkeypatch, *, cuda=None, hip=None, count=1, props=None) -> None:
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+
+
+H200 = DeviceProperties("NVIDIA H200", 9, 0)
+
+
+def cuda_platform(torch_version: str) -> PlatformInfo:
+    return PlatformInfo("cuda", "NVIDIA H200", "sm_90", torch_version, "CUDA", "12.8", 1)
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the reason given on a CPU-only torch build")
+def test_refused_on_a_cpu_only_torch_build_with_what_to_install():
+    cap = CudaGraphBackend.capability()
+    assert not cap.ok
+    assert cap.reasons == (f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch",)
+    with pytest.raises(SelectionError, match="install a CUDA build of torch"):
+        create_backend("cuda")
+
+
+def test_refused_on_a_rocm_build_pointing_at_the_rocm_backend(monkeypatch):
+    simulate_gpu(monkeypatch, hip="6.2.41133", props=DeviceProperties("MI300X", 9, 4, "gfx942:sramecc+:xnack-"))
+    assert gate(detect()).reasons == ("torch is a ROCm (HIP 6.2.41133) build: use the rocm backend",)
+
+
+def test_refused_on_a_cuda_build_without_a_visible_gpu(monkeypatch):
+    simulate_gpu(monkeypatch, cuda="12.8", count=0)
+    (reason,) = gate(detect()).reasons
+    assert "CUDA 12.8 build but no NVIDIA GPU is visible" in reason
+    assert "CUDA_VISIBLE_DEVICES" in reason
+
+
+@pytest.mark.parametrize("version, ok", [("2.9.1", False), ("2.9", False), ("2.10.0", True), ("2.13.0+cu128", True),
+                                         ("2.11.0a0+git1234", True)])
+def test_torch_versions_compare_as_versions(version, ok):
+    cap = gate(cuda_platform(version))
+    assert cap.ok is ok
+    if not ok:
+        assert cap.reasons == (f"the cuda graph backend needs torch >= 2.10, found {version}; upgrade torch",)
+
+
+def test_chosen_automatically_on_a_simulated_cuda_gpu(monkeypatch):
+    simulate_gpu(monkeypatch, cuda="12.8", props=H200)
+    selected = choose_backend()
+    assert (selected.spec.name, selected.reason) == ("cuda", "best available for cuda")
+    assert CudaGraphBackend.capability("cuda:0").ok
+
+
+def test_a_device_index_that_does_not_exist_is_refused(monkeypatch):
+    simulate_gpu(monkeypatch, cuda="12.8", props=H200)
+    assert CudaGraphBackend.capability("cuda:3").reasons == ("cuda:3 does not exist: 1 device(s) are visible",)
+    assert "captures on cuda devices" in CudaGraphBackend.capability("cpu").describe()
+
+
+def test_the_probe_describes_the_backend_without_loading_it():
+    spec = probe()
+    assert (spec.name, spec.kinds, spec.modes, spec.priority) == ("cuda", ("cuda",), ("full",), 100)
+    assert spec.class_path == "hwgraph_cuda.graphs:CudaGraphBackend"
+    assert spec.load() is CudaGraphBackend
+
+
+def test_the_probe_brings_flash_attn_when_the_attention_module_exists():
+    names = [kernel.name for kernel in probe().attention]
+    expected = ["FLASH_ATTN"] if importlib.util.find_spec("hwgraph_cuda.attention") else []
+    assert names == expected
+
+
+def test_the_probe_still_works_without_the_attention_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "hwgraph_cuda.attention", None)  # makes the import fail
+    assert attention_kernels() == ()
+    assert probe().name == "cuda"

@@ -1,0 +1,135 @@
+"""Ascend NPU graphs in two modes.
+
+- ``aclgraph``: ``torch.npu.NPUGraph`` captured with ``torch.npu.graph(g, pool=torch.npu.graph_pool_handle())``
+  after a warm-up on the capture stream. torch_npu mirrors ``torch.cuda``'s graph API, so this reuses the shared
+  implementation in ``hwgraph.graphs.torch_cuda`` with ``torch.npu`` as the runtime.
+- ``torchair``: the callable compiled by ``torch.compile`` with torchair's NPU backend in its ``reduce-overhead``
+  (aclgraph) execution mode; torchair manages its own graph memory, so ``pool`` is not used.
+
+Both keep strong references to their outputs for as long as the graph lives (a weakly held output buffer has
+crashed NPU replays). torch_npu and torchair are imported only when a backend is constructed, never at import.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from hwgraph.capability import Capability, require_module
+from hwgraph.graphs.base import CapturedGraph, CaptureError, Outputs
+from hwgraph.graphs.cpu import flat_tensors
+from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend
+from hwgraph.platform import detect, npu_module
+from hwgraph.registry import SelectionError
+
+#: torchair's execution mode that captures the compiled graph as an aclgraph (its default, "max-autotune", is GE).
+TORCHAIR_MODE = "reduce-overhead"
+
+
+def clone_outputs(outputs: Outputs) -> Outputs:
+    """A copy of ``outputs`` with the same nesting of tuples and lists, in fresh tensors."""
+    flat_tensors(outputs)  # rejects anything that is not tensors
+    if isinstance(outputs, torch.Tensor):
+        return outputs.clone()
+    return type(outputs)(clone_outputs(item) for item in outputs)
+
+
+class CompiledGraph(CapturedGraph):
+    """A torchair-compiled callable. Its results may be fresh tensors or torchair's internal buffers, so each replay
+    copies them into the static ``outputs`` made at capture (device copies, no host sync)."""
+
+    def __init__(self, compiled, outputs: Outputs):
+        self.compiled = compiled
+        self.outputs = outputs
+
+    def replay(self) -> None:
+        if self.compiled is None:
+            raise RuntimeError("replay() of a released graph")
+        with torch.inference_mode():  # the static outputs are inference tensors, writable only inside it
+            fresh = flat_tensors(self.compiled())
+            static = flat_tensors(self.outputs)
+            if len(fresh) != len(static):
+                raise CaptureError("the compiled callable returned a different number of outputs on replay")
+            for dst, src in zip(static, fresh, strict=True):
+                dst.copy_(src)
+
+    def release(self) -> None:
+        self.compiled = None
+        self.outputs = None
+
+
+class NpuGraphBackend(TorchCudaGraphBackend):
+    name = "npu"
+    modes: ClassVar[tuple[str, ...]] = ("aclgraph", "torchair")
+    runtime_name = "npu"
+
+    def __init__(self, device=None, mode=None):
+        chosen = mode or self.modes[0]
+        if chosen in self.modes:  # an unknown mode is the base class's ValueError
+            cap = self.mode_capability(chosen)
+            if not cap.ok:
+                raise SelectionError(f"npu graph mode {chosen!r} is unavailable: " + "; ".join(cap.reasons))
+        super().__init__(device, mode)
+
+    @classmethod
+    def runtime(cls):
+        if npu_module() is None:
+            raise RuntimeError("torch.npu is unavailable: torch_npu is not installed or fails to import")
+        runtime = getattr(torch, "npu", None)
+        if runtime is None:
+            raise RuntimeError("torch_npu imported but did not register torch.npu")
+        return runtime
+
+    @classmethod
+    def capability(cls, device=None) -> Capability:
+        from hwgraph_npu.platform import gate
+
+        cap = gate(detect())
+        return cls.device_capability(device) if cap.ok else cap
+
+    @classmethod
+    def mode_capability(cls, mode: str) -> Capability:
+        """Whether graph mode ``mode`` can run here; the reasons say what to install otherwise."""
+        if mode not in cls.modes:
+            return Capability.unavailable(f"the npu graph backend has modes {', '.join(cls.modes)}; got {mode!r}")
+        if npu_module() is None:
+            return require_module("torch_npu", f"npu graph mode {mode!r}")
+        if mode == "aclgraph":
+            runtime = getattr(torch, "npu", None)
+            missing = [name for name in ("NPUGraph", "graph", "graph_pool_handle") if not hasattr(runtime, name)]
+            if missing:
+                needed = ", ".join(f"torch.npu.{name}" for name in missing)
+                return Capability.unavailable(f"npu graph mode 'aclgraph' needs {needed}, which this torch_npu lacks; "
+                                              f"upgrade torch_npu")
+            return Capability.available()
+        cap = require_module("torchair", "npu graph mode 'torchair'")  # after torch_npu, as torchair requires
+        if not cap.ok:
+            return Capability.unavailable(f"{cap.describe()}; install the torchair release matching torch_npu")
+        return cap
+
+    def new_graph(self):
+        return self.runtime().NPUGraph()
+
+    def capture(self, fn, pool=None) -> CapturedGraph:
+        if self.mode == "torchair":
+            return self.compile_torchair(fn)
+        return super().capture(fn, pool)
+
+    def compile_torchair(self, fn) -> CompiledGraph:
+        import torchair
+
+        config = torchair.CompilerConfig()
+        config.mode = TORCHAIR_MODE
+        compiled = torch.compile(fn, backend=torchair.get_npu_backend(compiler_config=config), fullgraph=True,
+                                 dynamic=False)
+        try:
+            with self.runtime().device(self.device), torch.inference_mode():
+                for _ in range(self.warmup_runs):  # the first run compiles and captures, the next replays
+                    flat_tensors(compiled())
+                outputs = clone_outputs(compiled())
+        except CaptureError:
+            raise
+        except Exception as exc:
+            raise CaptureError(f"torchair compilation failed: {type(exc).__name__}: {exc}") from exc
+        return CompiledGraph(compiled, outputs)

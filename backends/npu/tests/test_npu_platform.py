@@ -1,0 +1,314 @@
+"""The npu plugin: gate and mode refusals with reasons, and capture through a simulated torch.npu runtime."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import pytest
+import torch
+from hwgraph_npu.graphs import NpuGraphBackend
+from hwgraph_npu.platform import gate, probe
+
+from hwgraph.graphs import CaptureError, HostSyncError
+from hwgraph.platform import detect, npu_module
+from hwgraph.registry import SelectionError, choose_backend, create_backend
+
+
+class FakeStream:
+    def __init__(self, name: str, runtime: FakeNpu):
+        self.name, self.runtime = name, runtime
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.runtime.events.append(f"{self.name} waits for {other.name}")
+
+
+class FakeGraph:
+    def __init__(self, runtime: FakeNpu):
+        self.runtime = runtime
+
+    def capture_begin(self, pool=None):
+        self.runtime.capturing = True
+        self.runtime.events.append(f"capture begins on {self.runtime.current.name} into {pool}")
+
+    def capture_end(self):
+        self.runtime.capturing = False
+        self.runtime.events.append("capture ends")
+        if self.runtime.invalidated:
+            raise RuntimeError("the capture was invalidated")
+
+    def replay(self):
+        self.runtime.events.append("replay")
+
+    def reset(self):
+        self.runtime.events.append("reset")
+
+
+class FakeGraphContext:
+    """Mirrors ``torch.npu.graph``: switches to the capture stream, begins; on exit ends, then switches back."""
+
+    def __init__(self, runtime, graph, pool, stream):
+        self.runtime, self.graph, self.pool, self.stream = runtime, graph, pool, stream
+
+    def __enter__(self):
+        self.previous, self.runtime.current = self.runtime.current, self.stream
+        self.graph.capture_begin(self.pool)
+
+    def __exit__(self, *exc):
+        self.graph.capture_end()  # when this raises, the stream is not switched back (as in torch)
+        self.runtime.current = self.previous
+
+
+class FakeNpu:
+    """Stand-in for the ``torch.npu`` namespace torch_npu registers, recording what the backend calls, in order."""
+
+    def __init__(self, with_sync_debug_mode: bool = False):
+        self.events: list[str] = []
+        self.default = self.current = FakeStream("default", self)
+        self.capturing = self.invalidated = False
+        self.streams = 0
+        if with_sync_debug_mode:
+            self.debug_mode = 0
+            self.set_sync_debug_mode = self._set_mode
+            self.get_sync_debug_mode = lambda: self.debug_mode
+
+    def _set_mode(self, mode):
+        self.debug_mode = {"default": 0, "warn": 1, "error": 2}.get(mode, mode)
+
+    def is_available(self):
+        return False  # asked by torch.accelerator (inside torch.compile); the tensors here are CPU tensors
+
+    def device_count(self):
+        return 1
+
+    def current_device(self):
+        return 0
+
+    def get_device_name(self, index=0):
+        return "Ascend910B3"
+
+    def Stream(self, device=None):  # noqa: N802 (torch.npu's spelling)
+        self.streams += 1
+        return FakeStream(f"side{self.streams}", self)
+
+    def current_stream(self):
+        return self.current
+
+    def set_stream(self, stream):
+        self.current = stream
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    @contextlib.contextmanager
+    def device(self, device):
+        yield
+
+    def synchronize(self, device=None):
+        self.events.append("synchronize")
+
+    def memory_reserved(self, device=None):
+        return 4096
+
+    def is_current_stream_capturing(self):
+        return self.capturing
+
+    def graph_pool_handle(self):
+        return ("pool", 7)
+
+    def NPUGraph(self):  # noqa: N802 (torch.npu's spelling)
+        return FakeGraph(self)
+
+    def graph(self, graph, pool=None, stream=None):
+        return FakeGraphContext(self, graph, pool, stream)
+
+
+def simulate_npu(monkeypatch, runtime: FakeNpu) -> FakeNpu:
+    fake = types.ModuleType("torch_npu")
+    fake.__version__ = "2.13.0"
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(torch, "npu", runtime, raising=False)
+    torch.utils.rename_privateuse1_backend("npu")  # what importing torch_npu does; idempotent
+    return runtime
+
+
+@pytest.fixture
+def npu(monkeypatch):
+    return simulate_npu(monkeypatch, FakeNpu())
+
+
+@pytest.mark.skipif(npu_module() is not None, reason="checks the reasons given where torch_npu is absent")
+def test_refused_without_torch_npu_with_what_to_install():
+    (reason,) = NpuGraphBackend.capability().reasons
+    assert "needs the torch_npu package (ModuleNotFoundError" in reason
+    assert "install torch_npu built for torch" in reason and "CANN" in reason
+    with pytest.raises(SelectionError, match="torch_npu"):
+        create_backend("npu")
+    for mode in ("aclgraph", "torchair"):
+        assert "torch_npu" in NpuGraphBackend.mode_capability(mode).describe()
+
+
+def test_refused_when_torch_npu_sees_no_device(monkeypatch, npu):
+    monkeypatch.setattr(npu, "device_count", lambda: 0)
+    (reason,) = gate(detect()).reasons
+    assert "torch_npu imports but no Ascend NPU is usable" in reason and "ASCEND_RT_VISIBLE_DEVICES" in reason
+
+
+def test_chosen_automatically_on_a_simulated_npu(npu):
+    selected = choose_backend()
+    assert (selected.spec.name, selected.reason) == ("npu", "best available for npu")
+    backend = NpuGraphBackend()
+    assert (backend.device, backend.mode) == (torch.device("npu", 0), "aclgraph")
+
+
+def test_the_probe_describes_both_modes():
+    spec = probe()
+    assert (spec.name, spec.kinds, spec.modes, spec.priority) == ("npu", ("npu",), ("aclgraph", "torchair"), 100)
+
+
+def test_aclgraph_capture_warms_up_on_the_capture_stream_then_captures_into_the_pool(npu):
+    backend = NpuGraphBackend(device="npu:0")
+    x = torch.arange(4.0)
+
+    def fn():
+        npu.events.append(f"fn on {npu.current.name}" + (" (captured)" if npu.capturing else ""))
+        return x * 2
+
+    pool = backend.new_pool()
+    graph = backend.capture(fn, pool)
+    assert npu.events == [
+        "side1 waits for default",
+        "fn on side1", "fn on side1",  # warm-up on the stream the capture will use
+        "default waits for side1",
+        "capture begins on side1 into ('pool', 7)",
+        "fn on side1 (captured)",
+        "capture ends",
+    ]
+    assert npu.current is npu.default
+    torch.testing.assert_close(graph.outputs, x * 2)
+    graph.replay()
+    assert npu.events[-1] == "replay"
+    graph.release()
+    assert npu.events[-1] == "reset" and graph.outputs is None
+    assert backend.memory_in_use() == 4096
+
+
+def test_graphs_of_one_backend_share_one_capture_stream(npu):
+    backend = NpuGraphBackend()
+    x = torch.ones(2)
+    backend.capture(lambda: x + 1)
+    backend.capture(lambda: x + 2)
+    assert npu.streams == 1
+
+
+def test_a_failed_capture_raises_the_original_message_and_leaves_no_capture_state(npu):
+    backend = NpuGraphBackend()
+    x = torch.ones(2)
+
+    def reads_back():
+        if npu.capturing:
+            npu.invalidated = True
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return x + 1
+
+    with pytest.raises(CaptureError, match="operation not permitted when stream is capturing") as failure:
+        backend.capture(reads_back)
+    assert "the capture was invalidated" in str(failure.value)
+    assert npu.current is npu.default, "the current stream is restored"
+    assert not npu.capturing
+    assert npu.events[-2:] == ["reset", "synchronize"]
+    npu.invalidated = False
+    backend.capture(lambda: x + 1)  # the next capture works, on a fresh stream
+    assert npu.streams == 2
+
+
+def test_a_warm_up_failure_is_a_capture_error(npu):
+    backend = NpuGraphBackend()
+
+    def broken():
+        raise ValueError("shape mismatch")
+
+    with pytest.raises(CaptureError, match="warm-up before capture failed: ValueError: shape mismatch"):
+        backend.capture(broken)
+    assert not any("capture begins" in event for event in npu.events)
+
+
+def test_sync_guard_falls_back_to_rejecting_host_reads(npu):
+    backend = NpuGraphBackend()
+    with backend.sync_guard(), pytest.raises(HostSyncError):
+        torch.ones(2).sum().item()
+
+
+def test_sync_guard_uses_the_runtime_sync_debug_mode_and_restores_it(monkeypatch):
+    npu = simulate_npu(monkeypatch, FakeNpu(with_sync_debug_mode=True))
+    npu.debug_mode = 1
+    backend = NpuGraphBackend()
+    with backend.sync_guard():
+        assert npu.debug_mode == 2
+    assert npu.debug_mode == 1
+    with pytest.raises(KeyError), backend.sync_guard():
+        raise KeyError("boom")
+    assert npu.debug_mode == 1
+
+
+def test_torchair_mode_is_refused_with_a_reason_without_torchair(npu, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchair", None)
+    (reason,) = NpuGraphBackend.mode_capability("torchair").reasons
+    assert "npu graph mode 'torchair' needs the torchair package" in reason
+    with pytest.raises(SelectionError, match="npu graph mode 'torchair' is unavailable: .*torchair package"):
+        NpuGraphBackend(mode="torchair")
+    assert NpuGraphBackend.mode_capability("aclgraph").ok
+
+
+def test_an_unknown_mode_is_refused(npu):
+    assert "has modes aclgraph, torchair" in NpuGraphBackend.mode_capability("eager").describe()
+    with pytest.raises(ValueError, match="modes"):
+        NpuGraphBackend(mode="eager")
+
+
+def test_aclgraph_mode_needs_the_graph_api(npu, monkeypatch):
+    monkeypatch.delattr(FakeNpu, "NPUGraph")
+    assert "needs torch.npu.NPUGraph" in NpuGraphBackend.mode_capability("aclgraph").describe()
+
+
+def fake_torchair(monkeypatch) -> list[str]:
+    """A ``torchair`` whose NPU backend records the config's mode and runs the traced graph as is."""
+    modes: list[str] = []
+
+    class CompilerConfig:
+        mode = "max-autotune"
+
+    def get_npu_backend(compiler_config):
+        def backend(graph_module, example_inputs):
+            modes.append(compiler_config.mode)
+            return graph_module.forward
+
+        return backend
+
+    module = types.ModuleType("torchair")
+    module.CompilerConfig, module.get_npu_backend = CompilerConfig, get_npu_backend
+    monkeypatch.setitem(sys.modules, "torchair", module)
+    return modes
+
+
+def test_torchair_mode_compiles_in_reduce_overhead_mode_and_replays_into_static_outputs(npu, monkeypatch):
+    modes = fake_torchair(monkeypatch)
+    backend = NpuGraphBackend(mode="torchair")
+    x = torch.zeros(3)
+    torch._dynamo.reset()
+    graph = backend.capture(lambda: (x * 2 + 1,))
+    assert modes == ["reduce-overhead"]
+    static = graph.outputs[0]
+    x.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    graph.replay()
+    assert graph.outputs[0] is static
+    torch.testing.assert_close(static, torch.tensor([3.0, 5.0, 7.0]))
+    graph.release()
+    with pytest.raises(RuntimeError, match="released"):
+        graph.replay()

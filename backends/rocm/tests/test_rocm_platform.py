@@ -1,0 +1,131 @@
+"""The rocm plugin's gate and selection, and the replay check that catches captures HIP did not refuse."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from hwgraph_rocm.graphs import RocmGraphBackend
+from hwgraph_rocm.platform import gate, probe
+
+from hwgraph.graphs import CaptureError
+from hwgraph.graphs.torch_cuda import TorchCudaCapturedGraph
+from hwgraph.platform import detect
+from hwgraph.registry import SelectionError, choose_backend, create_backend
+
+
+class DeviceProperties:
+    def __init__(self, name: str, major: int, minor: int, gcnArchName: str = ""):  # noqa: N803 (torch's spelling)
+        self.name, self.major, self.minor, self.gcnArchName = name, major, minor, gcnArchName
+
+
+def simulate_gpu(monkeypatch, *, cuda=None, hip=None, count=1, props=None) -> None:
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+
+
+def simulate_rocm(monkeypatch, arch="gfx942:sramecc+:xnack-", count=1):
+    simulate_gpu(monkeypatch, hip="6.2.41133", count=count, props=DeviceProperties("AMD Instinct", 9, 4, arch))
+
+
+@pytest.mark.skipif(torch.version.cuda is not None or torch.version.hip is not None,
+                    reason="checks the reason given on a CPU-only torch build")
+def test_refused_on_a_cpu_only_torch_build_with_what_to_install():
+    cap = RocmGraphBackend.capability()
+    assert cap.reasons == (f"torch {torch.__version__} is a CPU-only build; install a ROCm build of torch",)
+    with pytest.raises(SelectionError, match="install a ROCm build of torch"):
+        create_backend("rocm")
+
+
+def test_refused_on_a_cuda_build_pointing_at_the_cuda_backend(monkeypatch):
+    simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("NVIDIA H200", 9, 0))
+    (reason,) = gate(detect()).reasons
+    assert "is a CUDA 12.8 build: use the cuda backend" in reason
+
+
+def test_refused_on_a_rocm_build_without_a_visible_gpu(monkeypatch):
+    simulate_rocm(monkeypatch, count=0)
+    (reason,) = gate(detect()).reasons
+    assert "ROCm (HIP 6.2.41133) build but no AMD GPU is visible" in reason and "HIP_VISIBLE_DEVICES" in reason
+
+
+@pytest.mark.parametrize("arch", ["gfx942:sramecc+:xnack-", "gfx90a:sramecc+:xnack-", "gfx950", "gfx1100"])
+def test_chosen_automatically_on_a_simulated_supported_gpu(monkeypatch, arch):
+    simulate_rocm(monkeypatch, arch)
+    selected = choose_backend()
+    assert (selected.spec.name, selected.reason) == ("rocm", "best available for rocm")
+    assert RocmGraphBackend.capability("cuda:0").ok
+
+
+def test_an_unsupported_architecture_is_refused_naming_it(monkeypatch):
+    simulate_rocm(monkeypatch, "gfx803")
+    (reason,) = gate(detect()).reasons
+    assert reason.endswith("this GPU is gfx803") and "gfx942" in reason
+    assert choose_backend().spec.name == "cpu"
+
+
+def test_an_unreadable_architecture_is_refused(monkeypatch):
+    simulate_rocm(monkeypatch, "")
+    assert "could not read the AMD GPU architecture" in gate(detect()).describe()
+
+
+def test_the_architecture_of_the_requested_device_is_checked(monkeypatch):
+    simulate_rocm(monkeypatch)
+    props = {0: DeviceProperties("MI300X", 9, 4, "gfx942:sramecc+"), 1: DeviceProperties("old", 9, 0, "gfx906:xnack-")}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props[index])
+    assert RocmGraphBackend.capability("cuda:0").ok
+    assert RocmGraphBackend.capability("cuda:1").reasons[0].endswith("this GPU is gfx906")
+
+
+def test_the_probe_describes_the_backend():
+    spec = probe()
+    assert (spec.name, spec.kinds, spec.priority, spec.class_path) == (
+        "rocm", ("rocm",), 100, "hwgraph_rocm.graphs:RocmGraphBackend")
+    expected = ["ROCM_AITER_FA"] if importlib.util.find_spec("hwgraph_rocm.attention") else []
+    assert [kernel.name for kernel in spec.attention] == expected
+
+
+def test_rocm_warms_up_on_the_capture_stream_and_checks_every_replay():
+    assert RocmGraphBackend.check_replay_after_capture
+    assert RocmGraphBackend.warmup_runs >= 2
+
+
+class SilentlyBrokenGraph:
+    """A HIP graph that captured nothing without raising: replay leaves the outputs as they were."""
+
+    def __init__(self):
+        self.was_reset = False
+
+    def replay(self):
+        pass
+
+    def reset(self):
+        self.was_reset = True
+
+
+@pytest.fixture
+def rocm_backend(monkeypatch):
+    backend = RocmGraphBackend(device="cuda:0")  # an explicit index touches no device
+    monkeypatch.setattr(backend, "synchronize", lambda: None)
+    return backend
+
+
+def test_a_replay_that_disagrees_with_eager_is_a_capture_error(rocm_backend):
+    x = torch.arange(4.0)
+    graph = SilentlyBrokenGraph()
+    captured = TorchCudaCapturedGraph(graph, torch.zeros(4))
+    with pytest.raises(CaptureError, match="pytorch#155684"):
+        rocm_backend.check_replay(captured, lambda: x * 2)
+    assert graph.was_reset and captured.outputs is None
+
+
+def test_a_replay_that_agrees_with_eager_passes_the_check(rocm_backend):
+    x = torch.arange(4.0)
+    captured = TorchCudaCapturedGraph(SilentlyBrokenGraph(), x * 2)  # outputs already hold the right answer
+    rocm_backend.check_replay(captured, lambda: x * 2)
+    torch.testing.assert_close(captured.outputs, x * 2)

@@ -1,0 +1,280 @@
+"""Capture/replay through ``torch.cuda``'s graph API, shared by the CUDA and ROCm plugins.
+
+ROCm builds of torch map ``torch.cuda`` onto HIP graphs, so one implementation serves both plugins; it is pure
+torch and imports no vendor SDK. The runtime namespace is a class attribute (``runtime_name``) because torch_npu
+mirrors this API under ``torch.npu`` (``NPUGraph``, ``graph``, ``graph_pool_handle``), so the NPU plugin's aclgraph
+mode reuses the same warm-up, capture and failure handling by overriding ``runtime`` and ``new_graph``.
+
+Importing this module touches no device: streams and pools are created on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, ClassVar
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from hwgraph.capability import Capability, parse_version
+from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend, HostSyncError, Outputs
+from hwgraph.graphs.cpu import RejectHostReads, flat_tensors
+
+log = logging.getLogger(__name__)
+
+#: The oldest torch the device backends support (the core's own requirement).
+MIN_TORCH = "2.10"
+
+
+def torch_build() -> tuple[str, str | None]:
+    """Which runtime this torch was built for: ``("rocm", hip)``, ``("cuda", cuda)`` or ``("cpu", None)``."""
+    hip = getattr(torch.version, "hip", None)
+    if hip:
+        return "rocm", str(hip)
+    if torch.version.cuda:
+        return "cuda", str(torch.version.cuda)
+    return "cpu", None
+
+
+def torch_version_capability(backend: str, found: str | None, minimum: str = MIN_TORCH) -> Capability:
+    """Gate on ``torch >= minimum``, compared as ``packaging`` versions (so 2.10 > 2.9)."""
+    have = parse_version(found)
+    if have is None or have < parse_version(minimum):
+        return Capability.unavailable(f"the {backend} graph backend needs torch >= {minimum}, found {found or 'none'}; "
+                                      f"upgrade torch")
+    return Capability.available()
+
+
+class TorchCudaCapturedGraph(CapturedGraph):
+    """A captured device graph and its outputs.
+
+    The outputs live in the graph's private pool and every replay writes into them, so they are held strongly here
+    for as long as the graph lives (a weakly held buffer can be freed and reused while the graph still writes it).
+    """
+
+    def __init__(self, graph: Any, outputs: Outputs):
+        self.graph = graph
+        self.outputs = outputs
+
+    def replay(self) -> None:
+        if self.graph is None:
+            raise RuntimeError("replay() of a released graph")
+        self.graph.replay()
+
+    def release(self) -> None:
+        graph, self.graph, self.outputs = self.graph, None, None
+        if graph is not None and hasattr(graph, "reset"):
+            graph.reset()  # gives the graph's share of the pool back now rather than at garbage collection
+
+
+class _TranslateSyncErrors(TorchFunctionMode):
+    """Turns the runtime's sync-debug error ("called a synchronizing CUDA operation") into ``HostSyncError``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except RuntimeError as exc:
+            if "called a synchronizing" not in str(exc) or isinstance(exc, HostSyncError):
+                raise
+            name = getattr(func, "__name__", str(func))
+            raise HostSyncError(f"{name}() inside sync_guard() synchronised the device with the host, which breaks "
+                                f"capture and stalls replay ({exc})") from exc
+
+
+class TorchCudaGraphBackend(GraphBackend):
+    """Device graphs through ``torch.cuda`` (HIP graphs on ROCm builds).
+
+    ``capture(fn, pool)`` runs ``fn`` ``warmup_runs`` times on the backend's capture stream, then captures one more
+    run on the same stream into ``pool``. Warming up on the capture stream itself matters: cuBLAS workspaces and
+    hipBLASLt handles are made per stream, and creating one during capture fails (or, on ROCm, hangs).
+    """
+
+    modes: ClassVar[tuple[str, ...]] = ("full",)
+    #: The ``torch`` attribute holding the runtime namespace; also the device type ("cuda" on ROCm builds too).
+    runtime_name: ClassVar[str] = "cuda"
+    warmup_runs: ClassVar[int] = 2
+    #: Replay once after capture and compare with an eager run (ROCm: a broken capture may not raise).
+    check_replay_after_capture: ClassVar[bool] = False
+
+    def __init__(self, device: torch.device | str | None = None, mode: str | None = None):
+        super().__init__(device, mode)
+        if self.device.type != self.runtime_name:
+            raise ValueError(f"the {self.name} graph backend captures on {self.runtime_name} devices, "
+                             f"got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device(self.runtime_name, self.runtime().current_device())
+        self._capture_stream = None  # made on first capture, replaced after a failed one
+
+    # -- the runtime and its graph API (the NPU plugin overrides these) --------------------------------------------
+
+    @classmethod
+    def runtime(cls):
+        return getattr(torch, cls.runtime_name)
+
+    @classmethod
+    def default_device(cls) -> torch.device:
+        return torch.device(cls.runtime_name, cls.runtime().current_device())
+
+    def new_graph(self) -> Any:
+        return self.runtime().CUDAGraph()
+
+    def graph_context(self, graph: Any, pool: Any, stream: Any) -> contextlib.AbstractContextManager:
+        return self.runtime().graph(graph, pool=pool, stream=stream)
+
+    @classmethod
+    def device_capability(cls, device: torch.device | str | None) -> Capability:
+        """Whether ``device`` names a visible device of this runtime (``None``: the current one)."""
+        if device is None:
+            return Capability.available()
+        device = torch.device(device)
+        if device.type != cls.runtime_name:
+            return Capability.unavailable(f"the {cls.name} graph backend captures on {cls.runtime_name} devices, "
+                                          f"got {device}")
+        count = int(cls.runtime().device_count())
+        if device.index is not None and not 0 <= device.index < count:
+            return Capability.unavailable(f"{device} does not exist: {count} device(s) are visible")
+        return Capability.available()
+
+    # -- the GraphBackend interface ---------------------------------------------------------------------------------
+
+    def new_pool(self) -> Any:
+        return self.runtime().graph_pool_handle()
+
+    def capture_stream(self):
+        if self._capture_stream is None:
+            self._capture_stream = self.runtime().Stream(device=self.device)
+        return self._capture_stream
+
+    def capture(self, fn, pool=None) -> TorchCudaCapturedGraph:
+        runtime = self.runtime()
+        pool = pool if pool is not None else self.new_pool()
+        with runtime.device(self.device):
+            stream = self.capture_stream()  # one stream for every capture, as sharing a pool across graphs asks
+            self.warm_up(fn, stream)
+            captured = self.capture_on(fn, pool, stream)
+            if self.check_replay_after_capture:
+                self.check_replay(captured, fn)
+        return captured
+
+    def warm_up(self, fn, stream) -> None:
+        runtime = self.runtime()
+        stream.wait_stream(runtime.current_stream())
+        try:
+            with runtime.stream(stream), torch.inference_mode():
+                for _ in range(self.warmup_runs):
+                    flat_tensors(fn())
+        except CaptureError:
+            raise
+        except Exception as exc:
+            raise CaptureError(f"warm-up before capture failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            runtime.current_stream().wait_stream(stream)
+
+    def capture_on(self, fn, pool, stream) -> TorchCudaCapturedGraph:
+        runtime = self.runtime()
+        graph = self.new_graph()
+        previous = runtime.current_stream()
+        raised_by_fn = None
+        try:
+            with torch.inference_mode(), self.graph_context(graph, pool, stream):
+                try:
+                    outputs = fn()
+                except BaseException as exc:
+                    raised_by_fn = exc
+                    raise
+        except BaseException as exc:
+            self.abandon_capture(graph, pool, stream, previous)
+            if not isinstance(exc, Exception):
+                raise
+            first = raised_by_fn if raised_by_fn is not None else exc
+            message = f"capture failed: {type(first).__name__}: {first}"
+            if exc is not first:
+                message += f" (ending the capture then failed too: {type(exc).__name__}: {exc})"
+            raise CaptureError(message) from first
+        captured = TorchCudaCapturedGraph(graph, outputs)
+        try:
+            flat_tensors(outputs)
+        except CaptureError:
+            captured.release()
+            raise
+        return captured
+
+    def abandon_capture(self, graph, pool, stream, previous) -> None:
+        """Undo what a failed capture leaves behind, so the device stays usable.
+
+        ``torch.cuda.graph.__exit__`` skips restoring the current stream when ending the capture raises, and torch
+        before 2.12 also left the allocator routing into the pool (pytorch#180395): later syncs then assert.
+        """
+        runtime = self.runtime()
+        is_capturing = getattr(runtime, "is_current_stream_capturing", None)
+        with contextlib.suppress(Exception), runtime.stream(stream):
+            if is_capturing is not None and is_capturing():
+                graph.capture_end()
+        self.end_allocate_to_pool(pool)
+        with contextlib.suppress(Exception):
+            runtime.set_stream(previous)
+        with contextlib.suppress(Exception):
+            graph.reset()
+        self._capture_stream = None  # never capture on a stream a failed capture has touched again
+        try:
+            runtime.synchronize(self.device)
+        except Exception as exc:
+            log.warning("the device did not synchronise after a failed capture: %s: %s", type(exc).__name__, exc)
+
+    def end_allocate_to_pool(self, pool) -> None:
+        end = getattr(torch._C, f"_{self.runtime_name}_endAllocateToPool", None)
+        if end is None:
+            return
+        # Raises "not currently recording to mempool" when torch already ended it, which is the usual case.
+        with contextlib.suppress(Exception):
+            end(self.device.index, pool)
+
+    def check_replay(self, captured: TorchCudaCapturedGraph, fn) -> None:
+        """Replay once and compare with an eager run of the same inputs; a mismatch is a ``CaptureError``.
+
+        A host sync here is fine: this runs once at capture time, never on the replay path.
+        """
+        try:
+            captured.replay()
+            self.synchronize()
+            replayed = [t.clone() for t in flat_tensors(captured.outputs)]
+            with torch.inference_mode():
+                eager = flat_tensors(fn())
+            self.synchronize()
+            torch.testing.assert_close(replayed, eager, equal_nan=True)
+        except Exception as exc:
+            captured.release()
+            raise CaptureError(f"the {self.name} graph's replay disagrees with an eager run of the same inputs, so the "
+                               f"capture recorded a broken graph without raising (pytorch#155684); that budget stays "
+                               f"eager: {type(exc).__name__}: {exc}") from exc
+
+    def synchronize(self) -> None:
+        self.runtime().synchronize(self.device)
+
+    def memory_in_use(self) -> int:
+        # Reserved, not allocated: a graph's private pool keeps its blocks reserved between replays even while no
+        # tensor is live in them, and that reservation is what a captured graph costs the device.
+        return int(self.runtime().memory_reserved(self.device))
+
+    @contextlib.contextmanager
+    def sync_guard(self):
+        """Raise ``HostSyncError`` on a device-to-host synchronisation inside the block.
+
+        Uses the runtime's sync debug mode where it has one (it is process-wide: other threads see it too while the
+        block runs); otherwise the CPU backend's guard, which rejects the host-reading tensor methods.
+        """
+        runtime = self.runtime()
+        set_mode = getattr(runtime, "set_sync_debug_mode", None)
+        get_mode = getattr(runtime, "get_sync_debug_mode", None)
+        if set_mode is None or get_mode is None:
+            with RejectHostReads():
+                yield
+            return
+        previous = get_mode()
+        set_mode("error")
+        try:
+            with _TranslateSyncErrors():
+                yield
+        finally:
+            set_mode(previous)

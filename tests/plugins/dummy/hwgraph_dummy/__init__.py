@@ -1,0 +1,1 @@
+"""A dummy hwgraph backend plugin, installed only by tests/test_plugin_discovery.py."""

@@ -1,0 +1,119 @@
+"""Platform detection under simulated runtimes (this machine is CPU-only), and import hygiene."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import torch
+
+from hwgraph.platform import detect
+
+
+class DeviceProperties:
+    def __init__(self, name: str, major: int, minor: int, gcnArchName: str = ""):  # noqa: N803 (torch's spelling)
+        self.name, self.major, self.minor, self.gcnArchName = name, major, minor, gcnArchName
+
+
+def simulate_gpu(monkeypatch, *, cuda: str | None = None, hip: str | None = None, count: int = 1,
+                 props: DeviceProperties | None = None) -> None:
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+
+
+def simulate_npu(monkeypatch, count: int = 1) -> None:
+    """A fake ``torch_npu`` in sys.modules and the ``torch.npu`` namespace it would register."""
+    fake = types.ModuleType("torch_npu")
+    fake.__version__ = "2.13.0.post1"
+    fake.version = types.SimpleNamespace(cann="8.3.RC1")
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    npu = types.SimpleNamespace(device_count=lambda: count, get_device_name=lambda index=0: "Ascend910B3",
+                                get_soc_version=lambda: 223)
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+
+
+def test_a_rocm_build_with_a_gpu_is_rocm_with_the_full_gcn_arch_name(monkeypatch):
+    simulate_gpu(monkeypatch, hip="6.2.41133", props=DeviceProperties("AMD Instinct MI300X", 9, 4,
+                                                                      "gfx942:sramecc+:xnack-"))
+    info = detect()
+    assert (info.kind, info.arch, info.runtime, info.runtime_version) == ("rocm", "gfx942:sramecc+:xnack-", "HIP",
+                                                                          "6.2.41133")
+    assert info.device_name == "AMD Instinct MI300X" and info.device_count == 1
+
+
+def test_a_rocm_build_wins_even_though_torch_version_cuda_is_set(monkeypatch):
+    # Some ROCm wheels also carry a CUDA version string; torch.version.hip decides.
+    simulate_gpu(monkeypatch, cuda="12.8", hip="6.4.0", props=DeviceProperties("MI250X", 9, 0, "gfx90a:sramecc+"))
+    assert detect().kind == "rocm"
+
+
+def test_a_cuda_build_with_a_gpu_is_cuda_with_an_sm_arch(monkeypatch):
+    simulate_gpu(monkeypatch, cuda="12.8", count=2, props=DeviceProperties("NVIDIA H200", 9, 0))
+    info = detect()
+    assert (info.kind, info.arch, info.runtime, info.runtime_version, info.device_count) == ("cuda", "sm_90", "CUDA",
+                                                                                              "12.8", 2)
+
+
+def test_a_cuda_build_without_a_visible_device_is_cpu_with_a_note(monkeypatch):
+    simulate_gpu(monkeypatch, cuda="12.8", count=0)
+    info = detect()
+    assert info.kind == "cpu"
+    assert any("no device is visible" in note for note in info.notes)
+
+
+def test_a_fake_torch_npu_with_a_device_is_npu(monkeypatch):
+    simulate_npu(monkeypatch)
+    info = detect()
+    assert (info.kind, info.device_name, info.arch, info.runtime, info.runtime_version) == (
+        "npu", "Ascend910B3", "Ascend910B3", "CANN", "8.3.RC1")
+
+
+def test_torch_npu_without_a_device_is_cpu_with_a_note(monkeypatch):
+    simulate_npu(monkeypatch, count=0)
+    info = detect()
+    assert info.kind == "cpu"
+    assert any("sees no NPU" in note for note in info.notes)
+
+
+def test_this_machine_is_cpu():
+    info = detect()
+    assert (info.kind, info.arch, info.device_count) == ("cpu", None, 0)
+
+
+VENDOR_SDKS = ("torch_npu", "aiter", "flash_attn", "triton", "torchair", "vllm")
+
+HYGIENE = """
+import json, sys
+vendor = {vendor!r}
+def loaded(prefixes):
+    return sorted(m for m in sys.modules if m.split(".")[0] in prefixes)
+import hwgraph, hwgraph.registry, hwgraph.attention.registry
+after_import = loaded(vendor)
+listed = [spec.name for spec, cap in hwgraph.registry.list_backends()]
+graph_modules = sorted(m for m in sys.modules if m.startswith("hwgraph_") and m.endswith(".graphs"))
+print(json.dumps({{"after_import": after_import, "after_listing": loaded(vendor), "listed": listed,
+                  "graph_modules": graph_modules}}))
+"""
+
+
+def test_importing_hwgraph_and_listing_backends_imports_no_vendor_sdk():
+    result = subprocess.run([sys.executable, "-c", HYGIENE.format(vendor=VENDOR_SDKS)], capture_output=True,
+                            text=True, check=True, timeout=120)
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["after_import"] == []
+    assert seen["after_listing"] == []
+    assert {"cpu", "cuda", "rocm", "npu"} <= set(seen["listed"])
+    assert seen["graph_modules"] == [], "backend classes load only when chosen"
+
+
+def test_detect_touches_no_device_on_a_cpu_build(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("detect() queried device properties without a visible device")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", fail)
+    assert detect().kind == "cpu"

@@ -1,0 +1,161 @@
+"""Graph-backend discovery and selection: explicit, environment, automatic, and every refusal says why."""
+
+from __future__ import annotations
+
+import sys
+import types
+from importlib.metadata import EntryPoint
+
+import pytest
+import torch
+
+from hwgraph import registry
+from hwgraph.capability import Capability
+from hwgraph.platform import PlatformInfo
+from hwgraph.registry import GRAPH_BACKEND_ENV, BackendSpec, SelectionError, choose_backend, create_backend
+
+
+def platform_of(kind: str) -> PlatformInfo:
+    runtime = {"cuda": "CUDA", "rocm": "HIP", "npu": "CANN"}.get(kind)
+    return PlatformInfo(kind, f"simulated {kind}", None, torch.__version__, runtime, None, 0 if kind == "cpu" else 1)
+
+
+@pytest.fixture(autouse=True)
+def fresh_discovery(monkeypatch):
+    monkeypatch.delenv(GRAPH_BACKEND_ENV, raising=False)
+    registry.discovered.cache_clear()
+    yield
+    registry.discovered.cache_clear()
+
+
+def install_probes(monkeypatch, **probes):
+    """Replace the installed entry points by fake plugins whose probes are ``probes`` (name -> callable)."""
+    module = types.ModuleType("hwgraph_fake_plugins")
+    for name, probe in probes.items():
+        setattr(module, name, probe)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    eps = [EntryPoint(name=name, value=f"{module.__name__}:{name}", group=registry.ENTRY_POINT_GROUP)
+           for name in probes]
+    monkeypatch.setattr(registry, "entry_points", lambda group: eps if group == registry.ENTRY_POINT_GROUP else [])
+    registry.discovered.cache_clear()
+
+
+def spec(name: str, kind: str, reasons: tuple[str, ...] = (), priority: int = 50) -> BackendSpec:
+    return BackendSpec(name=name, class_path="hwgraph.graphs.cpu:CpuGraphBackend", kinds=(kind,),
+                       gate=lambda platform: Capability(reasons), priority=priority)
+
+
+def test_the_builtin_cpu_backend_is_listed_and_chosen_on_cpu():
+    listed = {s.name: cap for s, cap in registry.list_backends(platform_of("cpu"))}
+    assert listed["cpu"].ok
+    selected = choose_backend(platform=platform_of("cpu"))
+    assert selected.spec.name == "cpu"
+    assert selected.reason == "best available for cpu"
+
+
+def test_the_installed_vendor_plugins_are_discovered_without_problems():
+    specs, problems = registry.discovered()
+    assert {"cpu", "cuda", "rocm", "npu"} <= {s.name for s in specs}
+    assert problems == ()
+
+
+def test_environment_variable_chooses_the_backend(monkeypatch):
+    install_probes(monkeypatch, other=lambda: spec("other", "cpu", priority=-5))
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "other")
+    selected = choose_backend(platform=platform_of("cpu"))
+    assert (selected.spec.name, selected.reason) == ("other", "explicit")
+
+
+def test_an_explicit_name_wins_over_the_environment(monkeypatch):
+    install_probes(monkeypatch, other=lambda: spec("other", "cpu"))
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "other")
+    assert choose_backend("cpu", platform=platform_of("cpu")).spec.name == "cpu"
+
+
+def test_an_explicit_unavailable_choice_raises_with_its_reasons(monkeypatch):
+    install_probes(monkeypatch, gated=lambda: spec("gated", "cuda", ("needs a widget", "needs a gadget")))
+    with pytest.raises(SelectionError, match="'gated' is unavailable: needs a widget; needs a gadget"):
+        choose_backend("gated", platform=platform_of("cpu"))
+
+
+def test_an_unavailable_choice_from_the_environment_raises_too(monkeypatch):
+    install_probes(monkeypatch, gated=lambda: spec("gated", "cuda", ("needs a widget",)))
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "gated")
+    with pytest.raises(SelectionError, match="needs a widget"):
+        create_backend(platform=platform_of("cpu"))
+
+
+def test_the_real_cuda_plugin_refused_on_this_cpu_machine_says_why():
+    with pytest.raises(SelectionError, match="cuda' is unavailable: .*CPU-only build; install a CUDA build of torch"):
+        choose_backend("cuda")
+
+
+def test_an_unknown_name_lists_the_known_ones(monkeypatch):
+    install_probes(monkeypatch, other=lambda: spec("other", "cpu"))
+    with pytest.raises(SelectionError, match=r"unknown graph backend 'nope'; known: cpu, other"):
+        choose_backend("nope", platform=platform_of("cpu"))
+
+
+def test_automatic_choice_on_cuda_without_any_plugin_falls_back_to_cpu_and_says_why(monkeypatch):
+    install_probes(monkeypatch)
+    selected = choose_backend(platform=platform_of("cuda"))
+    assert selected.spec.name == "cpu"
+    assert "falling back to the cpu reference backend" in selected.reason
+    assert "no installed backend serves cuda" in selected.reason
+    assert "pip install 'hwgraph[cuda]'" in selected.reason
+
+
+def test_automatic_choice_on_cuda_with_a_refused_plugin_falls_back_naming_its_reasons(monkeypatch, caplog):
+    install_probes(monkeypatch, gpu=lambda: spec("gpu", "cuda", ("the driver is too old",)))
+    selected = choose_backend(platform=platform_of("cuda"))
+    assert selected.spec.name == "cpu"
+    assert "gpu: the driver is too old" in selected.reason
+    assert "gpu: the driver is too old" in caplog.text  # logged as a warning off CPU
+
+
+def test_automatic_choice_prefers_the_highest_priority_available_backend(monkeypatch):
+    install_probes(monkeypatch,
+                   low=lambda: spec("low", "cuda", priority=10),
+                   high=lambda: spec("high", "cuda", priority=90),
+                   refused=lambda: spec("refused", "cuda", ("no", ), priority=100))
+    assert choose_backend(platform=platform_of("cuda")).spec.name == "high"
+
+
+def test_a_probe_that_raises_is_a_listed_problem_not_a_crash(monkeypatch):
+    def broken():
+        raise RuntimeError("vendor SDK exploded")
+
+    install_probes(monkeypatch, broken=broken, fine=lambda: spec("fine", "cpu", priority=-1))
+    specs, problems = registry.discovered()
+    assert [s.name for s in specs] == ["cpu", "fine"]
+    assert len(problems) == 1
+    assert "'broken'" in problems[0] and "RuntimeError: vendor SDK exploded" in problems[0]
+    assert choose_backend(platform=platform_of("cpu")).spec.name == "cpu"
+
+
+def test_a_probe_returning_the_wrong_type_is_a_problem(monkeypatch):
+    install_probes(monkeypatch, wrong=lambda: "not a spec")
+    problems = registry.discovered()[1]
+    assert "expected BackendSpec" in problems[0]
+
+
+def test_a_repeated_backend_name_is_a_problem_and_ignored(monkeypatch):
+    install_probes(monkeypatch, again=lambda: spec("cpu", "cuda"))
+    specs, problems = registry.discovered()
+    assert [s.name for s in specs] == ["cpu"]
+    assert "repeats the backend name 'cpu'" in problems[0]
+
+
+def test_a_gate_that_crashes_is_a_reason(monkeypatch):
+    def crashing_gate(platform):
+        raise KeyError("arch")
+
+    install_probes(monkeypatch, crashy=lambda: BackendSpec("crashy", "x:Y", ("cuda",), crashing_gate, priority=10))
+    selected = choose_backend(platform=platform_of("cuda"))
+    assert selected.spec.name == "cpu"
+    assert "the crashy gate failed: KeyError" in selected.reason
+
+
+def test_create_backend_constructs_the_cpu_backend_on_cpu():
+    backend = create_backend(platform=platform_of("cpu"))
+    assert backend.name == "cpu" and backend.mode == "emulated"
