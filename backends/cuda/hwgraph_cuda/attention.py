@@ -1,0 +1,126 @@
+"""FLASH_ATTN: flash attention for NVIDIA GPUs (compute capability >= 8.0).
+
+It calls ``flash_attn.flash_attn_varlen_func`` when the flash-attn package imports, otherwise PyTorch's own varlen
+flash kernel ``torch.nn.attention.varlen.varlen_attn``. Neither reads device memory on the host: ``max_seqlen`` is
+a host int, so a captured graph keeps the value it was captured with. Neither writes rows past
+``cu_seqlens[-1]``; a device-side ``torch.where`` zeroes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from hwgraph.attention.base import KernelSpec
+from hwgraph.attention.varlen_inputs import check_varlen_inputs, zero_padding_rows
+from hwgraph.capability import Capability, sm_tuple
+from hwgraph.platform import PlatformInfo
+
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+@functools.lru_cache(maxsize=1)
+def flash_provider() -> tuple[str | None, tuple[str, ...]]:
+    """(``"flash_attn"`` | ``"torch"`` | None, why each missing provider is missing)."""
+    missing = []
+    try:
+        module = importlib.import_module("flash_attn")
+        if callable(getattr(module, "flash_attn_varlen_func", None)):
+            return "flash_attn", ()
+        missing.append("flash_attn has no flash_attn_varlen_func")
+    except Exception as exc:  # ImportError, or a wheel built for another torch/CUDA failing to load
+        missing.append(f"flash_attn does not import ({type(exc).__name__}: {exc})")
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except Exception as exc:
+        missing.append(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn ({exc})")
+        return None, tuple(missing)
+    return "torch", tuple(missing)
+
+
+def flash_gate(platform: PlatformInfo) -> Capability:
+    if platform.kind != "cuda":
+        return Capability.unavailable(f"FLASH_ATTN runs on NVIDIA CUDA, this platform is {platform.kind}")
+    cc = sm_tuple(platform.arch)
+    if cc is None:
+        return Capability.unavailable(f"FLASH_ATTN needs compute capability >= 8.0, found an unknown "
+                                      f"architecture {platform.arch!r}")
+    if cc < MIN_COMPUTE_CAPABILITY:
+        return Capability.unavailable(f"FLASH_ATTN needs compute capability >= 8.0, found {cc[0]}.{cc[1]}")
+    provider, missing = flash_provider()
+    if provider is None:
+        return Capability.unavailable("FLASH_ATTN needs the flash_attn package or torch's varlen_attn: "
+                                      + "; ".join(missing))
+    return Capability.available()
+
+
+@functools.lru_cache(maxsize=1)
+def varlen_attn_takes_scale() -> bool:
+    # torch 2.10's varlen_attn had no scale argument; later versions take it as a keyword.
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "scale" in inspect.signature(varlen_attn).parameters
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                    max_seqlen: int, scale: float) -> torch.Tensor:
+    """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows zero."""
+    head_dim = q.shape[-1]
+    if head_dim % 8:
+        # Flash kernels take head dims in multiples of 8; zero lanes change neither q.k nor the kept slice of p.v.
+        pad = 8 - head_dim % 8
+        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    max_seqlen = max(max_seqlen, 1)  # an all-padding batch still launches a valid (empty) grid
+    provider, _ = flash_provider()
+    if provider == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                     max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, dropout_p=0.0,
+                                     softmax_scale=scale, causal=False)
+    else:
+        from torch.nn.attention.varlen import varlen_attn
+
+        if varlen_attn_takes_scale():
+            out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
+        else:
+            # Its implied scale is head_dim ** -0.5 (of the padded dim); fold the difference into q.
+            out = varlen_attn(q * (scale * q.shape[-1] ** 0.5), k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    if isinstance(out, tuple):
+        out = out[0]
+    return zero_padding_rows(out[..., :head_dim], cu_seqlens)
+
+
+@torch.library.custom_op("hwgraph::flash_varlen", mutates_args=())
+def flash_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                    max_seqlen: int, scale: float) -> torch.Tensor:
+    return flash_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+@flash_varlen_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q)
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                 max_seqlen: int, scale: float) -> torch.Tensor:
+    """Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on CUDA, ``cu_seqlens`` int32 ``[n + 1]``."""
+    check_varlen_inputs("FLASH_ATTN", q, k, v, cu_seqlens, max_seqlen, scale)
+    return flash_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale))
+
+
+FLASH_ATTN = KernelSpec(
+    name="FLASH_ATTN",
+    impl_path="hwgraph_cuda.attention:flash_varlen",
+    kinds=("cuda",),
+    dtypes=(torch.float16, torch.bfloat16),
+    head_dims=(1, 256),
+    graph_safe=True,
+    gate=flash_gate,
+    priority=30,
+    description="flash_attn.flash_attn_varlen_func if installed, else torch.nn.attention.varlen.varlen_attn",
+)

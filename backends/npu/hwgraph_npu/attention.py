@@ -1,0 +1,159 @@
+"""NPU: Ascend fused attention (``torch_npu.npu_fused_infer_attention_score``, layout TND).
+
+The Ascend kernel takes the sequence boundaries as HOST lists (``actual_seq_lengths``: cumulative ends, the last
+equal to the token count), while the common signature passes ``cu_seqlens`` on the device. Callers that have the
+host boundaries (the tower's metadata does) hand them over with ``host_cu_seqlens(...)``; only without them does
+the kernel read ``cu_seqlens`` back to the host, a device sync that is logged once. Under NPU graph capture
+("aclgraph") the captured call keeps its lists, so the graph backend rewrites them before each replay from
+``sequence_ends`` (see VENDOR_APIS.md); rows past ``cu_seqlens[-1]`` are zeroed on the device either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+from collections.abc import Iterator, Sequence
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+
+from hwgraph.attention.base import KernelSpec
+from hwgraph.attention.varlen_inputs import check_varlen_inputs, zero_padding_rows
+from hwgraph.capability import Capability, require_module
+from hwgraph.platform import PlatformInfo
+
+log = logging.getLogger(__name__)
+
+PADDED_HEAD_DIM = 128
+
+_host_cu_seqlens: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
+    "hwgraph_npu_host_cu_seqlens", default=None)
+
+
+@contextlib.contextmanager
+def host_cu_seqlens(values: Sequence[int]) -> Iterator[None]:
+    """Within this block, NPU attention takes its boundaries from ``values`` (host ints equal to ``cu_seqlens``)
+    instead of reading the device tensor back."""
+    token = _host_cu_seqlens.set(tuple(int(x) for x in values))
+    try:
+        yield
+    finally:
+        _host_cu_seqlens.reset(token)
+
+
+def sequence_ends(cu_seqlens: Sequence[int], tokens: int) -> list[int]:
+    """``actual_seq_lengths`` for TND: cumulative ends without zero-length sequences, closed at ``tokens``.
+
+    The kernel requires the last end to equal the token count, so padding rows become one trailing sequence
+    (its output is zeroed afterwards). Repeated boundaries (empty sequences) are dropped: they own no row.
+    """
+    ends = [end for start, end in pairwise(cu_seqlens) if end > start]
+    if not ends or ends[-1] < tokens:
+        ends.append(tokens)
+    return ends
+
+
+def check_host_cu_seqlens(values: Sequence[int], cu_seqlens: torch.Tensor, tokens: int) -> None:
+    if len(values) != cu_seqlens.shape[0]:
+        raise ValueError(f"NPU: host cu_seqlens has {len(values)} entries, the device cu_seqlens "
+                         f"{cu_seqlens.shape[0]}")
+    if values[0] != 0 or any(b < a for a, b in pairwise(values)) or values[-1] > tokens:
+        raise ValueError(f"NPU: host cu_seqlens must start at 0, not decrease and end at most at {tokens} "
+                         f"tokens, got {list(values)}")
+
+
+@functools.lru_cache(maxsize=1)
+def scale_keyword() -> str:
+    # torch_npu renamed scale_value to scale; read the installed op's schema instead of guessing by version.
+    try:
+        schema = torch.ops.npu.npu_fused_infer_attention_score.default._schema
+        names = {arg.name for arg in schema.arguments}
+    except Exception:
+        return "scale"
+    return "scale" if "scale" in names or "scale_value" not in names else "scale_value"
+
+
+def npu_gate(platform: PlatformInfo) -> Capability:
+    if platform.kind != "npu":
+        return Capability.unavailable(f"NPU attention runs on Ascend NPUs, this platform is {platform.kind}")
+    found = require_module("torch_npu", "NPU attention")
+    if not found.ok:
+        return found
+    import torch_npu
+
+    reasons = []
+    if not callable(getattr(torch_npu, "npu_fused_infer_attention_score", None)):
+        reasons.append(f"NPU attention needs torch_npu.npu_fused_infer_attention_score, which torch_npu "
+                       f"{getattr(torch_npu, '__version__', '(unknown version)')} lacks")
+    if platform.device_count < 1:
+        reasons.append("NPU attention needs an Ascend NPU device, torch_npu sees none")
+    return Capability(tuple(reasons))
+
+
+@functools.lru_cache(maxsize=1)
+def warn_host_read() -> None:
+    log.warning("NPU attention read cu_seqlens back to the host (a device sync); pass the host values "
+                "with hwgraph_npu.attention.host_cu_seqlens(...) to avoid it")
+
+
+def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+                  seq_ends: list[int]) -> torch.Tensor:
+    """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows zero; ``seq_ends`` from
+    ``sequence_ends``."""
+    import torch_npu
+
+    tokens, heads, head_dim = q.shape
+    if 64 < head_dim < PADDED_HEAD_DIM:
+        # The Ascend kernel tiles head dims 64 and 128; zero lanes leave q.k and the kept slice of p.v unchanged.
+        q, k, v = (F.pad(t, (0, PADDED_HEAD_DIM - head_dim)) for t in (q, k, v))
+    out = torch_npu.npu_fused_infer_attention_score(
+        q, k, v, num_heads=heads, input_layout="TND", actual_seq_lengths=seq_ends, actual_seq_lengths_kv=seq_ends,
+        **{scale_keyword(): scale})
+    if isinstance(out, (tuple, list)):  # (attention_out, softmax_lse)
+        out = out[0]
+    return zero_padding_rows(out[..., :head_dim], cu_seqlens)
+
+
+@torch.library.custom_op("hwgraph::npu_varlen", mutates_args=())
+def npu_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                  max_seqlen: int, scale: float, seq_ends: list[int]) -> torch.Tensor:
+    return npu_attention(q, k, v, cu_seqlens, scale, seq_ends)
+
+
+@npu_varlen_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale, seq_ends):
+    return torch.empty_like(q)
+
+
+def npu_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+               max_seqlen: int, scale: float) -> torch.Tensor:
+    """Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on an NPU, ``cu_seqlens`` int32 ``[n + 1]``.
+
+    Host boundaries come from ``host_cu_seqlens(...)``; without it this reads ``cu_seqlens`` to the host.
+    """
+    check_varlen_inputs("NPU", q, k, v, cu_seqlens, max_seqlen, scale)
+    tokens = q.shape[0]
+    host = _host_cu_seqlens.get()
+    if host is None:
+        # Last resort: a device-to-host read (a sync, and not capturable). Supply host_cu_seqlens to avoid it.
+        warn_host_read()
+        host = tuple(cu_seqlens.tolist())
+    check_host_cu_seqlens(host, cu_seqlens, tokens)
+    return npu_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale), sequence_ends(host, tokens))
+
+
+NPU = KernelSpec(
+    name="NPU",
+    impl_path="hwgraph_npu.attention:npu_varlen",
+    kinds=("npu",),
+    dtypes=(torch.float16, torch.bfloat16),
+    head_dims=(1, 256),
+    graph_safe=True,
+    gate=npu_gate,
+    priority=30,
+    description="torch_npu.npu_fused_infer_attention_score (TND, host sequence lengths; head dims 65..127 "
+                "padded to 128)",
+)

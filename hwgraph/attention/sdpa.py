@@ -1,0 +1,84 @@
+"""TORCH_SDPA: varlen attention as one ``scaled_dot_product_attention`` call with a block-diagonal mask.
+
+The mask is built on the device from ``cu_seqlens`` (a segment id per token), with no host read and no shape that
+depends on the data, so the whole kernel is graph-capturable on every platform. It costs ``tokens**2`` bytes of
+mask and attends over the full packed batch, so it is the fallback, not the fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hwgraph.attention.base import KernelSpec
+from hwgraph.attention.varlen_inputs import check_varlen_inputs, valid_rows
+from hwgraph.capability import Capability
+
+
+def segment_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``[tokens]`` int64: the sequence each row belongs to; rows at or past ``cu_seqlens[-1]`` get ``num_seqs``.
+
+    Zero-length sequences (repeated boundaries) own no row, so they never appear.
+    """
+    rows = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    # right=True: a row equal to a sequence's end boundary already belongs to the next sequence.
+    return torch.bucketize(rows, cu_seqlens[1:], right=True)
+
+
+def block_diagonal_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Bool ``[tokens, tokens]``: True where query row and key row are in the same sequence.
+
+    Padding rows form one block of their own, so no row is fully masked (which would give NaN); their output
+    is zeroed afterwards.
+    """
+    seg = segment_ids(cu_seqlens, tokens)
+    return seg[:, None] == seg[None, :]
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows zero."""
+    tokens = q.shape[0]
+    mask = block_diagonal_mask(cu_seqlens, tokens)
+    # [T, H, D] -> [1, H, T, D]: the packed batch is one SDPA "batch" whose mask keeps sequences apart.
+    attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                          v.transpose(0, 1)[None], attn_mask=mask, scale=scale)
+    out = torch.empty_like(q)
+    keep = valid_rows(cu_seqlens, tokens)[:, None, None]
+    # One pass writes the [T, H, D] layout and zeroes the padding rows.
+    torch.where(keep, attn[0].transpose(0, 1), out.new_zeros(()), out=out)
+    return out
+
+
+@torch.library.custom_op("hwgraph::sdpa_varlen", mutates_args=())
+def sdpa_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                   max_seqlen: int, scale: float) -> torch.Tensor:
+    return masked_sdpa(q, k, v, cu_seqlens, scale)
+
+
+@sdpa_varlen_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q)
+
+
+def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int, scale: float) -> torch.Tensor:
+    """Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``.
+
+    ``max_seqlen`` is accepted for the common signature; the mask covers every length.
+    """
+    check_varlen_inputs("TORCH_SDPA", q, k, v, cu_seqlens, max_seqlen, scale)
+    return sdpa_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale))
+
+
+TORCH_SDPA = KernelSpec(
+    name="TORCH_SDPA",
+    impl_path="hwgraph.attention.sdpa:sdpa_varlen",
+    kinds=("cuda", "rocm", "npu", "cpu"),
+    dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
+    head_dims=(1, 256),
+    graph_safe=True,
+    gate=lambda platform: Capability.available(),
+    priority=0,
+    description="torch scaled_dot_product_attention with a block-diagonal mask built on device; any platform",
+)

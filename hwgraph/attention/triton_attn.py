@@ -1,0 +1,71 @@
+"""TRITON_ATTN: our Triton varlen flash-attention kernel (CUDA, ROCm; CPU under the Triton interpreter).
+
+This module is cheap to import: triton and the ``@triton.jit`` kernel (``hwgraph.attention.triton_kernel``) load
+on the first call. The grid is bounded by ``max_seqlen`` (a host int), so the kernel is graph-capturable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hwgraph.attention.base import KernelSpec
+from hwgraph.attention.varlen_inputs import check_varlen_inputs
+from hwgraph.capability import Capability, require_module
+from hwgraph.platform import PlatformInfo
+
+TRUE_WORDS = ("1", "true", "on", "yes")
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in TRUE_WORDS
+
+
+def triton_gate(platform: PlatformInfo) -> Capability:
+    if platform.kind not in ("cuda", "rocm", "cpu"):
+        return Capability.unavailable(
+            f"TRITON_ATTN runs on cuda/rocm (cpu only under the Triton interpreter), this platform is {platform.kind}")
+    found = require_module("triton", "TRITON_ATTN")
+    if not found.ok:
+        return found
+    if platform.kind == "cpu" and not interpreter_enabled():
+        return Capability.unavailable(
+            "on CPU TRITON_ATTN runs only under the Triton interpreter (TRITON_INTERPRET=1)")
+    return Capability.available()
+
+
+@torch.library.custom_op("hwgraph::triton_varlen", mutates_args=())
+def triton_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_seqlen: int, scale: float) -> torch.Tensor:
+    from hwgraph.attention.triton_kernel import launch_varlen_attention
+
+    return launch_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+@triton_varlen_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q)
+
+
+def triton_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                  max_seqlen: int, scale: float) -> torch.Tensor:
+    """Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``.
+
+    Every real sequence must be at most ``max_seqlen`` long: rows beyond it are not computed.
+    """
+    check_varlen_inputs("TRITON_ATTN", q, k, v, cu_seqlens, max_seqlen, scale)
+    return triton_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale))
+
+
+TRITON_ATTN = KernelSpec(
+    name="TRITON_ATTN",
+    impl_path="hwgraph.attention.triton_attn:triton_varlen",
+    kinds=("cuda", "rocm", "cpu"),
+    dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    head_dims=(1, 256),
+    graph_safe=True,
+    gate=triton_gate,
+    priority=20,
+    description="hwgraph's Triton varlen flash attention (online softmax); CPU only under TRITON_INTERPRET=1",
+)

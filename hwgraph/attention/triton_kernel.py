@@ -1,0 +1,136 @@
+"""The Triton varlen flash-attention kernel behind TRITON_ATTN, and its launcher.
+
+Importing this module imports triton. Triton decides when it is imported whether ``@triton.jit`` compiles or
+interprets (``TRITON_INTERPRET=1``; its own ``tl`` helpers are decorated then too), so running on CPU tensors needs
+that variable set before triton is first imported in the process.
+
+Grid: ``(cdiv(max_seqlen, BLOCK_M), heads, num_seqs + 1)``. Program ``(m, h, s)`` computes rows
+``m*BLOCK_M ..`` of sequence ``s`` for head ``h`` with an online softmax over the sequence's keys; blocks past the
+sequence's end do nothing. The extra last slot ``s == num_seqs`` zeroes the rows past ``cu_seqlens[-1]``. Only
+``max_seqlen`` (a host int) and tensor shapes size the grid, so a captured launch stays valid for any
+``cu_seqlens`` whose sequences fit in ``max_seqlen``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def varlen_attention_kernel(
+    Q, K, V, Out, CU_SEQLENS,
+    tokens, num_seqs, qk_scale_log2,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    block_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM  # head_dim is padded up to a power of two; the extra lanes load and store nothing
+
+    if seq < num_seqs:
+        start = tl.load(CU_SEQLENS + seq)
+        seqlen = tl.load(CU_SEQLENS + seq + 1) - start
+        rows = block_m * BLOCK_M + offs_m
+        row_mask = rows < seqlen
+        q_rows = (start + rows).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # A query block wholly past this sequence's end (the grid is sized for max_seqlen) skips the key loop.
+        kv_end = tl.where(block_m * BLOCK_M < seqlen, seqlen, 0)
+        for kv_start in range(0, kv_end, BLOCK_N):
+            cols = kv_start + offs_n
+            col_mask = cols < seqlen
+            kv_rows = (start + cols).to(tl.int64)
+            kv_mask = col_mask[:, None] & d_mask[None, :]
+            k = tl.load(K + kv_rows[:, None] * stride_kt + head * stride_kh + offs_d[None, :], mask=kv_mask,
+                        other=0.0).to(DOT_DTYPE)
+            # "ieee": fp32 inputs keep full fp32 products (not TF32); fp16/bf16 ignore it and still use the tensor
+            # cores; and it is the one precision every Triton target accepts (AMD has tf32 only on gfx942).
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
+            s = tl.where(col_mask[None, :], s, float("-inf"))
+            # Every block has at least one valid key, so m_new is finite and exp2 never sees -inf - -inf.
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + kv_rows[:, None] * stride_vt + head * stride_vh + offs_d[None, :], mask=kv_mask,
+                        other=0.0).to(DOT_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    else:
+        # Padding rows [cu_seqlens[-1], tokens) belong to no sequence: write zeros, shared over the m programs.
+        first = tl.load(CU_SEQLENS + num_seqs)
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], Out.dtype.element_ty)
+        for row_start in range(first + block_m * BLOCK_M, tokens, BLOCK_M * tl.num_programs(0)):
+            rows = (row_start + offs_m).to(tl.int64)
+            tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], zeros,
+                     mask=(rows < tokens)[:, None] & d_mask[None, :])
+
+
+def block_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D): tl.dot needs every side >= 16; wide or fp32 tiles shrink to fit shared memory."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if block_d > 128:
+        return 32, 16 if dtype == torch.float32 else 32, block_d
+    if dtype == torch.float32 and block_d == 128:
+        return 64, 32, block_d
+    return 64, 64, block_d
+
+
+def dot_dtype_for(dtype: torch.dtype):
+    """The dtype the two matmuls take their operands in: the input dtype, except bf16 under the interpreter.
+
+    The Triton interpreter stores bf16 as raw 16-bit integers and its ``tl.dot`` multiplies those bit patterns
+    (triton-lang/triton#11584, not supported upstream), so interpreted bf16 runs its matmuls in fp32.
+    """
+    if dtype == torch.bfloat16:
+        return tl.float32 if is_interpreted() else tl.bfloat16
+    return {torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+def is_interpreted() -> bool:
+    """Whether the kernel was built by the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    return not isinstance(varlen_attention_kernel, triton.runtime.JITFunction)
+
+
+def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int, scale: float) -> torch.Tensor:
+    """Run the kernel: ``q, k, v`` ``[T, H, D]`` with unit stride on D -> a new ``[T, H, D]`` in q's dtype."""
+    if q.device.type == "cpu" and not is_interpreted():
+        raise RuntimeError("TRITON_ATTN on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is first imported in this process")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    tokens, heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if tokens == 0:
+        return out
+    block_m, block_n, block_d = block_sizes(head_dim, q.dtype)
+    num_seqs = cu_seqlens.shape[0] - 1
+    dot_dtype = dot_dtype_for(q.dtype)
+    # At least one m program, so the padding slot runs even when every sequence is empty.
+    grid = (max(1, triton.cdiv(max_seqlen, block_m)), heads, num_seqs + 1)
+    varlen_attention_kernel[grid](
+        q, k, v, out, cu_seqlens,
+        tokens, num_seqs, scale * LOG2_E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_DTYPE=dot_dtype,
+        num_warps=4, num_stages=2,
+    )
+    return out

@@ -1,0 +1,51 @@
+"""Checks and helpers shared by every varlen attention kernel; none of them reads device memory.
+
+Validation looks only at tensor metadata (shape, dtype, device, strides) and host values, so it is safe on the
+replay path and under capture. Zeroing the padding rows is a device-side ``torch.where``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def check_varlen_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> None:
+    """Raise ``ValueError`` naming the offending value when the inputs break the common kernel signature."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{kernel}: {name} must be a tensor, got {type(t).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"{kernel}: q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"{kernel}: q, k, v must have one shape, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{kernel}: q, k, v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.device != q.device or v.device != q.device or cu_seqlens.device != q.device:
+        raise ValueError(f"{kernel}: q, k, v and cu_seqlens must be on one device, got q {q.device}, k {k.device}, "
+                         f"v {v.device}, cu_seqlens {cu_seqlens.device}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"{kernel}: cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{kernel}: cu_seqlens must be 1-D with at least 2 entries [0, ...], "
+                         f"got shape {tuple(cu_seqlens.shape)}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"{kernel}: max_seqlen must be a non-negative host int (fixed at capture), "
+                         f"got {max_seqlen!r} ({type(max_seqlen).__name__})")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"{kernel}: scale must be a finite host float, got {scale!r} ({type(scale).__name__})")
+
+
+def valid_rows(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Bool ``[tokens]`` on device: True for rows before ``cu_seqlens[-1]`` (rows that belong to a sequence)."""
+    rows = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return rows < cu_seqlens[-1]
+
+
+def zero_padding_rows(out: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``out`` with rows at or past ``cu_seqlens[-1]`` set to zero (kernels leave them unwritten or garbage)."""
+    keep = valid_rows(cu_seqlens, out.shape[0])[:, None, None]
+    return torch.where(keep, out, 0.0)

@@ -1,0 +1,372 @@
+"""The varlen attention kernels on CPU against the float64 reference.
+
+TORCH_SDPA runs here directly. TRITON_ATTN runs under the Triton interpreter, which triton only enables when
+TRITON_INTERPRET=1 is set before triton itself is imported, and which, once set, would make TRITON_ATTN the
+automatic choice for every other test in the process. So the ``interpreted`` tests run in a child pytest with
+TRITON_INTERPRET=1 (``test_triton_attn_cases_pass_under_the_interpreter``), and skip in a process without it.
+The plugin adapters (FLASH_ATTN, ROCM_AITER_FA, NPU) run with fake vendor modules that compute the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hwgraph.attention.base import KernelSpec
+from hwgraph.attention.sdpa import masked_sdpa, sdpa_varlen, sdpa_varlen_op
+from hwgraph.attention.triton_attn import interpreter_enabled, triton_varlen, triton_varlen_op
+from hwgraph.graphs.base import HostSyncError
+from hwgraph.graphs.cpu import CpuGraphBackend
+from hwgraph.testing.reference import (
+    PackedBatch,
+    assert_matches_reference,
+    random_packed_batch,
+    random_seqlens,
+    varlen_reference,
+)
+
+INTERPRETED = interpreter_enabled()
+interpreted = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in a child pytest with TRITON_INTERPRET=1 "
+                            "(test_triton_attn_cases_pass_under_the_interpreter)")
+
+
+def random_batch(seed: int, head_dim: int, dtype: torch.dtype, max_seqs: int, max_len: int) -> PackedBatch:
+    """1..max_seqs sequences, 0..2 zero-length ones at the end and 0..17 padding rows past the last."""
+    rng = random.Random(seed)
+    seqlens = random_seqlens(rng, max_seqs=max_seqs, max_len=max_len)
+    return random_packed_batch(seqlens, heads=2, head_dim=head_dim, zero_length=rng.randint(0, 2),
+                               padding_rows=rng.randint(0, 17), dtype=dtype, seed=seed)
+
+
+# ---------------------------------------------------------------- TORCH_SDPA
+
+
+@pytest.mark.parametrize("head_dim", [72, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_sdpa_matches_reference_on_random_packed_batches(seed, dtype, head_dim):
+    batch = random_batch(seed, head_dim, dtype, max_seqs=6, max_len=700)
+    assert_matches_reference(sdpa_varlen(*batch.args()), batch)
+
+
+def test_sdpa_treats_every_row_as_padding_when_all_sequences_are_empty():
+    batch = random_packed_batch([], heads=2, head_dim=72, zero_length=3, padding_rows=5)
+    out = sdpa_varlen(*batch.args())
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_sdpa_keeps_single_token_sequences_apart():
+    batch = random_packed_batch([1, 1, 1, 2], heads=3, head_dim=16, padding_rows=2, max_seqlen=64)
+    out = sdpa_varlen(*batch.args())
+    assert_matches_reference(out, batch)
+    torch.testing.assert_close(out[:3], batch.v[:3])  # a one-token sequence attends only to itself
+
+
+# ---------------------------------------------------------------- TRITON_ATTN under the interpreter
+
+
+def test_triton_attn_cases_pass_under_the_interpreter():
+    """Runs this file's ``interpreted`` tests in a child pytest with TRITON_INTERPRET=1 set from the start."""
+    if INTERPRETED:
+        pytest.skip("already under TRITON_INTERPRET=1: the interpreted tests run in this process")
+    pytest.importorskip("triton", reason="TRITON_ATTN needs the triton package")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
+    env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-k", "interpreted",
+           "-p", "no:cacheprovider", "-p", "no:xdist"]
+    done = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=600)
+    report = (done.stdout + done.stderr)[-6000:]
+    assert done.returncode == 0, f"interpreted TRITON_ATTN tests failed:\n{report}"
+    summary = [line for line in done.stdout.splitlines() if line.strip()][-1]
+    assert "passed" in summary and "skipped" not in summary, report
+
+
+@interpreted
+@pytest.mark.parametrize("head_dim", [72, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(2))
+def test_interpreted_triton_matches_reference_on_random_packed_batches(seed, dtype, head_dim):
+    batch = random_batch(100 + seed, head_dim, dtype, max_seqs=4, max_len=150)
+    assert_matches_reference(triton_varlen(*batch.args()), batch)
+
+
+@interpreted
+@pytest.mark.parametrize("seqlens", [[64], [65], [1, 128, 63], [200]], ids=str)
+def test_interpreted_triton_handles_block_edges_and_a_budget_max_seqlen(seqlens):
+    # max_seqlen is the capture budget, larger than any real sequence: extra query blocks must do nothing.
+    batch = random_packed_batch(seqlens, heads=2, head_dim=72, zero_length=2, padding_rows=70, max_seqlen=256,
+                                dtype=torch.float16, seed=len(seqlens))
+    assert_matches_reference(triton_varlen(*batch.args()), batch)
+
+
+@interpreted
+def test_interpreted_triton_zeroes_every_row_when_all_sequences_are_empty():
+    batch = random_packed_batch([], heads=2, head_dim=72, zero_length=2, padding_rows=150, max_seqlen=64)
+    out = triton_varlen(*batch.args())
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@interpreted
+def test_interpreted_triton_reads_strided_qkv_views():
+    # The tower splits q, k, v out of one fused projection: views with a token stride of 3 * heads * head_dim.
+    batch = random_packed_batch([30, 9], heads=2, head_dim=72, padding_rows=4, max_seqlen=32)
+    qkv = torch.stack([batch.q, batch.k, batch.v], dim=1)  # [T, 3, H, D]
+    out = triton_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], batch.cu_seqlens, batch.max_seqlen, batch.scale)
+    assert_matches_reference(out, batch)
+
+
+@interpreted
+def test_interpreted_triton_op_passes_opcheck():
+    batch = random_packed_batch([5, 7], heads=2, head_dim=72, zero_length=1, padding_rows=3)
+    torch.library.opcheck(triton_varlen_op, batch.args())
+
+
+@interpreted
+def test_interpreted_triton_replays_in_the_cpu_graph_backend_with_new_cu_seqlens():
+    replay_with_new_cu_seqlens(triton_varlen)
+
+
+@interpreted
+def test_interpreted_triton_reads_no_device_memory_on_the_host():
+    batch = random_packed_batch([20, 3], heads=2, head_dim=72, zero_length=1, padding_rows=5)
+    with CpuGraphBackend().sync_guard():
+        out = triton_varlen(*batch.args())
+    assert_matches_reference(out, batch)
+
+
+def test_triton_attn_launch_grid_depends_only_on_host_values(monkeypatch):
+    """The launch is sized by max_seqlen, heads and the number of sequences: no device value reaches the host."""
+    triton_kernel = pytest.importorskip("hwgraph.attention.triton_kernel")
+    launches = []
+
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(triton_kernel, "varlen_attention_kernel", RecordingKernel())
+    batch = random_packed_batch([300, 2], heads=3, head_dim=72, zero_length=2, padding_rows=5, max_seqlen=512)
+    with CpuGraphBackend().sync_guard():
+        triton_varlen(*batch.args())
+    (grid, meta), = launches
+    assert grid == (512 // meta["BLOCK_M"], 3, 5)  # 4 sequence slots (2 real, 2 empty) + 1 padding slot
+    assert meta["HEAD_DIM"] == 72 and meta["BLOCK_D"] == 128
+
+
+# ---------------------------------------------------------------- graph discipline, host reads, custom ops
+
+
+def replay_with_new_cu_seqlens(kernel) -> None:
+    """Capture with one batch in static buffers, refill them with another (new boundaries), replay, compare."""
+    first = random_packed_batch([40, 3, 17], heads=2, head_dim=72, zero_length=1, padding_rows=4, max_seqlen=64)
+    second = random_packed_batch([64], heads=2, head_dim=72, zero_length=3, padding_rows=0, max_seqlen=64, seed=7)
+    static = [t.clone() for t in (first.q, first.k, first.v, first.cu_seqlens)]
+    backend = CpuGraphBackend()
+    graph = backend.capture(lambda: kernel(*static, 64, first.scale))
+    assert_matches_reference(graph.outputs, first)
+    for buffer, fresh in zip(static, (second.q, second.k, second.v, second.cu_seqlens), strict=True):
+        buffer.copy_(fresh)
+    graph.replay()
+    assert_matches_reference(graph.outputs, second)
+
+
+def test_sdpa_replays_in_the_cpu_graph_backend_with_new_cu_seqlens():
+    replay_with_new_cu_seqlens(sdpa_varlen)
+
+
+def test_sdpa_reads_no_device_memory_on_the_host():
+    batch = random_packed_batch([20, 3], heads=2, head_dim=72, zero_length=1, padding_rows=5)
+    with CpuGraphBackend().sync_guard():
+        out = sdpa_varlen(*batch.args())
+        body = masked_sdpa(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.scale)  # the op body, unwrapped
+    assert_matches_reference(out, batch)
+    assert torch.equal(out, body)
+
+
+def test_sdpa_op_passes_opcheck():
+    batch = random_packed_batch([5, 7], heads=2, head_dim=72, zero_length=1, padding_rows=3)
+    torch.library.opcheck(sdpa_varlen_op, batch.args())
+
+
+def plugin_ops():
+    from hwgraph_cuda.attention import flash_varlen_op
+    from hwgraph_npu.attention import npu_varlen_op
+    from hwgraph_rocm.attention import aiter_varlen_op
+
+    return {"sdpa": sdpa_varlen_op, "triton": triton_varlen_op, "flash": flash_varlen_op, "aiter": aiter_varlen_op,
+            "npu": npu_varlen_op}
+
+
+@pytest.mark.parametrize("name", ["sdpa", "triton", "flash", "aiter", "npu"])
+def test_every_kernel_op_has_a_fake_impl_returning_q_shaped_output(name):
+    op = plugin_ops()[name]
+    with FakeTensorMode():
+        q = torch.empty(50, 16, 72, dtype=torch.bfloat16)
+        cu = torch.empty(5, dtype=torch.int32)
+        extra = ([10, 50],) if name == "npu" else ()
+        out = op(q, q, q, cu, 64, 0.1, *extra)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.__class__.__name__ == "FakeTensor"
+
+
+@pytest.mark.parametrize("spec_name", ["TORCH_SDPA", "TRITON_ATTN", "FLASH_ATTN", "ROCM_AITER_FA", "NPU"])
+def test_every_kernel_spec_names_a_loadable_function(spec_name):
+    from hwgraph_cuda.attention import FLASH_ATTN
+    from hwgraph_npu.attention import NPU
+    from hwgraph_rocm.attention import ROCM_AITER_FA
+
+    from hwgraph.attention.sdpa import TORCH_SDPA
+    from hwgraph.attention.triton_attn import TRITON_ATTN
+
+    spec = {s.name: s for s in (TORCH_SDPA, TRITON_ATTN, FLASH_ATTN, ROCM_AITER_FA, NPU)}[spec_name]
+    assert isinstance(spec, KernelSpec) and spec.graph_safe
+    assert callable(spec.load())
+
+
+def test_importing_triton_attn_does_not_import_triton():
+    code = ("import sys; import hwgraph.attention.triton_attn as m; m.TRITON_ATTN; "
+            "assert 'triton' not in sys.modules, 'triton imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------- input validation
+
+
+def valid_args():
+    return random_packed_batch([3, 4], heads=2, head_dim=8, padding_rows=1).args()
+
+
+@pytest.mark.parametrize("kernel", [sdpa_varlen, triton_varlen], ids=["sdpa", "triton"])
+@pytest.mark.parametrize("index,value,message", [
+    (1, torch.zeros(8, 2, 4), r"one shape, got q \(8, 2, 8\), k \(8, 2, 4\)"),
+    (0, torch.zeros(8, 16), r"q must be \[tokens, heads, head_dim\], got shape \(8, 16\)"),
+    (2, torch.zeros(8, 2, 8, dtype=torch.float64), r"one dtype.*v torch.float64"),
+    (3, torch.tensor([0, 3, 7]), r"cu_seqlens must be int32, got torch.int64"),
+    (3, torch.tensor([0], dtype=torch.int32), r"at least 2 entries.*\(1,\)"),
+    (4, torch.tensor(7), r"max_seqlen must be a non-negative host int.*Tensor"),
+    (4, 7.0, r"max_seqlen must be a non-negative host int.*7\.0"),
+    (5, float("nan"), r"scale must be a finite host float, got nan"),
+])
+def test_kernels_reject_bad_inputs_naming_the_value(kernel, index, value, message):
+    args = list(valid_args())
+    args[index] = value
+    with pytest.raises(ValueError, match=message):
+        kernel(*args)
+
+
+def test_kernels_reject_cu_seqlens_on_another_device():
+    q, k, v, cu, max_seqlen, scale = valid_args()
+    with pytest.raises(ValueError, match=r"one device.*cu_seqlens meta"):
+        sdpa_varlen(q, k, v, cu.to("meta"), max_seqlen, scale)
+
+
+# ---------------------------------------------------------------- plugin adapters with fake vendor modules
+
+
+def reference_like(q, k, v, cu_seqlens, scale, garbage=float("nan")):
+    """What a vendor varlen kernel returns: the reference for real rows, garbage in rows it never writes."""
+    out = varlen_reference(q, k, v, cu_seqlens, scale).to(q.dtype)
+    out[int(cu_seqlens[-1]):] = garbage
+    return out
+
+
+def test_aiter_adapter_calls_by_keyword_and_zeroes_padding(monkeypatch):
+    from hwgraph_rocm.attention import aiter_varlen
+
+    calls = []
+
+    def flash_attn_varlen_func(**kwargs):  # keyword-only: a positional call would fail here
+        calls.append(kwargs)
+        assert kwargs["cu_seqlens_q"] is kwargs["cu_seqlens_k"] and kwargs["causal"] is False
+        return reference_like(kwargs["q"], kwargs["k"], kwargs["v"], kwargs["cu_seqlens_q"],
+                              kwargs["softmax_scale"]), None
+
+    monkeypatch.setitem(sys.modules, "aiter", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+    batch = random_packed_batch([9, 4], heads=2, head_dim=72, zero_length=1, padding_rows=6, dtype=torch.float16)
+    assert_matches_reference(aiter_varlen(*batch.args()), batch)
+    assert calls[0]["max_seqlen_q"] == calls[0]["max_seqlen_k"] == 9
+
+
+@pytest.mark.parametrize("provider", ["flash_attn", "torch"])
+def test_flash_adapter_uses_either_provider_and_zeroes_padding(monkeypatch, provider):
+    import torch.nn.attention.varlen as torch_varlen
+    from hwgraph_cuda import attention
+
+    def flash_attn_varlen_func(*, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal):
+        return reference_like(q, k, v, cu_seqlens_q, softmax_scale)
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
+        assert query.shape[-1] % 8 == 0
+        return reference_like(query, key, value, cu_seq_q, scale)
+
+    monkeypatch.setattr(attention, "flash_provider", lambda: (provider, ()))
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+    monkeypatch.setattr(torch_varlen, "varlen_attn", varlen_attn)
+    for head_dim in (72, 36):  # 36 is padded to 40 for the flash kernels and sliced back
+        batch = random_packed_batch([9, 4], heads=2, head_dim=head_dim, zero_length=1, padding_rows=6,
+                                    dtype=torch.bfloat16)
+        assert_matches_reference(attention.flash_varlen(*batch.args()), batch)
+
+
+class FakeTorchNpu(types.ModuleType):
+    """``npu_fused_infer_attention_score`` in TND layout, computed by the reference; records its calls."""
+
+    def __init__(self):
+        super().__init__("torch_npu")
+        self.calls = []
+
+    def npu_fused_infer_attention_score(self, q, k, v, *, num_heads, input_layout, actual_seq_lengths,
+                                        actual_seq_lengths_kv, scale):
+        assert input_layout == "TND" and num_heads == q.shape[1]
+        assert actual_seq_lengths == actual_seq_lengths_kv and actual_seq_lengths[-1] == q.shape[0]
+        self.calls.append({"ends": list(actual_seq_lengths), "head_dim": q.shape[-1]})
+        return varlen_reference(q, k, v, [0, *actual_seq_lengths], scale).to(q.dtype), torch.empty(0)
+
+
+@pytest.fixture
+def fake_torch_npu(monkeypatch):
+    from hwgraph_npu import attention
+
+    fake = FakeTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(attention, "scale_keyword", lambda: "scale")
+    return fake
+
+
+def test_npu_adapter_takes_host_boundaries_and_pads_head_dim_to_128(fake_torch_npu):
+    from hwgraph_npu.attention import host_cu_seqlens, npu_varlen
+
+    batch = random_packed_batch([9, 4], heads=2, head_dim=72, zero_length=2, padding_rows=6, dtype=torch.float16)
+    with CpuGraphBackend().sync_guard(), host_cu_seqlens([0, 9, 13, 13, 13]):
+        out = npu_varlen(*batch.args())
+    assert_matches_reference(out, batch)
+    # Empty sequences dropped; the padding rows become one trailing sequence ending at the token count.
+    assert fake_torch_npu.calls == [{"ends": [9, 13, 19], "head_dim": 128}]
+
+
+def test_npu_adapter_without_host_boundaries_reads_cu_seqlens_back(fake_torch_npu):
+    from hwgraph_npu.attention import npu_varlen
+
+    batch = random_packed_batch([5, 8], heads=2, head_dim=64, dtype=torch.bfloat16)
+    with CpuGraphBackend().sync_guard(), pytest.raises(HostSyncError):
+        npu_varlen(*batch.args())  # the documented last resort is a host read, and the guard sees it
+    assert_matches_reference(npu_varlen(*batch.args()), batch)
+    assert fake_torch_npu.calls[-1] == {"ends": [5, 13], "head_dim": 64}
+
+
+def test_npu_adapter_rejects_host_boundaries_that_disagree_in_length(fake_torch_npu):
+    from hwgraph_npu.attention import host_cu_seqlens, npu_varlen
+
+    batch = random_packed_batch([5, 8], heads=2, head_dim=64, dtype=torch.float16)
+    with host_cu_seqlens([0, 13]), pytest.raises(ValueError, match="host cu_seqlens has 2 entries.* 3"):
+        npu_varlen(*batch.args())

@@ -1,0 +1,211 @@
+"""Choosing an attention kernel: priorities, HWGRAPH_ATTENTION, and reasons, on simulated platforms.
+
+Platforms are ``PlatformInfo`` values passed explicitly; vendor packages (aiter, torch_npu) are fake modules in
+``sys.modules``, or ``None`` there to make their import fail. The plugin kernels reach the registry through a
+fixed set of backend specs, so these tests do not depend on which plugins are installed; one test checks the
+installed plugins bring the same kernels.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from hwgraph_cuda.attention import FLASH_ATTN
+from hwgraph_npu.attention import NPU
+from hwgraph_rocm.attention import ROCM_AITER_FA
+
+from hwgraph.attention import registry
+from hwgraph.attention.registry import choose_attention, kernel_named, list_kernels
+from hwgraph.capability import Capability
+from hwgraph.platform import PlatformInfo
+from hwgraph.registry import BackendSpec, SelectionError
+
+
+def platform(kind: str, arch: str | None, count: int = 1) -> PlatformInfo:
+    runtime = {"cuda": "CUDA", "rocm": "HIP", "npu": "CANN"}.get(kind)
+    return PlatformInfo(kind=kind, device_name=f"simulated {kind}", arch=arch, torch_version=torch.__version__,
+                        runtime=runtime, runtime_version="1.0" if runtime else None, device_count=count)
+
+
+CPU = platform("cpu", None, 0)
+H200 = platform("cuda", "sm_90")
+T4 = platform("cuda", "sm_75")
+MI300X = platform("rocm", "gfx942:sramecc+:xnack-")
+MI250X = platform("rocm", "gfx90a:sramecc+:xnack-")
+ASCEND = platform("npu", "Ascend910B")
+
+
+@pytest.fixture(autouse=True)
+def plugin_kernels(monkeypatch):
+    """The registry sees exactly the three plugins' kernels; no TRITON_INTERPRET and no HWGRAPH_ATTENTION."""
+    specs = tuple(
+        BackendSpec(name=name, class_path="unused:Backend", kinds=(name,), gate=lambda p: Capability.available(),
+                    attention=(kernel,))
+        for name, kernel in (("cuda", FLASH_ATTN), ("rocm", ROCM_AITER_FA), ("npu", NPU)))
+    monkeypatch.setattr(registry, "backend_specs", lambda: specs)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(registry.ATTENTION_ENV, raising=False)
+
+
+@pytest.fixture
+def fake_aiter(monkeypatch):
+    module = types.ModuleType("aiter")
+    module.flash_attn_varlen_func = lambda **kwargs: None
+    monkeypatch.setitem(sys.modules, "aiter", module)
+    return module
+
+
+@pytest.fixture
+def fake_torch_npu(monkeypatch):
+    module = types.ModuleType("torch_npu")
+    module.npu_fused_infer_attention_score = lambda *args, **kwargs: None
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    return module
+
+
+def reasons(name: str, plat: PlatformInfo, **kwargs) -> tuple[str, ...]:
+    return kernel_named(name).capability(plat, **kwargs).reasons
+
+
+# ---------------------------------------------------------------- listing and the documented order
+
+
+def test_listing_names_every_kernel_with_its_capability():
+    listed = {spec.name: cap for spec, cap in list_kernels(platform=CPU)}
+    assert set(listed) == {"TORCH_SDPA", "TRITON_ATTN", "FLASH_ATTN", "ROCM_AITER_FA", "NPU"}
+    assert listed["TORCH_SDPA"].ok
+    assert all(not cap.ok and cap.reasons for name, cap in listed.items() if name != "TORCH_SDPA")
+
+
+def test_installed_plugins_bring_the_same_kernels():
+    from hwgraph.registry import backend_specs  # the real discovery, entry points included
+
+    brought = {kernel.name: kernel for spec in backend_specs() for kernel in spec.attention}
+    for kernel in (FLASH_ATTN, ROCM_AITER_FA, NPU):
+        if kernel.name in brought:
+            assert brought[kernel.name] is kernel
+    if not brought:
+        pytest.skip("no backend plugin with attention kernels is installed")
+
+
+def test_cpu_chooses_torch_sdpa_and_says_why_triton_was_refused():
+    chosen = choose_attention(platform=CPU, dtype=torch.bfloat16, head_dim=72)
+    assert chosen.spec.name == "TORCH_SDPA" and callable(chosen.fn)
+    assert "TRITON_ATTN: on CPU TRITON_ATTN runs only under the Triton interpreter (TRITON_INTERPRET=1)" \
+        in chosen.reason
+
+
+def test_cpu_under_the_triton_interpreter_prefers_triton_attn(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert choose_attention(platform=CPU).spec.name == "TRITON_ATTN"
+
+
+def test_h200_prefers_flash_attn_then_triton_then_sdpa():
+    assert choose_attention(platform=H200, dtype=torch.bfloat16, head_dim=72).spec.name == "FLASH_ATTN"
+    # FLASH_ATTN has no fp32 kernel: the next in priority order takes it.
+    expected = "TRITON_ATTN" if kernel_named("TRITON_ATTN").capability(H200).ok else "TORCH_SDPA"
+    chosen = choose_attention(platform=H200, dtype=torch.float32, head_dim=72)
+    assert chosen.spec.name == expected
+    assert "FLASH_ATTN: FLASH_ATTN supports dtypes float16, bfloat16, got float32" in chosen.reason
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "sm_120"])
+def test_flash_attn_compares_compute_capability_as_numbers(arch):
+    assert reasons("FLASH_ATTN", platform("cuda", arch), dtype=torch.float16, head_dim=72) == ()
+
+
+# ---------------------------------------------------------------- refusals carry reasons
+
+
+def test_sm75_refuses_flash_attn_with_the_compute_capability():
+    assert reasons("FLASH_ATTN", T4) == ("FLASH_ATTN needs compute capability >= 8.0, found 7.5",)
+    assert choose_attention(platform=T4, dtype=torch.float16).spec.name != "FLASH_ATTN"
+    with pytest.raises(SelectionError, match=r"'FLASH_ATTN' is unavailable: .*>= 8\.0, found 7\.5"):
+        choose_attention("FLASH_ATTN", platform=T4)
+
+
+def test_flash_attn_is_for_nvidia_only():
+    assert reasons("FLASH_ATTN", MI300X) == ("FLASH_ATTN runs on NVIDIA CUDA, this platform is rocm",)
+
+
+def test_gfx942_with_aiter_chooses_rocm_aiter_fa(fake_aiter):
+    chosen = choose_attention(platform=MI300X, dtype=torch.bfloat16, head_dim=72)
+    assert chosen.spec.name == "ROCM_AITER_FA" and chosen.reason == "best available for rocm"
+
+
+def test_gfx90a_refuses_rocm_aiter_fa_naming_the_architecture(fake_aiter):
+    assert reasons("ROCM_AITER_FA", MI250X) == ("ROCM_AITER_FA needs gfx942 or gfx950, found gfx90a",)
+    chosen = choose_attention(platform=MI250X, dtype=torch.bfloat16, head_dim=72)
+    assert chosen.spec.name in ("TRITON_ATTN", "TORCH_SDPA")
+    assert "ROCM_AITER_FA: ROCM_AITER_FA needs gfx942 or gfx950, found gfx90a" in chosen.reason
+    with pytest.raises(SelectionError, match="'ROCM_AITER_FA' is unavailable: .*found gfx90a"):
+        choose_attention("ROCM_AITER_FA", platform=MI250X)
+
+
+def test_missing_aiter_is_a_reason_not_a_crash(monkeypatch):
+    monkeypatch.setitem(sys.modules, "aiter", None)  # import aiter now raises ImportError
+    (reason,) = reasons("ROCM_AITER_FA", MI300X)
+    assert reason.startswith("ROCM_AITER_FA needs the aiter package")
+    assert choose_attention(platform=MI300X, dtype=torch.float16).spec.name != "ROCM_AITER_FA"
+
+
+def test_ascend_with_torch_npu_chooses_npu_attention(fake_torch_npu):
+    chosen = choose_attention(platform=ASCEND, dtype=torch.float16, head_dim=72)
+    assert chosen.spec.name == "NPU"
+    assert reasons("TRITON_ATTN", ASCEND)[0].startswith("TRITON_ATTN runs on cuda/rocm")
+
+
+def test_ascend_without_torch_npu_falls_back_to_sdpa_and_says_why(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    chosen = choose_attention(platform=ASCEND, dtype=torch.float16, head_dim=72)
+    assert chosen.spec.name == "TORCH_SDPA"
+    assert "NPU: NPU attention needs the torch_npu package" in chosen.reason
+
+
+def test_npu_attention_needs_a_device(fake_torch_npu):
+    assert reasons("NPU", platform("npu", "Ascend910B", count=0)) == (
+        "NPU attention needs an Ascend NPU device, torch_npu sees none",)
+
+
+def test_missing_triton_is_a_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)
+    (reason,) = reasons("TRITON_ATTN", H200)
+    assert reason.startswith("TRITON_ATTN needs the triton package")
+
+
+def test_dtype_and_head_dim_limits_are_reasons():
+    assert reasons("TORCH_SDPA", CPU, dtype=torch.int8, head_dim=300) == (
+        "TORCH_SDPA supports dtypes float32, float16, bfloat16, float64, got int8",
+        "TORCH_SDPA supports head_dim 1..256, got 300")
+    with pytest.raises(SelectionError, match="no attention kernel is available: .*head_dim 1..256, got 300"):
+        choose_attention(platform=CPU, head_dim=300)
+
+
+# ---------------------------------------------------------------- explicit choices
+
+
+def test_env_var_names_the_kernel_case_insensitively(monkeypatch):
+    monkeypatch.setenv(registry.ATTENTION_ENV, "torch_sdpa")
+    chosen = choose_attention(platform=H200, dtype=torch.bfloat16)
+    assert chosen.spec.name == "TORCH_SDPA" and chosen.reason == "explicit"
+
+
+def test_argument_overrides_env_var(monkeypatch):
+    monkeypatch.setenv(registry.ATTENTION_ENV, "TORCH_SDPA")
+    assert choose_attention("FLASH_ATTN", platform=H200, dtype=torch.bfloat16).spec.name == "FLASH_ATTN"
+
+
+def test_explicit_unavailable_choice_raises_naming_the_reasons(monkeypatch):
+    monkeypatch.setenv(registry.ATTENTION_ENV, "TRITON_ATTN")
+    with pytest.raises(SelectionError, match=r"'TRITON_ATTN' is unavailable: on CPU TRITON_ATTN runs only under "
+                                             r"the Triton interpreter \(TRITON_INTERPRET=1\)"):
+        choose_attention(platform=CPU)
+
+
+def test_unknown_kernel_name_lists_the_known_ones():
+    with pytest.raises(SelectionError, match="unknown attention kernel 'FLASH3'; known: TORCH_SDPA, TRITON_ATTN"):
+        choose_attention("FLASH3", platform=H200)
