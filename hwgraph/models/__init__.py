@@ -1,0 +1,1 @@
+"""Graph-ready model towers."""

@@ -1,0 +1,91 @@
+"""Tower configurations: named presets and the vision config found in any Qwen3-Omni config layout.
+
+The tower is built from transformers' ``Qwen3OmniMoeVisionEncoderConfig`` so that a config written for the
+transformers encoder builds the same tower. ``check_config`` rejects what this tower (or transformers) cannot run,
+with the offending values named.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeVisionEncoderConfig
+
+VisionConfig = Qwen3OmniMoeVisionEncoderConfig
+
+PRESETS: dict[str, dict] = {
+    # The image tower of Qwen/Qwen3-Omni-30B-A3B-{Instruct,Thinking,Captioner}.
+    "qwen3-omni-30b-a3b": dict(
+        depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, hidden_act="gelu_pytorch_tanh",
+        in_channels=3, patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24], out_hidden_size=2048,
+    ),
+    # Same structure, CPU-fast: tests (the manager's soak test runs it thousands of times) use it.
+    "tiny": dict(
+        depth=4, hidden_size=64, num_heads=4, intermediate_size=128, hidden_act="gelu_pytorch_tanh",
+        in_channels=3, patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64,
+        deepstack_visual_indexes=[0, 1, 3], out_hidden_size=32,
+    ),
+}
+
+
+def preset_config(name: str, **overrides) -> VisionConfig:
+    """The config of preset ``name`` with ``overrides`` (config field names) applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown tower preset {name!r}; known: {', '.join(PRESETS)}")
+    return VisionConfig(**{**copy.deepcopy(PRESETS[name]), **overrides})
+
+
+def vision_config_from_dict(data: Mapping) -> VisionConfig:
+    """The vision config inside a config.json dict: a full Qwen3-Omni config (``thinker_config.vision_config``),
+    a config holding ``vision_config``, or a vision-only config."""
+    data = dict(data)
+    if isinstance(data.get("thinker_config"), Mapping):
+        data = dict(data["thinker_config"])
+    if isinstance(data.get("vision_config"), Mapping):
+        data = dict(data["vision_config"])
+    elif "depth" not in data and "num_heads" not in data:
+        raise ValueError(f"config of model_type {data.get('model_type')!r} holds no vision config: expected "
+                         f"'thinker_config.vision_config', 'vision_config' or vision fields such as 'depth'; "
+                         f"keys: {sorted(data)}")
+    return VisionConfig.from_dict(data)
+
+
+def resolve_config(config) -> VisionConfig:
+    """A ``VisionConfig`` from a preset name, a config dict, a vision config, or a full/thinker config object."""
+    if isinstance(config, str):
+        return preset_config(config)
+    if isinstance(config, Mapping):
+        return vision_config_from_dict(config)
+    for attr in ("thinker_config", "vision_config"):
+        config = getattr(config, attr, config)
+    if not isinstance(config, VisionConfig):
+        raise TypeError(f"expected a preset name, a config dict or a Qwen3OmniMoeVisionEncoderConfig, "
+                        f"got {type(config).__name__}")
+    return config
+
+
+def check_config(config: VisionConfig) -> None:
+    """``ValueError`` naming the values when the tower cannot be built from ``config``."""
+    ints = {name: getattr(config, name) for name in (
+        "depth", "hidden_size", "num_heads", "intermediate_size", "in_channels", "patch_size",
+        "temporal_patch_size", "spatial_merge_size", "num_position_embeddings", "out_hidden_size")}
+    bad = {k: v for k, v in ints.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0}
+    if bad:
+        raise ValueError(f"vision config fields must be positive ints, got {bad}")
+    if config.hidden_size % config.num_heads:
+        raise ValueError(f"hidden_size {config.hidden_size} is not divisible by num_heads {config.num_heads}")
+    head_dim = config.hidden_size // config.num_heads
+    if head_dim % 4:
+        # Axial rotary splits each head in two halves, each rotating (row, col) pairs: 4 must divide it.
+        raise ValueError(f"head_dim {head_dim} (hidden_size {config.hidden_size} / num_heads {config.num_heads}) "
+                         f"must be divisible by 4 for the axial rotary embedding")
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(f"the vision tower supports only axial rope, got rope_type {rope.get('rope_type')!r}")
+    indexes = list(config.deepstack_visual_indexes)
+    out_of_range = [i for i in indexes if not isinstance(i, int) or not 0 <= i < config.depth]
+    if out_of_range or len(set(indexes)) != len(indexes):
+        raise ValueError(f"deepstack_visual_indexes {indexes} must be distinct block indexes in "
+                         f"0..{config.depth - 1} (depth {config.depth})")

@@ -1,0 +1,154 @@
+"""The tower's layers. Attribute names follow transformers' Qwen3-Omni vision encoder, so its state dict loads
+unchanged; the forwards are our own, written for few kernels and no host reads (graph capture).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hwgraph.attention.base import VarlenAttention
+
+
+def activation(name: str):
+    """The block MLP's activation; the common ones directly, anything else through transformers' table."""
+    if name == "gelu_pytorch_tanh":
+        return partial(F.gelu, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d whose kernel equals its stride and its input: one patch row times the flattened kernel.
+
+    The weight stays a Conv3d (checkpoint shape ``[hidden, C, tp, p, p]``); the forward is one matmul over its
+    ``[hidden, C*tp*p*p]`` view, which is the same sum as the convolution, without conv dispatch.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return F.linear(pixel_values.to(weight.dtype), weight.view(weight.shape[0], -1), self.proj.bias)
+
+
+def rotary_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Float32 inverse frequencies of the axial rotary embedding: each spatial axis gets half the head."""
+    half = head_dim // 2
+    return 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half))
+
+
+class AxialRotary(nn.Module):
+    """2-D rotary embedding: the first half of each head rotates with the patch row, the second with the column.
+
+    ``inv_freq`` is a non-persistent float32 buffer, recomputed after every ``to()``/``to_empty()`` so that a
+    bf16 cast never rounds it (transformers keeps it float32 too) and a meta-initialised tower gets real values.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", rotary_inv_freq(head_dim, theta).to(torch.get_default_device()),
+                             persistent=False)
+
+    def reset(self, device: torch.device | str | None = None) -> None:
+        device = self.inv_freq.device if device is None else torch.device(device)
+        if device.type != "meta":
+            self.inv_freq = rotary_inv_freq(self.head_dim, self.theta).to(device)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.reset()
+        return self
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` ``[R, 2]`` int -> ``cos``, ``sin`` ``[R, 1, 1, head_dim]`` float32, shaped to broadcast
+        over ``[R, 2 (q and k), heads, head_dim]``. ``sin`` carries the sign of the rotation (``-sin`` on the
+        first half), so applying it needs one half-swap instead of a negate and a concatenation."""
+        angles = (positions[:, :, None].float() * self.inv_freq).flatten(1)  # [R, head_dim/2]: rows, then cols
+        cos, sin = angles.cos(), angles.sin()
+        cos = torch.cat((cos, cos), dim=-1)
+        sin = torch.cat((-sin, sin), dim=-1)
+        return cos[:, None, None, :], sin[:, None, None, :]
+
+
+def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate q and k together (``qk`` ``[T, 2, heads, head_dim]``) in float32, back to their dtype."""
+    x = qk.float()
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1): with the signed sin, x*cos + swapped*sin is the rotation
+    return (x * cos + swapped * sin).to(qk.dtype)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.hidden_size // config.num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int, attend: VarlenAttention) -> torch.Tensor:
+        tokens = x.shape[0]
+        # [T, 3, H, D] views straight off the matmul: q, k, v stay [T, H, D] without copies.
+        qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)
+        qk = apply_rotary(qkv[:, :2], cos, sin)
+        out = attend(qk[:, 0], qk[:, 1], qkv[:, 2], cu_seqlens, max_seqlen, self.scale)
+        return self.proj(out.reshape(tokens, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(config)
+        self.mlp = VisionMLP(config)
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, attend):
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen, attend)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Merges each ``merge x merge`` block of patches (consecutive rows) into one token of ``out_hidden_size``.
+
+    The final merger normalises each patch before the merge; DeepStack mergers (``postshuffle``) normalise the
+    concatenated block. The MLP's activation is exact GELU whatever the blocks use (as in the checkpoint's model).
+    """
+
+    def __init__(self, config, postshuffle: bool):
+        super().__init__()
+        self.merged_size = config.hidden_size * config.spatial_merge_size**2
+        self.postshuffle = postshuffle
+        self.ln_q = nn.LayerNorm(self.merged_size if postshuffle else config.hidden_size, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(self.merged_size, self.merged_size), nn.GELU(),
+                                 nn.Linear(self.merged_size, config.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.postshuffle:
+            x = self.ln_q(x.view(-1, self.merged_size))
+        else:
+            x = self.ln_q(x).view(-1, self.merged_size)
+        return self.mlp(x)

@@ -1,0 +1,114 @@
+"""Load the tower from a local Hugging Face checkpoint folder (config.json + safetensors, single or sharded).
+
+Only the vision tensors are read (a full Qwen3-Omni checkpoint is ~60 GB; its tower ~1 GB), straight onto the
+target device and dtype. The tower is built on the meta device first, so no memory is spent on a random init.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hwgraph.models.qwen3_omni.config import vision_config_from_dict
+
+# Where the tower's tensors live: a full Qwen3-Omni checkpoint, a tower saved alone, or a bare state dict.
+PREFIXES = ("thinker.visual.", "visual.", "")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not match the tower: the message lists what is missing or unexpected."""
+
+
+def tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file that holds it."""
+    from safetensors import safe_open
+
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    files = [folder / SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors in {folder}; "
+                                f"it holds {sorted(p.name for p in folder.iterdir())}")
+    out = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            out.update((name, file) for name in f.keys())
+    return out
+
+
+def shorten(names, limit: int = 20) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def choose_prefix(available, wanted) -> str:
+    """The prefix under which most of the tower's tensors are found; ``CheckpointError`` when none is."""
+    available = set(available)
+    hits = {prefix: sum(prefix + name in available for name in wanted) for prefix in PREFIXES}
+    best = max(PREFIXES, key=lambda p: hits[p])  # ties go to the first (most specific) prefix
+    if hits[best] == 0:
+        raise CheckpointError(f"the checkpoint holds none of the tower's tensors under any of the prefixes "
+                              f"{list(PREFIXES)} (e.g. {next(iter(wanted))!r}); it holds: {shorten(available)}")
+    return best
+
+
+def read_vision_tensors(folder: Path, expected: dict[str, torch.Size], device: torch.device,
+                        dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The tower's tensors (names without prefix), checked against ``expected`` names and shapes."""
+    from safetensors import safe_open
+
+    files = tensor_files(folder)
+    prefix = choose_prefix(files, expected)
+    found = {name[len(prefix):] for name in files if name.startswith(prefix)}
+    missing, unexpected = set(expected) - found, found - set(expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {folder} does not match the tower (tensor prefix {prefix!r}): "
+            f"missing {len(missing)}: [{shorten(missing)}]; unexpected {len(unexpected)}: [{shorten(unexpected)}]")
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[prefix + name], []).append(name)
+    tensors, wrong = {}, []
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in names:
+                shape = torch.Size(f.get_slice(prefix + name).get_shape())
+                if shape != expected[name]:
+                    wrong.append(f"{name} {tuple(shape)} (tower {tuple(expected[name])})")
+                    continue
+                tensor = f.get_tensor(prefix + name)
+                tensors[name] = tensor if dtype is None else tensor.to(dtype)
+    if wrong:
+        raise CheckpointError(f"checkpoint {folder} has tensors of the wrong shape (is config.json the one "
+                              f"of these weights?): {shorten(wrong)}")
+    return tensors
+
+
+def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attention=None, tower_cls=None):
+    """A tower with the weights of the local checkpoint folder ``path``.
+
+    config.json may be a full Qwen3-Omni config, a thinker config or a vision-only config; tensors may sit
+    under ``thinker.visual.``, ``visual.`` or no prefix. ``dtype`` None keeps the checkpoint's dtype; ``device``
+    defaults to the CPU. Missing, unexpected or misshapen tensors raise ``CheckpointError`` listing them.
+    """
+    if tower_cls is None:
+        from hwgraph.models.qwen3_omni.tower import Qwen3OmniVisionTower as tower_cls
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {folder} (expected a local Hugging Face checkpoint folder)")
+    config = vision_config_from_dict(json.loads(config_file.read_text()))
+    device = torch.device(device if device is not None else "cpu")
+    with torch.device("meta"):
+        tower = tower_cls(config, attention=attention)
+    expected = {name: t.shape for name, t in tower.state_dict().items()}
+    tower.load_state_dict(read_vision_tensors(folder, expected, device, dtype), strict=True, assign=True)
+    tower.rotary_pos_emb.reset(device)  # non-persistent: not in the checkpoint, still on meta
+    return tower.eval()

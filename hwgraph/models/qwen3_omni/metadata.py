@@ -1,0 +1,264 @@
+"""Host metadata of one forward: everything the tower derives from the image grids, computed with numpy.
+
+Patch rows arrive in *merge order*: within a frame, patches are grouped in ``merge x merge`` blocks (block row,
+block column, row in block, column in block), so that every ``merge**2`` consecutive rows form one merged token.
+All per-patch tables below are laid out in that order and repeated over a grid's ``t`` frames.
+
+The bilinear weights reproduce transformers' float32 arithmetic step by step (``src = i * (side - 1) / (n - 1)``,
+``w = 1 - |src - floor - offset|``), so the eager tower equals the reference exactly, not just closely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+Grid = tuple[tuple[int, int, int], ...]
+
+TENSOR_FIELDS = ("pos_indices", "pos_weights", "rotary_positions", "cu_seqlens")
+
+
+# eq=False: comparing tensors would call bool() on them, a device read; the repr stays one line for logs.
+@dataclass(eq=False, repr=False)
+class VisionMetadata:
+    """What ``forward_with_metadata`` needs besides the pixels. ``R`` is the number of patch rows the forward
+    expects: the real patch count, or more after ``padded()``; ``S`` the number of attention sequences.
+
+    - ``pos_indices`` ``[4, R]`` int64: rows of the learned position table blended for each patch;
+    - ``pos_weights`` ``[4, R]`` float32: their bilinear weights (0 on padding rows);
+    - ``rotary_positions`` ``[R, 2]`` int64: (row, column) of each patch in its frame;
+    - ``cu_seqlens`` ``[S + 1]`` int32: cumulative frame lengths; every frame is one attention sequence;
+    - ``max_seqlen`` host int: the longest sequence (after ``padded()``, the value graphs are captured with).
+
+    Host fields describe the real images: ``grid_thw``, per-image ``patch_counts`` (t*h*w) and ``token_counts``
+    (t*h*w / merge**2). Tensors live on the host until ``to(device)``.
+    """
+
+    grid_thw: Grid
+    spatial_merge_size: int
+    pos_indices: torch.Tensor
+    pos_weights: torch.Tensor
+    rotary_positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    patch_counts: tuple[int, ...]
+    token_counts: tuple[int, ...]
+
+    @property
+    def num_images(self) -> int:
+        return len(self.grid_thw)
+
+    @property
+    def num_patches(self) -> int:
+        """Real patches (pixel rows of the images), padding excluded."""
+        return sum(self.patch_counts)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real merged tokens, padding excluded."""
+        return sum(self.token_counts)
+
+    @property
+    def num_frames(self) -> int:
+        """Real attention sequences (one per frame)."""
+        return sum(t for t, _, _ in self.grid_thw)
+
+    @property
+    def num_rows(self) -> int:
+        """Pixel rows the forward expects (``num_patches`` unless padded)."""
+        return int(self.pos_indices.shape[1])
+
+    @property
+    def num_token_rows(self) -> int:
+        """Merged-token rows the forward returns (``num_tokens`` unless padded)."""
+        return self.num_rows // self.spatial_merge_size**2
+
+    @property
+    def num_seqs(self) -> int:
+        """Attention sequences, zero-length padding sequences included."""
+        return int(self.cu_seqlens.shape[0]) - 1
+
+    @property
+    def is_padded(self) -> bool:
+        return self.num_rows != self.num_patches or self.num_seqs != self.num_frames
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
+    def __repr__(self) -> str:
+        return (f"VisionMetadata(grid_thw={list(self.grid_thw)}, rows={self.num_rows}, tokens={self.num_tokens}, "
+                f"seqs={self.num_seqs}, max_seqlen={self.max_seqlen}, device={self.device})")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensor fields by name (the static inputs a captured graph reads)."""
+        return {name: getattr(self, name) for name in TENSOR_FIELDS}
+
+    def to(self, device: torch.device | str) -> VisionMetadata:
+        """A copy whose tensors are on ``device`` (asynchronous host-to-device copies; no sync)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        moved = {name: t.to(device, non_blocking=True) for name, t in self.tensors().items()}
+        return dataclasses.replace(self, **moved)
+
+    def pin_memory(self) -> VisionMetadata:
+        """A copy with pinned host tensors, so that ``to()``/``copy_from()`` into an accelerator are truly
+        asynchronous (needs an accelerator runtime)."""
+        return dataclasses.replace(self, **{name: t.pin_memory() for name, t in self.tensors().items()})
+
+    def padded(self, num_patches: int, num_seqs: int, max_seqlen: int | None = None) -> VisionMetadata:
+        """This metadata grown to ``num_patches`` rows and ``num_seqs`` sequences, for a captured graph.
+
+        Extra rows get position index 0, weight 0 and rotary position 0; ``cu_seqlens`` repeats its last value,
+        so extra sequences are empty and extra rows belong to none. ``max_seqlen`` becomes the capture value
+        (default ``num_patches``). ``ValueError`` when the images do not fit.
+        """
+        merge_area = self.spatial_merge_size**2
+        max_seqlen = num_patches if max_seqlen is None else max_seqlen
+        problems = []
+        if num_patches < self.num_rows:
+            problems.append(f"{self.num_rows} patch rows do not fit in num_patches={num_patches}")
+        if num_patches % merge_area:
+            problems.append(f"num_patches={num_patches} is not a multiple of spatial_merge_size**2={merge_area}")
+        if num_seqs < self.num_seqs:
+            problems.append(f"{self.num_seqs} sequences (frames) do not fit in num_seqs={num_seqs}")
+        if max_seqlen < self.max_seqlen:
+            problems.append(f"the longest sequence ({self.max_seqlen} patches) exceeds max_seqlen={max_seqlen}")
+        if problems:
+            raise ValueError("cannot pad the metadata of grids " + str(list(self.grid_thw)) + ": "
+                             + "; ".join(problems))
+        rows, seqs = num_patches - self.num_rows, num_seqs - self.num_seqs
+        # torch ops (not numpy) so that device metadata pads on its device, without reading it back.
+        return dataclasses.replace(
+            self,
+            pos_indices=torch.nn.functional.pad(self.pos_indices, (0, rows)),
+            pos_weights=torch.nn.functional.pad(self.pos_weights, (0, rows)),
+            rotary_positions=torch.nn.functional.pad(self.rotary_positions, (0, 0, 0, rows)),
+            cu_seqlens=torch.cat((self.cu_seqlens, self.cu_seqlens[-1:].expand(seqs))),
+            max_seqlen=max_seqlen,
+        )
+
+    def copy_from(self, src: VisionMetadata) -> VisionMetadata:
+        """Overwrite these (static, e.g. device) tensors in place with ``src``'s; shapes and ``max_seqlen`` must
+        match, since a captured graph keeps both. Host fields follow ``src``. Returns self."""
+        mismatched = [f"{name} {tuple(dst.shape)} vs {tuple(getattr(src, name).shape)}"
+                      for name, dst in self.tensors().items() if dst.shape != getattr(src, name).shape]
+        if mismatched or src.max_seqlen != self.max_seqlen or src.spatial_merge_size != self.spatial_merge_size:
+            raise ValueError(f"metadata does not match these static buffers (pad it with the same num_patches, "
+                             f"num_seqs and max_seqlen): {'; '.join(mismatched)} max_seqlen {self.max_seqlen} vs "
+                             f"{src.max_seqlen}")
+        for name, dst in self.tensors().items():
+            dst.copy_(getattr(src, name), non_blocking=True)
+        self.grid_thw, self.patch_counts, self.token_counts = src.grid_thw, src.patch_counts, src.token_counts
+        return self
+
+
+def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
+    """``grid_thw`` (rows of (t, h, w): a list, or an int array/tensor on the host) as a tuple of int triples.
+
+    ``ValueError`` naming the values for an empty grid, a malformed row, non-positive entries, or h, w not
+    divisible by the merge size. A device tensor is refused: reading it would synchronise with the device.
+    """
+    if isinstance(grid_thw, torch.Tensor):
+        if grid_thw.device.type != "cpu":
+            raise ValueError(f"grid_thw is on {grid_thw.device}; pass it on the host (a list or a CPU tensor): "
+                             f"reading a device tensor would synchronise with the device")
+        grid_thw = grid_thw.numpy()
+    if isinstance(grid_thw, np.ndarray):
+        if grid_thw.dtype.kind not in "iu":
+            raise ValueError(f"grid_thw must hold integers, got dtype {grid_thw.dtype}")
+        if grid_thw.size and (grid_thw.ndim != 2 or grid_thw.shape[1] != 3):
+            raise ValueError(f"grid_thw must be [images, 3] (t, h, w rows), got shape {grid_thw.shape}")
+        rows = grid_thw.tolist()
+    elif isinstance(grid_thw, Sequence) and not isinstance(grid_thw, str):
+        rows = list(grid_thw)
+    else:
+        raise ValueError(f"grid_thw must be a list of (t, h, w) rows or an int array, got {type(grid_thw).__name__}")
+    if not rows:
+        raise ValueError("grid_thw is empty: at least one (t, h, w) image grid is needed")
+    grid = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, (Sequence, np.ndarray)) or len(row) != 3:
+            raise ValueError(f"grid_thw[{i}] = {row!r} is not a (t, h, w) row; grid_thw must be a list of "
+                             f"(t, h, w) rows, e.g. [(1, 32, 32)]")
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in row):
+            raise ValueError(f"grid_thw[{i}] = {tuple(row)} must hold ints")
+        t, h, w = (int(x) for x in row)
+        if min(t, h, w) <= 0:
+            raise ValueError(f"grid_thw[{i}] = {(t, h, w)}: t, h and w must be positive")
+        if h % spatial_merge_size or w % spatial_merge_size:
+            raise ValueError(f"grid_thw[{i}] = {(t, h, w)}: h and w must be divisible by the spatial merge size "
+                             f"{spatial_merge_size}")
+        grid.append((t, h, w))
+    return tuple(grid)
+
+
+def merge_order_coords(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) of each patch of an h x w frame, listed in merge order."""
+    rows, cols = np.indices((h, w), dtype=np.int64)
+    blocked = (h // merge, merge, w // merge, merge)
+    return (rows.reshape(blocked).transpose(0, 2, 1, 3).ravel(),
+            cols.reshape(blocked).transpose(0, 2, 1, 3).ravel())
+
+
+def axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Two bilinear taps into a ``side``-long table (align_corners) for positions ``index`` of an axis of
+    ``size``: (tap0, tap1, weight0, weight1), weights in float32 computed the way transformers does."""
+    f32 = np.float32
+    src = index.astype(f32) * f32(side - 1) / f32(max(size - 1, 1))
+    floor = np.floor(src)
+    frac = src - floor
+    tap0 = np.minimum(floor.astype(np.int64), side - 1)
+    tap1 = np.minimum(tap0 + 1, side - 1)
+    weight0 = np.maximum(f32(1) - np.abs(frac), f32(0))
+    weight1 = np.maximum(f32(1) - np.abs(frac - f32(1)), f32(0))
+    return tap0, tap1, weight0, weight1
+
+
+@lru_cache(maxsize=512)
+def frame_tables(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-frame tables in merge order: position indices ``[4, h*w]``, weights ``[4, h*w]``, rotary ``[h*w, 2]``.
+
+    Cached: a server sees the same few image sizes again and again. The arrays are read-only.
+    """
+    rows, cols = merge_order_coords(h, w, merge)
+    r0, r1, rw0, rw1 = axis_taps(rows, h, side)
+    c0, c1, cw0, cw1 = axis_taps(cols, w, side)
+    indices = np.stack((r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1))
+    weights = np.stack((rw0 * cw0, rw0 * cw1, rw1 * cw0, rw1 * cw1))
+    rotary = np.stack((rows, cols), axis=1)
+    for table in (indices, weights, rotary):
+        table.flags.writeable = False
+    return indices, weights, rotary
+
+
+def prepare_metadata(grid_thw, spatial_merge_size: int, num_grid_per_side: int) -> VisionMetadata:
+    """Host metadata for images of ``grid_thw`` (see ``VisionMetadata``); numpy only, never the device."""
+    grid = normalize_grid(grid_thw, spatial_merge_size)
+    indices, weights, rotary, seqlens = [], [], [], []
+    for t, h, w in grid:
+        idx, wts, rot = frame_tables(h, w, spatial_merge_size, num_grid_per_side)
+        indices.append(np.tile(idx, (1, t)))
+        weights.append(np.tile(wts, (1, t)))
+        rotary.append(np.tile(rot, (t, 1)))
+        seqlens.extend([h * w] * t)
+    cu_seqlens = np.zeros(len(seqlens) + 1, dtype=np.int32)
+    np.cumsum(seqlens, out=cu_seqlens[1:])
+    patch_counts = tuple(t * h * w for t, h, w in grid)
+    return VisionMetadata(
+        grid_thw=grid,
+        spatial_merge_size=spatial_merge_size,
+        pos_indices=torch.from_numpy(np.concatenate(indices, axis=1)),
+        pos_weights=torch.from_numpy(np.concatenate(weights, axis=1)),
+        rotary_positions=torch.from_numpy(np.concatenate(rotary, axis=0)),
+        cu_seqlens=torch.from_numpy(cu_seqlens),
+        max_seqlen=max(seqlens),
+        patch_counts=patch_counts,
+        token_counts=tuple(n // spatial_merge_size**2 for n in patch_counts),
+    )

@@ -1,0 +1,207 @@
+"""The graph-ready Qwen3-Omni image tower: host metadata in, device-only forward out.
+
+``forward(pixels, grid)`` equals transformers' ``Qwen3OmniMoeVisionEncoder`` (same state dict names and shapes).
+It is split so that a device graph can be captured per input size: ``prepare_metadata(grid)`` does all the
+grid-dependent work on the host, ``forward_with_metadata(pixels, metadata)`` only launches device work whose
+shapes depend on the metadata's shapes alone (no ``.item()``, ``.tolist()``, ``.cpu()``, or data-dependent shapes).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from hwgraph.attention.base import KernelSpec, VarlenAttention
+from hwgraph.capability import Capability
+from hwgraph.models.qwen3_omni.config import VisionConfig, check_config, preset_config, resolve_config
+from hwgraph.models.qwen3_omni.layers import AxialRotary, PatchEmbed, PatchMerger, VisionBlock
+from hwgraph.models.qwen3_omni.metadata import VisionMetadata, prepare_metadata
+from hwgraph.models.qwen3_omni.output import VisionOutput
+from hwgraph.platform import KINDS, PlatformInfo, detect
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+
+def platform_for_device(device: torch.device) -> PlatformInfo:
+    """The platform that serves ``device``: a CPU tower on a GPU machine must get a CPU kernel."""
+    info = detect()
+    if device.type in ("cpu", "meta") and info.kind != "cpu":
+        return PlatformInfo("cpu", "cpu", None, info.torch_version, None, None, 0)
+    return info
+
+
+def callable_spec(fn: VarlenAttention) -> KernelSpec:
+    """A spec for a kernel passed in as a plain callable; graph-safe unless it says ``fn.graph_safe = False``."""
+    return KernelSpec(
+        name=getattr(fn, "__name__", type(fn).__name__), impl_path="", kinds=KINDS,
+        dtypes=(torch.float32, torch.bfloat16, torch.float16), head_dims=(1, 1 << 16),
+        graph_safe=bool(getattr(fn, "graph_safe", True)), gate=lambda platform: Capability.available(),
+        description="a callable given to the tower",
+    )
+
+
+class Qwen3OmniVisionTower(nn.Module):
+    """The Qwen3-Omni image tower. ``config``: a ``Qwen3OmniMoeVisionEncoderConfig``, a preset name, a config
+    dict or a full Qwen3-Omni config. ``attention``: a kernel name, a ``VarlenAttention`` callable, or None for
+    the best kernel available where the tower runs (chosen at first use, again after each ``to()``)."""
+
+    output_type = VisionOutput
+
+    def __init__(self, config: VisionConfig | str | dict, attention: str | VarlenAttention | None = None):
+        super().__init__()
+        config = resolve_config(config)
+        check_config(config)
+        self.config = config
+        # Registration order follows transformers' encoder, so state_dict() lists names in the same order.
+        self.merger_list = nn.ModuleList(
+            PatchMerger(config, postshuffle=True) for _ in config.deepstack_visual_indexes)
+        self.patch_embed = PatchEmbed(config)
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.num_grid_per_side = int(config.num_position_embeddings**0.5)
+        self.rotary_pos_emb = AxialRotary(self.head_dim, float((config.rope_parameters or {}).get("rope_theta", 1e4)))
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config, postshuffle=False)
+        self.deepstack_visual_indexes = tuple(config.deepstack_visual_indexes)
+        # block index -> DeepStack merger index (features come out in block order, as in transformers)
+        self.deepstack_after = {layer: i for i, layer in enumerate(self.deepstack_visual_indexes)}
+        self._attention_request = attention
+        self._attention: tuple[KernelSpec, VarlenAttention] | None = None
+
+    @classmethod
+    def from_preset(cls, name: str, attention: str | VarlenAttention | None = None,
+                    **overrides) -> Qwen3OmniVisionTower:
+        """A randomly initialised tower of preset ``name`` (see ``PRESETS``); ``overrides`` are config fields."""
+        return cls(preset_config(name, **overrides), attention=attention)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None,
+                        attention: str | VarlenAttention | None = None) -> Qwen3OmniVisionTower:
+        """The tower with the weights of a local checkpoint folder (see ``loading.from_pretrained``)."""
+        from hwgraph.models.qwen3_omni.loading import from_pretrained
+
+        return from_pretrained(path, dtype=dtype, device=device, attention=attention, tower_cls=cls)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def spatial_merge_size(self) -> int:
+        return self.config.spatial_merge_size
+
+    @property
+    def patch_row_width(self) -> int:
+        """Width of one pixel row: in_channels * temporal_patch_size * patch_size**2."""
+        c = self.config
+        return c.in_channels * c.temporal_patch_size * c.patch_size**2
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def out_hidden_size(self) -> int:
+        return self.config.out_hidden_size
+
+    @property
+    def num_deepstack(self) -> int:
+        return len(self.deepstack_visual_indexes)
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.hidden_size // self.config.num_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embed.proj.weight.device
+
+    # ------------------------------------------------------------------ attention
+    def set_attention(self, name: str | VarlenAttention | None = None, platform: PlatformInfo | None = None):
+        """Choose the attention kernel now; returns the registry's ``SelectedKernel`` (or a spec for a callable).
+
+        ``name``: a kernel name (honoured or ``SelectionError`` with the reasons), ``"auto"``, a callable, or None
+        to keep what the tower was built with. Automatic choice uses the tower's dtype and head dim, on
+        ``platform`` (default: the platform serving the tower's device).
+        """
+        from hwgraph.attention.registry import SelectedKernel, choose_attention
+
+        if name is not None:
+            self._attention_request = name
+        request = self._attention_request
+        if callable(request):
+            spec = callable_spec(request)
+            self._attention = (spec, request)
+            return SelectedKernel(spec, request, "callable given to the tower")
+        selected = choose_attention(None if request in (None, AUTO) else request,
+                                    platform or platform_for_device(self.device),
+                                    dtype=self.dtype, head_dim=self.head_dim)
+        self._attention = (selected.spec, selected.fn)
+        log.debug("tower attention %s (%s)", selected.spec.name, selected.reason)
+        return selected
+
+    @property
+    def attention_spec(self) -> KernelSpec:
+        if self._attention is None:
+            self.set_attention()
+        return self._attention[0]
+
+    @property
+    def attention_kernel(self) -> str:
+        """Name of the attention kernel the forward uses (chosen now if not yet)."""
+        return self.attention_spec.name
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if not callable(self._attention_request):
+            self._attention = None  # the device or dtype may have changed: choose again at next use
+        return self
+
+    # ------------------------------------------------------------------ forward
+    def prepare_metadata(self, grid_thw) -> VisionMetadata:
+        """Host metadata for images of ``grid_thw`` (list of (t, h, w), or an int array/tensor on the host)."""
+        return prepare_metadata(grid_thw, self.spatial_merge_size, self.num_grid_per_side)
+
+    def check_pixels(self, pixel_values: torch.Tensor, metadata: VisionMetadata) -> None:
+        """``ValueError`` unless ``pixel_values`` is ``[metadata.num_rows, patch_row_width]`` (shapes only)."""
+        if pixel_values.dim() != 2 or pixel_values.shape[1] != self.patch_row_width:
+            c = self.config
+            raise ValueError(f"pixel_values must be [patches, {self.patch_row_width}] (row width = in_channels "
+                             f"{c.in_channels} * temporal_patch_size {c.temporal_patch_size} * patch_size "
+                             f"{c.patch_size}**2), got shape {tuple(pixel_values.shape)}")
+        if pixel_values.shape[0] != metadata.num_rows:
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows but grids {list(metadata.grid_thw)} "
+                             f"need {metadata.num_rows} patch rows")
+
+    def forward_with_metadata(self, pixel_values: torch.Tensor, metadata: VisionMetadata) -> VisionOutput:
+        """Device work only. ``pixel_values`` ``[R, patch_row_width]`` in merge order; returns ``[R / merge**2,
+        out_hidden]`` rows (padding rows included when the metadata is padded). Host metadata is copied to the
+        pixels' device first (asynchronously); for graph capture pass metadata already on the device."""
+        self.check_pixels(pixel_values, metadata)
+        metadata = metadata.to(pixel_values.device)
+        if self._attention is None:
+            self.set_attention()
+        attend = self._attention[1]
+        x = self.patch_embed(pixel_values)
+        x = x + self.position_embeddings(metadata.pos_indices, metadata.pos_weights).to(x.dtype)
+        cos, sin = self.rotary_pos_emb(metadata.rotary_positions)
+        deepstack = []
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cos, sin, metadata.cu_seqlens, metadata.max_seqlen, attend)
+            merger = self.deepstack_after.get(layer)
+            if merger is not None:
+                deepstack.append(self.merger_list[merger](x))
+        return VisionOutput(self.merger(x), tuple(deepstack))
+
+    def position_embeddings(self, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Bilinear blend of the learned position table: ``[4, R]`` indices and weights -> ``[R, hidden]``
+        (float32 when the table is lower precision: the weights are float32, as in transformers)."""
+        return (self.pos_embed(indices) * weights[:, :, None]).sum(0)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw) -> VisionOutput:
+        """Eager forward: ``prepare_metadata(grid_thw)`` then ``forward_with_metadata``."""
+        return self.forward_with_metadata(pixel_values, self.prepare_metadata(grid_thw))

@@ -1,0 +1,435 @@
+"""The Qwen3-Omni image tower against transformers' encoder: outputs, names, loading, metadata, sync-freedom."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from hwgraph.graphs.base import HostSyncError
+from hwgraph.graphs.cpu import CpuGraphBackend
+from hwgraph.models.qwen3_omni import (
+    PRESETS,
+    CheckpointError,
+    Qwen3OmniVisionTower,
+    VisionOutput,
+    from_pretrained,
+    preset_config,
+)
+from hwgraph.models.qwen3_omni.reference import as_vision_output, reference_encoder, run_reference
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core box: more intra-op threads only spin against each other (10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def masked_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+    """A sync-free varlen attention for these tests: a block-diagonal mask built on the device from cu_seqlens;
+    rows past cu_seqlens[-1] give zeros (the kernel contract)."""
+    rows = torch.arange(q.shape[0], device=q.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens[1:], rows, right=True)
+    valid = rows < cu_seqlens[-1]
+    mask = (seq[:, None] == seq[None, :]) & valid[:, None] & valid[None, :]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale).transpose(0, 1)
+    return torch.where(valid[:, None, None], out, 0.0)
+
+
+# A second config that differs from "tiny" in every dimension the forward depends on: heads, head_dim, depth,
+# MLP activation, patch size, position-table side, out hidden, and unsorted DeepStack indexes.
+SMALL = dict(depth=3, hidden_size=96, num_heads=3, intermediate_size=80, hidden_act="gelu", in_channels=3,
+             patch_size=2, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=36,
+             deepstack_visual_indexes=[2, 0], out_hidden_size=48)
+CONFIGS = {"tiny": preset_config("tiny"), "small": preset_config("tiny", **SMALL)}
+
+GRIDS = {
+    "one image": [(1, 8, 8)],
+    "several sizes": [(1, 4, 4), (1, 8, 12), (1, 2, 2)],
+    "non-square": [(1, 6, 14), (1, 12, 4)],
+    "video frames": [(2, 4, 6)],
+    "mixed": [(2, 8, 4), (1, 10, 6), (3, 2, 4)],
+    "larger than the position table": [(1, 20, 18)],
+}
+
+
+def perturbed(tower: Qwen3OmniVisionTower, seed: int = 0) -> Qwen3OmniVisionTower:
+    """Norm weights of 1 and biases of 0 would hide a swapped or skipped norm: make every tensor distinct."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return tower.eval()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request):
+    torch.manual_seed(0)
+    tower = perturbed(Qwen3OmniVisionTower(CONFIGS[request.param], attention=masked_attention))
+    return tower, reference_encoder(tower)
+
+
+def pixels_for(tower, grid, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(t * h * w for t, h, w in grid), tower.patch_row_width, generator=g)
+
+
+def assert_same_output(got: VisionOutput, want: VisionOutput, **tol):
+    torch.testing.assert_close(got.embeds, want.embeds, **tol)
+    assert len(got.deepstack) == len(want.deepstack)
+    for i, (g, w) in enumerate(zip(got.deepstack, want.deepstack, strict=True)):
+        torch.testing.assert_close(g, w, msg=lambda m, i=i: f"DeepStack feature {i}: {m}", **tol)
+
+
+# ---------------------------------------------------------------------------------------------- equality
+@pytest.mark.parametrize("grid", list(GRIDS.values()), ids=list(GRIDS))
+def test_forward_equals_transformers_for_merged_output_and_every_deepstack_feature(pair, grid):
+    tower, reference = pair
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        got, want = tower(pixels, grid), run_reference(reference, pixels, grid)
+    assert got.embeds.shape == (sum(t * h * w for t, h, w in grid) // 4, tower.out_hidden_size)
+    assert len(got.deepstack) == tower.num_deepstack
+    assert_same_output(got, want)
+
+
+def test_grid_as_int_tensor_or_array_gives_the_same_output(pair):
+    tower, _ = pair
+    grid = [(1, 4, 6), (2, 2, 4)]
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        want = tower(pixels, grid)
+        for form in (torch.tensor(grid), np.array(grid, dtype=np.int32)):
+            assert_same_output(tower(pixels, form), want, rtol=0, atol=0)
+
+
+def test_split_returns_each_images_rows(pair):
+    tower, _ = pair
+    grid = [(1, 4, 4), (1, 8, 12), (2, 2, 2)]
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        whole = tower(pixels, grid)
+        parts = whole.split(tower.prepare_metadata(grid).token_counts)
+        alone = tower(pixels[16:112], [grid[1]])
+    assert [p.num_tokens for p in parts] == [4, 24, 2]
+    assert_same_output(parts[1], alone)
+    with pytest.raises(ValueError, match="do not fit"):
+        whole.split([4, 24, 3])
+
+
+def test_metadata_equals_transformers_vision_helpers_bit_for_bit():
+    utils = pytest.importorskip("transformers.vision_utils")
+    if not hasattr(utils, "get_vision_interpolation_indices_and_weights"):
+        pytest.skip("this transformers has no get_vision_interpolation_indices_and_weights")
+    tower = Qwen3OmniVisionTower.from_preset("tiny")
+    grid = [(1, 8, 8), (2, 6, 4), (1, 2, 30), (1, 16, 2)]
+    meta = tower.prepare_metadata(grid)
+    grid_t = torch.tensor(grid)
+    indices, weights = utils.get_vision_interpolation_indices_and_weights(
+        grid_t, tower.num_grid_per_side, mode="bilinear", align_corners=True, spatial_merge_size=2)
+    torch.testing.assert_close(meta.pos_indices, indices.T, rtol=0, atol=0)
+    torch.testing.assert_close(meta.pos_weights, weights.T, rtol=0, atol=0)
+    torch.testing.assert_close(meta.rotary_positions, utils.get_vision_position_ids(grid_t, 2), rtol=0, atol=0)
+    torch.testing.assert_close(meta.cu_seqlens, utils.get_vision_cu_seqlens(grid_t), rtol=0, atol=0)
+    assert meta.max_seqlen == 64 and meta.patch_counts == (64, 48, 60, 32) and meta.token_counts == (16, 12, 15, 8)
+
+
+def test_bfloat16_tower_stays_close_to_the_bfloat16_reference():
+    torch.manual_seed(1)
+    tower = perturbed(Qwen3OmniVisionTower(CONFIGS["tiny"], attention=masked_attention)).to(torch.bfloat16)
+    assert tower.rotary_pos_emb.inv_freq.dtype == torch.float32  # never rounded by the cast
+    reference = reference_encoder(tower)
+    assert reference.rotary_pos_emb.inv_freq.dtype == torch.float32
+    grid = [(1, 8, 8), (1, 4, 6)]
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        got, want = tower(pixels, grid), run_reference(reference, pixels, grid)
+    assert got.embeds.dtype == torch.bfloat16
+    scale = want.embeds.float().abs().max().item()
+    for g, w in zip(got.tensors(), want.tensors(), strict=True):
+        assert (g.float() - w.float()).abs().max().item() <= 0.05 * scale
+
+
+def test_reference_encoder_from_a_preset_name_runs():
+    reference = reference_encoder("tiny")
+    grid = [(1, 4, 4)]
+    out = run_reference(reference, torch.randn(16, 96), grid)
+    assert out.embeds.shape == (4, 32) and len(out.deepstack) == 3
+
+
+def test_reference_output_adapter_reads_objects_and_tuples():
+    merged, deep = torch.zeros(2, 3), [torch.ones(2, 3)]
+
+    class Obj:
+        pooler_output, deepstack_features = merged, deep
+
+    for out in (Obj(), (torch.zeros(8, 5), merged, deep), (merged, deep)):
+        got = as_vision_output(out)
+        assert got.embeds is merged and got.deepstack == (deep[0],)
+    with pytest.raises(TypeError, match="cannot read"):
+        as_vision_output(merged)
+
+
+# ---------------------------------------------------------------------------------------------- names and sizes
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_state_dict_names_and_shapes_equal_transformers(name):
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
+
+    with torch.device("meta"):
+        ours = Qwen3OmniVisionTower(CONFIGS[name]).state_dict()
+        theirs = Qwen3OmniMoeVisionEncoder(CONFIGS[name]).state_dict()
+    assert list(ours) == list(theirs)
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    assert not any("inv_freq" in k for k in ours)
+
+
+def test_real_preset_has_the_qwen3_omni_30b_a3b_shapes_and_parameter_count():
+    with torch.device("meta"):
+        tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b")
+    c = tower.config
+    assert (c.depth, c.hidden_size, c.num_heads, c.intermediate_size, c.patch_size, c.temporal_patch_size,
+            c.spatial_merge_size, c.num_position_embeddings, c.out_hidden_size) == \
+        (27, 1152, 16, 4304, 16, 2, 2, 2304, 2048)
+    assert tower.deepstack_visual_indexes == (8, 16, 24) and tower.num_deepstack == 3
+    assert (tower.head_dim, tower.patch_row_width, tower.spatial_merge_size) == (72, 1536, 2)
+    d, m, merged, out = 1152, 4304, 4 * 1152, 2048
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d)
+    merger_mlp = merged * merged + merged + merged * out + out
+    want = (d * 1536 + d) + 2304 * d + 27 * block + (2 * d + merger_mlp) + 3 * (2 * merged + merger_mlp)
+    count = sum(p.numel() for p in tower.parameters())
+    assert count == want == 538_631_408  # 1.08 GB in bf16
+    assert tower.blocks[0].attn.qkv.weight.shape == (3456, 1152)
+    assert tower.patch_embed.proj.weight.shape == (1152, 3, 2, 16, 16)
+    assert tower.merger_list[0].ln_q.weight.shape == (4608,) and tower.merger.ln_q.weight.shape == (1152,)
+
+
+def test_presets_and_config_checks():
+    assert set(PRESETS) >= {"tiny", "qwen3-omni-30b-a3b"}
+    with pytest.raises(ValueError, match="unknown tower preset 'nope'"):
+        Qwen3OmniVisionTower.from_preset("nope")
+    with pytest.raises(ValueError, match="head_dim 18"):
+        Qwen3OmniVisionTower.from_preset("tiny", hidden_size=72)
+    with pytest.raises(ValueError, match=r"deepstack_visual_indexes \[0, 4\]"):
+        Qwen3OmniVisionTower.from_preset("tiny", deepstack_visual_indexes=[0, 4])
+    assert Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[1]).num_deepstack == 1
+
+
+# ---------------------------------------------------------------------------------------------- attention choice
+def test_attention_callable_and_explicit_names():
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention=masked_attention)
+    assert tower.attention_kernel == "masked_attention" and tower.attention_spec.graph_safe
+    from hwgraph.registry import SelectionError
+
+    with pytest.raises(SelectionError, match="unknown attention kernel 'NO_SUCH'"):
+        tower.set_attention("NO_SUCH")
+
+
+def test_registry_kernel_is_chosen_for_the_towers_dtype_and_equals_the_reference():
+    pytest.importorskip("hwgraph.attention.sdpa", reason="TORCH_SDPA not written yet")
+    torch.manual_seed(2)
+    tower = perturbed(Qwen3OmniVisionTower.from_preset("tiny"))
+    assert tower.attention_kernel == "TORCH_SDPA"  # the CPU choice
+    assert tower.set_attention("TORCH_SDPA").spec.name == "TORCH_SDPA"
+    grid = [(1, 8, 8), (2, 4, 4)]
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        assert_same_output(tower(pixels, grid), run_reference(reference_encoder(tower), pixels, grid))
+
+
+# ---------------------------------------------------------------------------------------------- metadata
+@pytest.mark.parametrize("grid, match", [
+    ([], "empty"),
+    ([(1, 0, 4)], r"grid_thw\[0\] = \(1, 0, 4\): t, h and w must be positive"),
+    ([(1, 4, 4), (-1, 4, 4)], r"grid_thw\[1\] = \(-1, 4, 4\)"),
+    ([(1, 4, 6), (1, 6, 5)], r"grid_thw\[1\] = \(1, 6, 5\): h and w must be divisible by the spatial merge size 2"),
+    ([(1, 4)], r"is not a \(t, h, w\) row"),
+    ((1, 4, 4), r"is not a \(t, h, w\) row"),
+    ([(1.0, 4, 4)], "must hold ints"),
+    (torch.tensor([[1.0, 4, 4]]), "must hold integers"),
+    ("1x4x4", "must be a list of"),
+    (torch.tensor([1, 4, 4]), r"must be \[images, 3\]"),
+])
+def test_bad_grids_raise_value_errors_naming_the_values(grid, match):
+    tower = Qwen3OmniVisionTower.from_preset("tiny")
+    with pytest.raises(ValueError, match=match):
+        tower.prepare_metadata(grid)
+
+
+def test_pixels_that_do_not_match_the_grid_raise_value_errors():
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention=masked_attention)
+    with pytest.raises(ValueError, match=r"has 60 rows but grids \[\(1, 8, 8\)\] need 64 patch rows"):
+        tower(torch.randn(60, tower.patch_row_width), [(1, 8, 8)])
+    with pytest.raises(ValueError, match=r"must be \[patches, 96\].*got shape \(64, 95\)"):
+        tower(torch.randn(64, 95), [(1, 8, 8)])
+
+
+def test_metadata_fields_and_padding_semantics():
+    tower = Qwen3OmniVisionTower.from_preset("tiny")
+    meta = tower.prepare_metadata([(1, 4, 4), (2, 2, 4)])
+    assert meta.cu_seqlens.dtype == torch.int32 and meta.cu_seqlens.tolist() == [0, 16, 24, 32]
+    assert (meta.num_patches, meta.num_tokens, meta.num_rows, meta.num_seqs, meta.max_seqlen) == (32, 8, 32, 3, 16)
+    assert meta.pos_indices.shape == meta.pos_weights.shape == (4, 32) and meta.rotary_positions.shape == (32, 2)
+    assert meta.pos_indices.dtype == meta.rotary_positions.dtype == torch.int64
+    assert meta.pos_weights.dtype == torch.float32 and not meta.is_padded
+    torch.testing.assert_close(meta.pos_weights.sum(0), torch.ones(32))
+    # merge order: the first 4 rows are the top-left 2x2 block, then the block to its right
+    assert meta.rotary_positions[:8].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3], [1, 2], [1, 3]]
+    torch.testing.assert_close(meta.rotary_positions[24:], meta.rotary_positions[16:24])  # frame 2 repeats frame 1
+
+    pad = meta.padded(48, 6)
+    assert (pad.num_rows, pad.num_token_rows, pad.num_seqs, pad.max_seqlen, pad.is_padded) == (48, 12, 6, 48, True)
+    assert (pad.num_patches, pad.num_tokens, pad.token_counts) == (32, 8, meta.token_counts)
+    assert pad.cu_seqlens.tolist() == [0, 16, 24, 32, 32, 32, 32]
+    assert not pad.pos_indices[:, 32:].any() and not pad.pos_weights[:, 32:].any()
+    assert not pad.rotary_positions[32:].any()
+    torch.testing.assert_close(pad.pos_weights[:, :32], meta.pos_weights, rtol=0, atol=0)
+    assert meta.padded(32, 3, max_seqlen=20).max_seqlen == 20
+    with pytest.raises(ValueError, match="32 patch rows do not fit in num_patches=28"):
+        meta.padded(28, 6)
+    with pytest.raises(ValueError, match="num_patches=50 is not a multiple of spatial_merge_size"):
+        meta.padded(50, 6)
+    with pytest.raises(ValueError, match=r"3 sequences \(frames\) do not fit in num_seqs=2"):
+        meta.padded(48, 2)
+    with pytest.raises(ValueError, match="longest sequence"):
+        meta.padded(48, 6, max_seqlen=8)
+
+
+def test_padded_forward_equals_unpadded_on_the_real_rows_and_copy_from_refills_static_buffers():
+    torch.manual_seed(3)
+    tower = perturbed(Qwen3OmniVisionTower.from_preset("tiny", attention=masked_attention))
+    grid = [(1, 4, 6), (1, 2, 2)]
+    pixels = pixels_for(tower, grid)
+    meta = tower.prepare_metadata(grid)
+    static = meta.padded(64, 4)
+    padded_pixels = torch.cat((pixels, torch.zeros(64 - 28, tower.patch_row_width)))
+    with torch.no_grad():
+        want = tower(pixels, grid)
+        got = tower.forward_with_metadata(padded_pixels, static)
+        assert got.num_tokens == 16
+        assert_same_output(got.split(meta.token_counts)[0], want.split(meta.token_counts)[0])
+        assert_same_output(VisionOutput(got.embeds[:7], tuple(d[:7] for d in got.deepstack)), want)
+        # new images into the same static buffers
+        grid2 = [(1, 8, 8)]
+        pixels2 = pixels_for(tower, grid2, seed=5)
+        static.copy_from(tower.prepare_metadata(grid2).padded(64, 4))
+        assert static.grid_thw == ((1, 8, 8),) and static.cu_seqlens.tolist() == [0, 64, 64, 64, 64]
+        assert_same_output(tower.forward_with_metadata(pixels2, static), tower(pixels2, grid2))
+    with pytest.raises(ValueError, match="does not match these static buffers"):
+        static.copy_from(meta.padded(32, 4))
+
+
+# ---------------------------------------------------------------------------------------------- sync-freedom
+def test_forward_with_metadata_reads_nothing_back_under_the_sync_guard():
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention=masked_attention).eval()
+    grid = [(1, 8, 8), (2, 4, 4)]
+    pixels = pixels_for(tower, grid)
+    meta = tower.prepare_metadata(grid).padded(128, 4).to("cpu")
+    pixels = torch.cat((pixels, torch.zeros(128 - 96, tower.patch_row_width)))
+    tower.set_attention()  # choose outside the guard, as a manager does before capture
+    with torch.inference_mode(), CpuGraphBackend().sync_guard():
+        out = tower.forward_with_metadata(pixels, meta)
+    assert out.embeds.shape == (32, tower.out_hidden_size)
+
+    def syncing_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+        cu_seqlens.max().item()  # what transformers' flash path does to find max_seqlen
+        return masked_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+    tower.set_attention(syncing_attention)
+    with pytest.raises(HostSyncError, match=r"\.item\(\)"):
+        with torch.inference_mode(), CpuGraphBackend().sync_guard():
+            tower.forward_with_metadata(pixels, meta)
+
+
+def test_grid_on_the_host_only():
+    meta_device = torch.tensor([[1, 4, 4]], device="meta")
+    with pytest.raises(ValueError, match="pass it on the host"):
+        Qwen3OmniVisionTower.from_preset("tiny").prepare_metadata(meta_device)
+
+
+# ---------------------------------------------------------------------------------------------- from_pretrained
+def write_checkpoint(folder, tensors: dict, config: dict, shards: int = 1):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"))
+        return folder
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::shards]}
+        save_file(part, str(folder / file))
+        weight_map.update((n, file) for n in part)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def source():
+    torch.manual_seed(4)
+    tower = perturbed(Qwen3OmniVisionTower(CONFIGS["small"], attention=masked_attention))
+    state = {k: v.contiguous() for k, v in tower.state_dict().items()}
+    return tower, state, CONFIGS["small"].to_dict()
+
+
+def full_config(vision: dict) -> dict:
+    return {"model_type": "qwen3_omni_moe", "thinker_config": {"model_type": "qwen3_omni_moe_thinker",
+                                                                "vision_config": vision, "text_config": {}}}
+
+
+@pytest.mark.parametrize("layout", ["full checkpoint, sharded", "thinker-style, visual.", "vision-only, bare"])
+def test_from_pretrained_loads_every_layout_and_equals_the_source(tmp_path, source, layout):
+    tower, state, vision = source
+    if layout.startswith("full"):
+        tensors = {f"thinker.visual.{k}": v for k, v in state.items()}
+        tensors["thinker.model.embed_tokens.weight"] = torch.zeros(4, 2)  # the rest of the model is ignored
+        tensors["talker.visual.blocks.0.norm1.weight"] = torch.zeros(2)
+        folder = write_checkpoint(tmp_path / "ckpt", tensors, full_config(vision), shards=3)
+    elif layout.startswith("thinker"):
+        folder = write_checkpoint(tmp_path / "ckpt", {f"visual.{k}": v for k, v in state.items()},
+                                  {"model_type": "qwen3_omni_moe_thinker", "vision_config": vision})
+    else:
+        folder = write_checkpoint(tmp_path / "ckpt", state, vision)
+    loaded = from_pretrained(folder, attention=masked_attention)
+    assert loaded.config.to_dict() == tower.config.to_dict()
+    assert loaded.rotary_pos_emb.inv_freq.device.type == "cpu" and not loaded.training
+    assert all(p.requires_grad and isinstance(p, torch.nn.Parameter) for p in loaded.parameters())
+    grid = [(1, 4, 6), (2, 2, 2)]
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        assert_same_output(loaded(pixels, grid), tower(pixels, grid), rtol=0, atol=0)
+
+
+def test_from_pretrained_casts_to_the_requested_dtype(tmp_path, source):
+    tower, state, vision = source
+    folder = write_checkpoint(tmp_path / "ckpt", state, vision)
+    loaded = Qwen3OmniVisionTower.from_pretrained(folder, dtype=torch.bfloat16, attention=masked_attention)
+    assert loaded.dtype == torch.bfloat16 and loaded.rotary_pos_emb.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(loaded.pos_embed.weight, state["pos_embed.weight"].to(torch.bfloat16))
+
+
+def test_from_pretrained_lists_missing_unexpected_and_misshapen_tensors(tmp_path, source):
+    _, state, vision = source
+    broken = {f"visual.{k}": v for k, v in state.items() if not k.startswith("blocks.1.")}
+    broken["visual.blocks.9.norm1.weight"] = torch.zeros(96)
+    folder = write_checkpoint(tmp_path / "a", broken, {"vision_config": vision}, shards=2)
+    with pytest.raises(CheckpointError, match=r"missing 12: \[blocks\.1\.attn\.proj\.bias.*unexpected 1: "
+                                              r"\[blocks\.9\.norm1\.weight\]"):
+        from_pretrained(folder)
+    misshapen = dict(state, **{"pos_embed.weight": torch.zeros(49, 96)})
+    with pytest.raises(CheckpointError, match=r"wrong shape.*pos_embed\.weight \(49, 96\) \(tower \(36, 96\)\)"):
+        from_pretrained(write_checkpoint(tmp_path / "b", misshapen, vision))
+    with pytest.raises(CheckpointError, match="none of the tower's tensors"):
+        from_pretrained(write_checkpoint(tmp_path / "c", {"lm_head.weight": torch.zeros(2)}, vision))
+    with pytest.raises(ValueError, match="holds no vision config"):
+        from_pretrained(write_checkpoint(tmp_path / "d", state, {"model_type": "qwen3_omni_moe_text"}))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        from_pretrained(tmp_path / "nothing-here")
