@@ -13,7 +13,6 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from hwgraph.capability import Capability
 from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend, HostSyncError, Outputs
@@ -66,28 +65,53 @@ class CpuCapturedGraph(CapturedGraph):
         self.outputs = None
 
 
-class RejectHostReads(TorchFunctionMode):
-    """Rejects the tensor methods that read device memory back to the host.
+class RejectHostReads:
+    """While active, the tensor methods that read device memory back to the host raise ``HostSyncError``.
 
-    Public so that device backends without a runtime sync-debug mode (e.g. NPU) reuse it as their sync guard.
+    The methods are replaced on ``torch.Tensor`` itself rather than intercepted by a torch function mode: a mode
+    is switched off inside its own handler, so calls nested in Python-implemented ops (custom-op bodies among
+    them) would slip through. Process-wide while active; re-entrant. Public so that device backends without a
+    runtime sync-debug mode reuse it as their sync guard.
     """
 
     FORBIDDEN = {
-        torch.Tensor.item: ".item()",
-        torch.Tensor.tolist: ".tolist()",
-        torch.Tensor.cpu: ".cpu()",
-        torch.Tensor.numpy: ".numpy()",
-        torch.Tensor.__bool__: "bool()",
-        torch.Tensor.__int__: "int()",
-        torch.Tensor.__float__: "float()",
+        "item": ".item()",
+        "tolist": ".tolist()",
+        "cpu": ".cpu()",
+        "numpy": ".numpy()",
+        "__bool__": "bool()",
+        "__int__": "int()",
+        "__float__": "float()",
     }
+    _depth = 0
+    _saved: dict = {}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        what = self.FORBIDDEN.get(func)
-        if what is not None:
+    @staticmethod
+    def _rejecting(what: str):
+        def reject(*args, **kwargs):
             raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
                                 f"on the replay path")
-        return func(*args, **(kwargs or {}))
+        return reject
+
+    def __enter__(self):
+        cls = RejectHostReads
+        if cls._depth == 0:
+            cls._saved = {name: torch.Tensor.__dict__.get(name) for name in cls.FORBIDDEN}
+            for name, what in cls.FORBIDDEN.items():
+                setattr(torch.Tensor, name, cls._rejecting(what))
+        cls._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        cls = RejectHostReads
+        cls._depth -= 1
+        if cls._depth == 0:
+            for name, original in cls._saved.items():
+                if original is None:
+                    delattr(torch.Tensor, name)
+                else:
+                    setattr(torch.Tensor, name, original)
+        return False
 
 
 class CpuGraphBackend(GraphBackend):

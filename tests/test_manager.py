@@ -1,0 +1,251 @@
+"""EncoderGraphManager on the CPU reference backend: dispatch, buffer discipline, stats, errors."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from hwgraph.graphs.base import CaptureError
+from hwgraph.manager import EncoderGraphManager
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+
+BUDGETS = [16, 32, 64]
+
+
+@pytest.fixture(scope="module")
+def tower():
+    torch.manual_seed(0)
+    return Qwen3OmniVisionTower.from_preset("tiny").eval()
+
+
+@pytest.fixture
+def manager(tower):
+    m = EncoderGraphManager(tower, budgets=BUDGETS, max_images_per_graph=4, graph_backend="cpu",
+                            attention="TORCH_SDPA")
+    m.capture()
+    yield m
+    m.close()
+
+
+def pixels_for(tower, grid, seed):
+    g = torch.Generator().manual_seed(seed)
+    patches = sum(t * h * w for t, h, w in grid)
+    return torch.randn(patches, tower.patch_row_width, generator=g)
+
+
+def eager_per_image(tower, pixels, grid):
+    with torch.inference_mode():
+        out = tower.forward(pixels, grid)
+    return out.split([t * h * w // tower.spatial_merge_size**2 for t, h, w in grid])
+
+
+def assert_outputs_equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.embeds, w.embeds)
+        assert len(g.deepstack) == len(w.deepstack) > 0
+        for gd, wd in zip(g.deepstack, w.deepstack):
+            torch.testing.assert_close(gd, wd)
+
+
+def tokens(grid):
+    return sum(t * h * w // 4 for t, h, w in grid)
+
+
+@pytest.mark.parametrize("grid", [[(1, 8, 8)], [(1, 8, 16)], [(1, 16, 16)], [(1, 4, 4)]])
+def test_single_image_replays_the_smallest_fitting_budget_and_equals_eager(tower, manager, grid):
+    pixels = pixels_for(tower, grid, 1)
+    got = manager.encode(pixels, grid)
+    assert_outputs_equal(got, eager_per_image(tower, pixels, grid))
+    stats = manager.stats()
+    want_budget = min(b for b in BUDGETS if b >= tokens(grid))
+    assert stats["hits"] == 1 and stats["misses"] == 0
+    assert stats["replays_per_budget"] == {want_budget: 1}
+    assert stats["padding_tokens"] == want_budget - tokens(grid)
+
+
+def test_several_images_share_one_replay_in_caller_order(tower, manager):
+    grid = [(1, 8, 8), (1, 4, 4), (1, 4, 8), (1, 2, 2)]  # 16 + 4 + 8 + 1 tokens -> budget 32
+    pixels = pixels_for(tower, grid, 2)
+    got = manager.encode(pixels, grid)
+    assert [o.embeds.shape[0] for o in got] == [16, 4, 8, 1]
+    assert_outputs_equal(got, eager_per_image(tower, pixels, grid))
+    assert manager.stats()["replays_per_budget"] == {32: 1}
+    assert manager.stats()["hits"] == 4
+
+
+@pytest.mark.parametrize("grid, why", [
+    ([(1, 16, 20)], "over budget"),  # 80 tokens > 64
+    ([(2, 8, 8)], "video"),
+    ([(1, 2, 2)] * 5, "too many images"),  # 5 images > max_images_per_graph=4
+])
+def test_group_that_fits_no_graph_runs_once_eagerly_and_is_counted(tower, manager, grid, why):
+    pixels = pixels_for(tower, grid, 3)
+    got = manager.encode(pixels, grid)
+    assert_outputs_equal(got, eager_per_image(tower, pixels, grid))
+    stats = manager.stats()
+    assert stats["eager_groups"] == 1 and stats["misses"] == len(grid) and stats["hits"] == 0
+    assert stats["eager_reasons"] == {why: 1}
+    assert stats["replays"] == 0
+
+
+def test_budgets_change_between_calls_and_no_stale_inputs_survive(tower, manager):
+    calls = [[(1, 16, 16)], [(1, 4, 4)], [(1, 8, 8), (1, 8, 8)], [(1, 4, 4)], [(1, 16, 16)], [(1, 2, 4)]]
+    for i, grid in enumerate(calls):
+        pixels = pixels_for(tower, grid, 10 + i)
+        assert_outputs_equal(manager.encode(pixels, grid), eager_per_image(tower, pixels, grid))
+    assert manager.stats()["replays_per_budget"] == {64: 2, 16: 3, 32: 1}
+
+
+def test_outputs_kept_from_call_one_are_not_overwritten_by_call_two(tower, manager):
+    grid = [(1, 8, 8)]
+    first = manager.encode(pixels_for(tower, grid, 20), grid)
+    kept = [(o.embeds.clone(), [d.clone() for d in o.deepstack]) for o in first]
+    manager.encode(pixels_for(tower, grid, 21), grid)  # same budget, new inputs
+    for out, (embeds, deepstack) in zip(first, kept):
+        torch.testing.assert_close(out.embeds, embeds, rtol=0, atol=0)
+        for d, k in zip(out.deepstack, deepstack):
+            torch.testing.assert_close(d, k, rtol=0, atol=0)
+
+
+def test_no_padded_row_leaks_into_outputs(tower, manager):
+    grid = [(1, 4, 4)]  # 4 tokens in a 16-token budget
+    out = manager.encode(pixels_for(tower, grid, 30), grid)
+    assert out[0].embeds.shape == (4, tower.out_hidden_size)
+    assert all(d.shape == (4, tower.out_hidden_size) for d in out[0].deepstack)
+
+
+def test_encode_reads_nothing_back_from_the_device(tower, manager):
+    grid = [(1, 8, 8), (1, 4, 4)]
+    pixels = pixels_for(tower, grid, 40)
+    with manager.backend.sync_guard():
+        manager.encode(pixels, grid)  # replay
+        manager.encode(pixels_for(tower, [(2, 4, 4)], 41), [(2, 4, 4)])  # eager fallback
+    assert manager.stats()["hits"] == 2 and manager.stats()["misses"] == 1
+
+
+def test_close_frees_the_graph_memory(tower):
+    m = EncoderGraphManager(tower, budgets=BUDGETS, max_images_per_graph=4, graph_backend="cpu")
+    before = m.backend.memory_in_use()
+    m.capture()
+    held = m.backend.memory_in_use()
+    assert held > before
+    assert sum(m.stats()["capture_bytes_per_budget"].values()) == held - before
+    m.close()
+    assert m.backend.memory_in_use() == before
+    with pytest.raises(RuntimeError, match="after close"):
+        m.encode(pixels_for(tower, [(1, 4, 4)], 0), [(1, 4, 4)])
+
+
+@pytest.mark.parametrize("budgets, max_images, match", [
+    ([], 1, "must not be empty"),
+    ([16, 0], 1, "positive"),
+    ([16, -8], 1, "positive"),
+    ([16, 32, 16], 1, r"duplicates \[16\]"),
+    ([16, 32], 17, r"max_images_per_graph \(17\) must not be above the smallest budget \(16\)"),
+    ([16.0], 1, "must be ints"),
+    ([16], 0, "positive int"),
+])
+def test_bad_budgets_raise_naming_the_rule_and_values(tower, budgets, max_images, match):
+    with pytest.raises(ValueError, match=match):
+        EncoderGraphManager(tower, budgets=budgets, max_images_per_graph=max_images, graph_backend="cpu")
+
+
+def test_unsorted_budgets_are_sorted_and_auto_budgets_double_from_64(tower):
+    assert EncoderGraphManager(tower, budgets=[64, 16, 32], max_images_per_graph=2).budgets == [16, 32, 64]
+    assert EncoderGraphManager(tower).budgets == [64, 128, 256]
+
+
+@pytest.mark.parametrize("pixels_rows, width, grid, match", [
+    (60, None, [(1, 8, 8)], "64"),
+    (64, 7, [(1, 8, 8)], "width"),
+    (0, None, [], "empty"),
+    (64, None, [(1, 8, 7)], "divisible"),
+    (64, None, [(1, 0, 8)], "positive"),
+])
+def test_bad_inputs_raise_value_errors(tower, manager, pixels_rows, width, grid, match):
+    pixels = torch.randn(pixels_rows, width or tower.patch_row_width)
+    with pytest.raises(ValueError, match=match):
+        manager.encode(pixels, grid)
+
+
+def test_failed_capture_leaves_that_budget_eager_with_a_logged_reason(tower, caplog, monkeypatch):
+    m = EncoderGraphManager(tower, budgets=BUDGETS, max_images_per_graph=4, graph_backend="cpu")
+    real_capture = m.backend.capture
+    attempts = []
+
+    def capture(fn, pool=None):
+        attempts.append(fn)
+        if len(attempts) == 2:  # the second budget captured (largest first: 64, 32, 16)
+            raise CaptureError("simulated: operation not permitted when stream is capturing")
+        return real_capture(fn, pool)
+
+    monkeypatch.setattr(m.backend, "capture", capture)
+    with caplog.at_level(logging.WARNING, logger="hwgraph.manager"):
+        m.capture()
+    assert sorted(m.graphs) == [16, 64]
+    assert "simulated" in m.stats()["capture_failures"][32]
+    assert any("capture of budget 32 failed" in r.getMessage() for r in caplog.records)
+    grid = [(1, 4, 8), (1, 4, 4)]  # 12 tokens: fits 16
+    pixels = pixels_for(tower, grid, 50)
+    assert_outputs_equal(m.encode(pixels, grid), eager_per_image(tower, pixels, grid))
+    grid = [(1, 8, 12)]  # 24 tokens: 32 is gone, so 64 replays
+    pixels = pixels_for(tower, grid, 51)
+    assert_outputs_equal(m.encode(pixels, grid), eager_per_image(tower, pixels, grid))
+    assert m.stats()["replays_per_budget"] == {16: 1, 64: 1}
+
+
+def test_a_capture_that_replays_wrongly_is_refused_not_used(tower, monkeypatch):
+    m = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=2, graph_backend="cpu")
+    real_capture = m.backend.capture
+
+    def stale_capture(fn, pool=None):
+        graph = real_capture(fn, pool)
+        graph.replay = lambda: None  # replays nothing: the output buffer keeps the capture-time answer
+        return graph
+
+    monkeypatch.setattr(m.backend, "capture", stale_capture)
+    m.capture()
+    assert m.graphs == {}
+    assert "differs from eager" in m.stats()["capture_failures"][16]
+    grid = [(1, 4, 4)]
+    pixels = pixels_for(tower, grid, 60)
+    assert_outputs_equal(m.encode(pixels, grid), eager_per_image(tower, pixels, grid))
+    assert m.stats()["eager_reasons"] == {"no graphs": 1}
+
+
+def test_calibration_keeps_only_budgets_where_replay_wins(tower, monkeypatch):
+    m = EncoderGraphManager(tower, budgets=BUDGETS, max_images_per_graph=4, graph_backend="cpu")
+    m.capture()
+    timings = iter([1.0, 0.5, 1.0, 2.0, 1.0, 0.9])  # (eager, replay) per budget, ascending: 16 wins, 32 loses, 64 wins
+    monkeypatch.setattr(m, "time_ms", lambda fn, warmup=3, samples=10: next(timings))
+    found = m.calibrate()
+    assert {b: f["kept"] for b, f in found.items()} == {16: True, 32: False, 64: True}
+    assert sorted(m.graphs) == m.budgets == [16, 64]
+    assert m.stats()["calibration"][32]["replay_ms"] == 2.0
+
+
+def test_seeded_soak_every_output_equals_eager_and_stats_add_up(tower):
+    rng = random.Random(1234)
+    m = EncoderGraphManager(tower, budgets=BUDGETS, max_images_per_graph=4, graph_backend="cpu")
+    m.capture()
+    images = 0
+    for call in range(1000):
+        grid = []
+        for _ in range(rng.randint(1, 6)):
+            t = 2 if rng.random() < 0.05 else 1
+            side = rng.choice([2, 4, 6, 8, 10, 16, 20]) if rng.random() < 0.1 else rng.choice([2, 4, 6, 8])
+            grid.append((t, side, rng.choice([2, 4, 6, 8])))
+        pixels = pixels_for(tower, grid, call)
+        assert_outputs_equal(m.encode(pixels, grid), eager_per_image(tower, pixels, grid))
+        images += len(grid)
+    s = m.stats()
+    assert s["calls"] == 1000 and s["hits"] + s["misses"] == images == s["images"]
+    assert s["replays"] + s["eager_groups"] == 1000
+    assert sum(s["replays_per_budget"].values()) == s["replays"]
+    assert sum(s["eager_reasons"].values()) == s["eager_groups"]
+    assert s["replays"] > 100 and s["eager_groups"] > 100  # both paths exercised
+    m.close()
