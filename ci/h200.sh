@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Usage (on the H200 device machine): ci/h200.sh [tests|bench|all]
+# Installs hwgraph and the plugins offline over the machine's torch, prints `hwgraph info`, runs the cuda-marked
+# tests and/or the benchmarks, and leaves logs and reports under $OUT (or out/ when $OUT is unset).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHAT="${1:-all}"
+OUTDIR="${OUT:-out}"; mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/cuda -e backends/rocm -e backends/npu \
+  > "$OUTDIR/install.log" 2>&1 || { cat "$OUTDIR/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+hwgraph info | tee "$OUTDIR/info.txt"
+status=0
+if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
+  python3 -m pytest -q -p no:cacheprovider -m cuda tests backends -rs --durations=10 2>&1 | tee "$OUTDIR/cuda-tests.log"
+  status=${PIPESTATUS[0]}
+fi
+if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+  hwgraph bench --preset qwen3-omni-30b-a3b --profile --json "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/bench.md"
+fi
+exit $status
