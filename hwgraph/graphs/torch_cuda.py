@@ -252,6 +252,14 @@ class TorchCudaGraphBackend(GraphBackend):
     def synchronize(self) -> None:
         self.runtime().synchronize(self.device)
 
+    def empty_cache(self) -> None:
+        # cuBLAS keeps a workspace per stream in the caching allocator (32 MiB on Hopper), and capture uses its
+        # own stream: without clearing them a closed manager would still appear to hold that memory.
+        clear = getattr(torch._C, f"_{self.runtime_name}_clearCublasWorkspaces", None)
+        if callable(clear):
+            clear()
+        self.runtime().empty_cache()
+
     def memory_in_use(self) -> int:
         # Reserved, not allocated: a graph's private pool keeps its blocks reserved between replays even while no
         # tensor is live in them, and that reservation is what a captured graph costs the device.

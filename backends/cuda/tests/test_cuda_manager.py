@@ -7,12 +7,15 @@ import random
 import pytest
 import torch
 
-from hwgraph.manager import EncoderGraphManager
+from hwgraph.manager import EncoderGraphManager, relative_error
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 
 pytestmark = pytest.mark.cuda
 
-BF16 = {"rtol": 1.6e-2, "atol": 1e-5}  # torch.testing's bf16 defaults
+# torch.testing's bf16 rtol; atol widened from 1e-5 to 1e-2 (2.5 bf16 ulps at 0.5): a padded replay and an
+# unpadded eager call run different GEMM tilings, so near-zero outputs differ by rounding, not by bugs. The relative
+# L2 error is bounded too; a stale or misplaced row gives errors of order 1.
+BF16 = {"rtol": 1.6e-2, "atol": 1e-2}
 
 
 def kernels():
@@ -47,9 +50,9 @@ def check(tower, got, pix, grid):
         want = tower.forward(pix, grid).split([t * h * w // 4 for t, h, w in grid])
     assert len(got) == len(want)
     for g, w in zip(got, want):
-        torch.testing.assert_close(g.embeds, w.embeds, **BF16)
-        for gd, wd in zip(g.deepstack, w.deepstack, strict=True):
-            torch.testing.assert_close(gd, wd, **BF16)
+        for gt, wt in zip(g.tensors(), w.tensors(), strict=True):
+            torch.testing.assert_close(gt, wt, **BF16)
+            assert relative_error(gt, wt) < 1e-2
 
 
 @pytest.mark.parametrize("kernel", kernels())
