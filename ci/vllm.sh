@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Usage: ci/vllm.sh [pytest args]      (also: ci/test.sh vllm, tox -e vllm)
+# The vLLM integration tests, in their own venv .venv-vllm: vllm==0.33.0 pulls a CUDA build of torch (2.14) and
+# transformers 5.20, which must not replace the CPU torch pinned in .venv. The first run installs about 9.4 GB
+# (measured here: 3 to 6 minutes, depending on the package mirror); later runs reuse the venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+VENV="${HWGRAPH_VLLM_VENV:-.venv-vllm}"  # another path, e.g. to time a fresh install
+VLLM_PIN=0.33.0
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+VPY="$VENV/bin/python"
+PIP="$VPY -m pip --disable-pip-version-check -q"
+installed() { $VPY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1" 2>/dev/null || true; }
+if [ "$(installed vllm)" != "$VLLM_PIN" ]; then
+  start=$SECONDS
+  $PIP install "vllm==$VLLM_PIN"
+  echo "ci/vllm.sh: installed vllm==$VLLM_PIN in $((SECONDS - start)) s" >&2
+fi
+# hwgraph's own dependencies (torch, transformers, numpy, packaging, safetensors) come with vllm; --no-deps keeps
+# pip from swapping vllm's torch for another build. Only what vllm does not bring is added, when missing.
+for req in "numpy>=1.24" "packaging>=23" "safetensors>=0.4" "pytest>=8"; do
+  name="${req%%[<>=]*}"
+  [ -n "$(installed "$name")" ] || $PIP install "$req"
+done
+# The backend plugins too, so that on a GPU machine the cuda-marked test captures real device graphs.
+$PIP install --no-deps --no-build-isolation -e . -e backends/cuda -e backends/rocm -e backends/npu
+exec "$VPY" -m pytest -m vllm tests/integrations "$@"

@@ -1,0 +1,485 @@
+"""vLLM's encoder CUDA graph protocol for the hwgraph Qwen3-Omni image tower, and a single-replay manager.
+
+- ``Qwen3OmniEncoderCudaGraphAdapter`` implements vLLM's ``SupportsEncoderCudaGraph`` for a
+  ``Qwen3OmniVisionTower``: its buffers are the tower's host metadata (pixel rows, position-embedding indices and
+  weights, rotary positions, ``cu_seqlens``), so nothing on the replay path reads the device. Outputs follow vLLM's
+  Qwen3 models: one ``[tokens, out_hidden * (1 + deepstack)]`` tensor per image, embeddings then DeepStack features.
+- ``SingleReplayEncoderCudaGraphManager`` subclasses vLLM's ``EncoderCudaGraphManager``: a step replays only when
+  one captured graph holds all its images (count and tokens), otherwise the whole group runs as one eager call;
+  graphs are captured through hwgraph's backend registry, so the same code serves CUDA, ROCm and NPU.
+
+Needs ``vllm`` (``pip install 'hwgraph[vllm]'``); the supported versions are ``SUPPORTED_VLLM``. Importing
+``hwgraph`` never imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# The protocol's method signatures and the manager's internals (which the subclass below relies on) change between
+# vLLM releases, so only the minor series the integration was written and tested against is accepted.
+SUPPORTED_VLLM = SpecifierSet(">=0.33.0,<0.34")
+ALLOW_UNSUPPORTED_ENV = "HWGRAPH_VLLM_ALLOW_UNSUPPORTED"
+INSTALL_HINT = "pip install 'hwgraph[vllm]'"
+
+
+class UnsupportedVllmError(ImportError):
+    """The installed vLLM is outside ``SUPPORTED_VLLM``."""
+
+
+def check_vllm_version(found: str | None) -> Version:
+    """The installed vLLM version, or ``UnsupportedVllmError`` saying what is supported and how to get it.
+
+    Setting ``$HWGRAPH_VLLM_ALLOW_UNSUPPORTED=1`` turns the refusal into a warning (for trying a newer vLLM).
+    """
+    try:
+        version = Version(found) if found else None
+    except InvalidVersion:
+        version = None
+    # Pre-releases and dev builds of a supported series (0.33.1.dev3+g...) are accepted: same protocol.
+    if version is not None and SUPPORTED_VLLM.contains(version, prereleases=True):
+        return version
+    message = (f"hwgraph.integrations.vllm supports vllm {SUPPORTED_VLLM} (the encoder CUDA graph protocol and "
+               f"EncoderCudaGraphManager change between releases); found vllm {found or 'of unknown version'}. "
+               f"Install a supported one with {INSTALL_HINT} (vllm==0.33.0), or set {ALLOW_UNSUPPORTED_ENV}=1 "
+               f"to try this one anyway.")
+    if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
+        log.warning(message)
+        return version or Version("0")
+    raise UnsupportedVllmError(message)
+
+
+try:
+    import vllm as _vllm
+except ImportError as exc:
+    if exc.name in ("vllm", None):
+        raise ImportError(f"hwgraph.integrations.vllm needs vLLM, which is not installed: {INSTALL_HINT} "
+                          f"(vllm==0.33.0)") from exc
+    raise ImportError(f"vLLM is installed but failed to import ({exc}); hwgraph.integrations.vllm needs a "
+                      f"working vllm==0.33.0: {INSTALL_HINT}") from exc
+
+VLLM_VERSION = check_vllm_version(getattr(_vllm, "__version__", None))
+
+# The rest needs vLLM, and only a checked version: hence after the check.
+from vllm.v1.worker.encoder_cudagraph import BudgetGraphMetadata, EncoderCudaGraphManager  # noqa: E402
+from vllm.v1.worker.encoder_cudagraph_defs import (  # noqa: E402
+    EncoderCudaGraphCaptureInputs,
+    EncoderCudaGraphConfig,
+    EncoderCudaGraphReplayBuffers,
+    EncoderItemSpec,
+)
+
+from hwgraph import budgets as budget_rules  # noqa: E402
+from hwgraph.manager import platform_for  # noqa: E402
+from hwgraph.models.qwen3_omni.metadata import TENSOR_FIELDS, VisionMetadata, normalize_grid  # noqa: E402
+from hwgraph.models.qwen3_omni.output import VisionOutput  # noqa: E402
+from hwgraph.registry import create_backend  # noqa: E402
+
+PIXELS = "pixel_values"
+GRID = "image_grid_thw"
+BUFFER_KEYS = (PIXELS, *TENSOR_FIELDS)  # pixel rows + pos_indices, pos_weights, rotary_positions, cu_seqlens
+
+
+# ---------------------------------------------------------------------------------------------------- padding
+# vLLM's default replay copy zeroes a buffer and copies the new values into its leading rows (dim 0). Two of the
+# tower's buffers need something else; both pad on the device, without reading it, exactly like
+# ``VisionMetadata.padded``.
+
+def pad_columns(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Position tables are ``[4, rows]``: copy ``src``'s rows into the leading columns; padding gets index 0 and
+    weight 0, so padding patches add nothing."""
+    if src.dim() != dst.dim() or src.shape[:-1] != dst.shape[:-1] or src.shape[-1] > dst.shape[-1]:
+        raise ValueError(f"replay table {tuple(src.shape)} does not fit the captured buffer {tuple(dst.shape)}")
+    dst.zero_()
+    dst[..., : src.shape[-1]].copy_(src, non_blocking=True)
+
+
+def pad_cu_seqlens(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Repeat the last cumulative length: zeros would make ``cu_seqlens`` decrease; repeats make the extra
+    sequences empty and leave padding rows in none."""
+    if src.dim() != 1 or dst.dim() != 1 or not 0 < src.shape[0] <= dst.shape[0]:
+        raise ValueError(f"replay cu_seqlens {tuple(src.shape)} does not fit the captured buffer {tuple(dst.shape)}")
+    n = src.shape[0]
+    dst[:n].copy_(src, non_blocking=True)
+    dst[n:].copy_(src[-1:].expand(dst.shape[0] - n), non_blocking=True)
+
+
+PADDING_LOGICS = {"pos_indices": pad_columns, "pos_weights": pad_columns, "cu_seqlens": pad_cu_seqlens}
+
+
+# ---------------------------------------------------------------------------------------------------- adapter
+class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
+    """vLLM's ``SupportsEncoderCudaGraph`` for a ``Qwen3OmniVisionTower`` (image modality, one ``default`` path).
+
+    ``mm_kwargs`` are vLLM's image kwargs: ``pixel_values`` ``[patches, patch_row_width]`` (device, merge order)
+    and ``image_grid_thw`` on the host (vLLM keeps it on the CPU for Qwen-Omni; a device grid is refused rather
+    than read back). Auto-inferred budgets run from ``min_token_budget`` (64: the smallest image the processor
+    makes) to ``max_token_budget`` (default hwgraph's uncalibrated cap, 256), clipped to the scheduler's token
+    budget; beyond that cap replay is not known to beat eager.
+    """
+
+    supports_encoder_cudagraph: ClassVar[Literal[True]] = True
+
+    def __init__(self, tower, min_token_budget: int = budget_rules.MIN_AUTO_BUDGET,
+                 max_token_budget: int | None = None):
+        super().__init__()
+        if min_token_budget <= 0 or (max_token_budget is not None and max_token_budget < min_token_budget):
+            raise ValueError(f"token budgets must satisfy 0 < min_token_budget <= max_token_budget, got "
+                             f"{min_token_budget} and {max_token_budget}")
+        self.tower = tower
+        self.min_token_budget = min_token_budget
+        self.max_token_budget = max_token_budget
+
+    @property
+    def merge_area(self) -> int:
+        return self.tower.spatial_merge_size ** 2
+
+    @property
+    def out_hidden_size(self) -> int:
+        """Width of one output row: embeddings and every DeepStack feature side by side."""
+        return self.tower.out_hidden_size * (1 + self.tower.num_deepstack)
+
+    # ------------------------------------------------------------------ configuration
+    def get_encoder_cudagraph_config(self) -> EncoderCudaGraphConfig:
+        return EncoderCudaGraphConfig(
+            modalities=["image"],
+            buffer_keys=list(BUFFER_KEYS),
+            out_hidden_size=self.out_hidden_size,
+            padding_logics=dict(PADDING_LOGICS),
+            max_frames_per_video=1,
+        )
+
+    def get_input_modality(self, mm_kwargs: dict[str, Any]) -> str:
+        if GRID in mm_kwargs:
+            return "image"
+        if "video_grid_thw" in mm_kwargs:
+            return "video"  # not served (modalities=["image"]); named so that the caller can route it eagerly
+        raise KeyError(f"mm_kwargs hold neither {GRID!r} nor 'video_grid_thw'; keys: {sorted(mm_kwargs)}")
+
+    def get_max_frames_per_video(self) -> int:
+        return 1  # images only: Qwen's image grids have t == 1
+
+    def get_encoder_cudagraph_budget_range(self, vllm_config) -> tuple[int, int]:
+        high = self.max_token_budget or max(budget_rules.DEFAULT_CAP, self.min_token_budget)
+        scheduled = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+        if isinstance(scheduled, int) and scheduled > 0:
+            high = min(high, scheduled)  # a step never brings more tokens than the scheduler admits
+        return self.min_token_budget, max(high, self.min_token_budget)
+
+    # ------------------------------------------------------------------ items (host only)
+    def host_grid(self, mm_kwargs: dict[str, Any]) -> tuple[tuple[int, int, int], ...]:
+        """The image grids as host ints; ``ValueError`` for a device tensor (reading it would sync)."""
+        if GRID not in mm_kwargs:
+            raise KeyError(f"mm_kwargs hold no {GRID!r} (image modality only); keys: {sorted(mm_kwargs)}")
+        grid = mm_kwargs[GRID]
+        if len(grid) == 0:  # len() of a tensor is its host shape: no device read
+            return ()
+        return normalize_grid(grid, self.tower.spatial_merge_size)
+
+    def get_encoder_cudagraph_item_specs(self, mm_kwargs: dict[str, Any]) -> list[EncoderItemSpec]:
+        return [EncoderItemSpec(input_size=t * h * w, output_tokens=t * h * w // self.merge_area)
+                for t, h, w in self.host_grid(mm_kwargs)]
+
+    def get_encoder_cudagraph_item_frames(self, mm_kwargs: dict[str, Any]) -> list[int]:
+        """hwgraph extension: frames (t) per item, so that the single-replay manager sends t > 1 eagerly."""
+        return [t for t, _, _ in self.host_grid(mm_kwargs)]
+
+    def select_encoder_cudagraph_items(self, mm_kwargs: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+        grid = self.host_grid(mm_kwargs)
+        pixels = mm_kwargs[PIXELS]
+        starts = [0]
+        for t, h, w in grid:
+            starts.append(starts[-1] + t * h * w)
+        if any(not 0 <= i < len(grid) for i in indices):
+            raise IndexError(f"item indices {list(indices)} out of range for {len(grid)} images")
+        if not indices:
+            selected = pixels[:0]
+        elif list(indices) == list(range(indices[0], indices[-1] + 1)):
+            selected = pixels[starts[indices[0]]:starts[indices[-1] + 1]]  # consecutive, in order: a view, no copy
+        else:
+            selected = torch.cat([pixels[starts[i]:starts[i + 1]] for i in indices])
+        return {PIXELS: selected, GRID: [grid[i] for i in indices]}
+
+    # ------------------------------------------------------------------ buffers
+    def prepare_encoder_cudagraph_capture_inputs(
+        self,
+        token_budget: int,
+        max_batch_size: int,
+        max_frames_per_batch: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        path: str = "default",
+        axis_keys: tuple[Hashable, ...] | None = None,
+    ) -> EncoderCudaGraphCaptureInputs:
+        """Static buffers for one budget: ``token_budget * merge**2`` pixel rows and room for
+        ``max(max_batch_size, max_frames_per_batch)`` sequences. One image filling the budget gives the worst-case
+        ``max_seqlen``, which the forward fixes to the row count (a host int baked into the graph)."""
+        self._check_path(path)
+        num_patches = token_budget * self.merge_area
+        num_seqs = max(max_batch_size, max_frames_per_batch, 1)
+        grid = [budget_rules.filling_grid(token_budget, self.tower.spatial_merge_size)]
+        # Fresh tensors per call (prepare_metadata and padded allocate): vLLM keeps these exact objects as the
+        # graph's inputs and copies each replay's values into them.
+        metadata = self.tower.prepare_metadata(grid).padded(num_patches, num_seqs).to(device)
+        pixels = torch.zeros(num_patches, self.tower.patch_row_width, device=device, dtype=dtype)
+        return EncoderCudaGraphCaptureInputs(values={PIXELS: pixels, **metadata.tensors()})
+
+    def prepare_encoder_cudagraph_replay_buffers(
+        self,
+        mm_kwargs: dict[str, Any],
+        max_batch_size: int,
+        max_frames_per_batch: int,
+        path: str = "default",
+    ) -> EncoderCudaGraphReplayBuffers:
+        """This step's values, unpadded: ``PADDING_LOGICS`` and vLLM's default copy pad them into the buffers."""
+        self._check_path(path)
+        metadata = self.tower.prepare_metadata(self.host_grid(mm_kwargs)).to(self.tower.device)
+        return EncoderCudaGraphReplayBuffers(values={PIXELS: mm_kwargs[PIXELS], **metadata.tensors()})
+
+    # ------------------------------------------------------------------ forwards
+    def encoder_cudagraph_forward(self, inputs: dict[str, torch.Tensor], path: str = "default") -> torch.Tensor:
+        """The captured forward: ``[rows / merge**2, out_hidden_size]`` from the static buffers (padding rows
+        included). ``max_seqlen`` is the buffer's row count, the value every replay keeps."""
+        self._check_path(path)
+        missing = [k for k in BUFFER_KEYS if k not in inputs]
+        if missing:
+            raise KeyError(f"encoder_cudagraph_forward is missing buffers {missing}; got {sorted(inputs)}")
+        pixels = inputs[PIXELS]
+        metadata = VisionMetadata(
+            grid_thw=(), spatial_merge_size=self.tower.spatial_merge_size,  # buffers describe no image in particular
+            max_seqlen=int(pixels.shape[0]), patch_counts=(), token_counts=(),
+            **{k: inputs[k] for k in TENSOR_FIELDS},
+        )
+        return self.concat(self.tower.forward_with_metadata(pixels, metadata))
+
+    def encoder_eager_forward(self, mm_kwargs: dict[str, Any], path: str = "default") -> torch.Tensor:
+        """The tower's eager forward on the group: ``[tokens, out_hidden_size]``."""
+        self._check_path(path)
+        pixels = mm_kwargs[PIXELS].to(self.tower.dtype)
+        return self.concat(self.tower.forward(pixels, self.host_grid(mm_kwargs)))
+
+    def postprocess_encoder_output(
+        self,
+        outputs: dict[str, torch.Tensor],
+        indices: list[int],
+        per_item_out_tokens: list[int],
+        dest: dict[int, torch.Tensor] | list[torch.Tensor | None],
+        clone: bool = False,
+        batch_mm_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """Slice each image's rows (embeddings and DeepStack, side by side) out of ``outputs['default']`` into
+        ``dest[index]``; rows after the last image are padding and dropped. ``clone`` when the rows live in a
+        graph buffer that the next replay overwrites."""
+        out = outputs["default"]
+        counts = [per_item_out_tokens[i] for i in indices]
+        if sum(counts) > out.shape[0]:
+            raise ValueError(f"{sum(counts)} output tokens for items {list(indices)} exceed the {out.shape[0]} "
+                             f"rows the encoder returned")
+        start = 0
+        for index, n in zip(indices, counts, strict=True):
+            rows = out[start:start + n]
+            dest[index] = rows.clone() if clone else rows
+            start += n
+
+    # ------------------------------------------------------------------ conversions
+    def concat(self, output: VisionOutput) -> torch.Tensor:
+        """``VisionOutput`` -> ``[tokens, out_hidden * (1 + deepstack)]``, the layout vLLM's Qwen3 models use."""
+        return torch.cat((output.embeds, *output.deepstack), dim=1)
+
+    def split(self, features: torch.Tensor) -> VisionOutput:
+        """The inverse of ``concat``: views of the embeddings and each DeepStack feature."""
+        if features.dim() != 2 or features.shape[1] != self.out_hidden_size:
+            raise ValueError(f"expected [tokens, {self.out_hidden_size}] features, got {tuple(features.shape)}")
+        embeds, *deepstack = features.split(self.tower.out_hidden_size, dim=1)
+        return VisionOutput(embeds, tuple(deepstack))
+
+    @staticmethod
+    def _check_path(path: str) -> None:
+        if path != "default":
+            raise ValueError(f"the Qwen3-Omni image tower has one encoder path, 'default'; got {path!r}")
+
+
+# ---------------------------------------------------------------------------------------------------- manager
+@dataclass(frozen=True)
+class ReplayDecision:
+    """What one step's group of images does: replay ``budget``'s graph, or (``budget is None``) one eager call."""
+
+    budget: int | None
+    reason: str  # "replay", "empty", "video", "too many images", "over budget", "no graphs"
+
+    @property
+    def replay(self) -> bool:
+        return self.budget is not None
+
+
+class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
+    """vLLM's encoder graph manager with hwgraph's dispatch and capture primitive.
+
+    Upstream packs a step's items greedily into several budget graphs. Here a step replays only when one captured
+    graph holds all its images (count <= ``max_batch_size``, tokens <= the budget; the smallest such budget);
+    otherwise the whole group runs as one eager call, since several replays plus their copies were not measured
+    to beat a single eager forward. Video (t > 1) goes eager. Graphs come from ``hwgraph.registry.create_backend``
+    (``graph_backend``: a backend name, default ``$HWGRAPH_GRAPH_BACKEND`` or the best for ``device``). Budgets,
+    buffer copies (``_run_budget_graph``), DP sharding and hit/miss counting (images) are upstream's.
+    """
+
+    def __init__(self, vllm_config, device: torch.device, dtype: torch.dtype, model, graph_backend: str | None = None):
+        super().__init__(vllm_config, device, dtype, model)
+        if set(self.config.paths) != {"default"} or self._capture_axes:
+            raise ValueError(f"{type(self).__name__} serves single-path encoders without capture axes; this model "
+                             f"has paths {sorted(self.config.paths)} and capture_axes {self._capture_axes}: use "
+                             f"vLLM's EncoderCudaGraphManager for it")
+        device = torch.device(device)
+        self.backend = create_backend(graph_backend, device=device, platform=platform_for(device))
+        self.capture_failures: dict[int, str] = {}
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the dispatch counters (upstream's hits and misses included); captured graphs stay."""
+        self.graph_hits = 0
+        self.graph_misses = 0
+        self.replays = 0
+        self.eager_groups = 0
+        self.eager_reasons: dict[str, int] = {}
+        self.padding_tokens = 0  # budget tokens replayed that held no image
+        self.replays_per_budget: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ capture
+    def capture(self, graph_pool: Any = None):
+        """Capture every budget, largest first (upstream's loop) into ``graph_pool``: vLLM passes its platform's
+        graph pool handle, which is what hwgraph's device backends use; the CPU reference backend, or no pool,
+        gets a pool of the backend's own."""
+        if graph_pool is None or not self.backend.accelerates:
+            graph_pool = self.backend.new_pool()
+        super().capture(graph_pool)
+        log.info("encoder graphs captured on %s: budgets %s; failed: %s", self.backend.name,
+                 self.captured_budgets(), self.capture_failures or "none")
+
+    def _capture_budget_graph(self, token_budget: int, path: str = "default", axis_keys: tuple = ()):
+        values = self.model.prepare_encoder_cudagraph_capture_inputs(
+            token_budget, self.max_batch_size, self.max_frames_per_batch, self.device, self.dtype, path, axis_keys,
+        ).values
+        model = self.model
+
+        def forward() -> torch.Tensor:
+            return model.encoder_cudagraph_forward({**values}, path=path)  # a copy: forwards may pop keys
+
+        try:
+            with torch.inference_mode():
+                graph = self.backend.capture(forward, self.graph_pool)
+        except Exception as exc:  # a failed capture leaves that budget eager: a slower answer, never a wrong one
+            self.capture_failures[token_budget] = f"{type(exc).__name__}: {exc}"
+            log.warning("encoder graph capture of budget %d failed on %s, it stays eager: %s", token_budget,
+                        self.backend.name, self.capture_failures[token_budget])
+            self.backend.synchronize()
+            return
+        self._get_graph_set(path)[token_budget] = BudgetGraphMetadata(
+            token_budget=token_budget, max_batch_size=self.max_batch_size,
+            max_frames_per_batch=self.max_frames_per_batch, graph=graph, input_buffers=values,
+            output_buffer=graph.outputs, axis_keys=(),
+        )
+
+    def clear(self) -> None:
+        for graph_set in self.budget_graphs.values():
+            for meta in graph_set.values():
+                meta.graph.release()
+        super().clear()
+
+    def captured_budgets(self) -> list[int]:
+        return sorted(b for b in self._get_graph_set("default") if isinstance(b, int) and b > 0)
+
+    # ------------------------------------------------------------------ dispatch
+    def decide(self, item_specs: list[EncoderItemSpec], modality: str = "image",
+               frames: list[int] | None = None) -> ReplayDecision:
+        """The single-replay rule for one group (host values only)."""
+        if not item_specs:
+            return ReplayDecision(None, "empty")
+        if modality != "image" or (frames and max(frames) > 1):
+            return ReplayDecision(None, "video")
+        if len(item_specs) > self.max_batch_size:
+            return ReplayDecision(None, "too many images")
+        budgets = self.captured_budgets()
+        if not budgets:
+            return ReplayDecision(None, "no graphs")
+        tokens = sum(spec.output_tokens for spec in item_specs)
+        fitting = [b for b in budgets if b >= tokens]
+        return ReplayDecision(fitting[0], "replay") if fitting else ReplayDecision(None, "over budget")
+
+    def _execute_local(self, mm_kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        # Called by upstream's execute() for the whole step, or for this rank's share under DP.
+        with torch.inference_mode():
+            specs = self._get_item_specs(mm_kwargs)
+            if not specs:
+                return []
+            frames_of = getattr(self.model, "get_encoder_cudagraph_item_frames", None)
+            decision = self.decide(specs, self.model.get_input_modality(mm_kwargs),
+                                   frames_of(mm_kwargs) if frames_of else None)
+            tokens = [spec.output_tokens for spec in specs]
+            indices = list(range(len(specs)))
+            if decision.replay:
+                output = self._run_budget_graph(mm_kwargs, decision.budget)  # counts the hits
+                self.replays += 1
+                self.padding_tokens += decision.budget - sum(tokens)
+                self.replays_per_budget[decision.budget] = self.replays_per_budget.get(decision.budget, 0) + 1
+            else:
+                output = self.model.encoder_eager_forward(mm_kwargs)
+                self.graph_misses += len(specs)
+                self.eager_groups += 1
+                self.eager_reasons[decision.reason] = self.eager_reasons.get(decision.reason, 0) + 1
+            dest: dict[int, torch.Tensor] = {}
+            # Replayed rows live in the graph's output buffer, which the next replay overwrites: clone them.
+            self.model.postprocess_encoder_output({"default": output}, indices, tokens, dest,
+                                                  clone=decision.replay, batch_mm_kwargs=mm_kwargs)
+            return [dest[i] for i in indices]
+
+    def get_cumulative_stats(self) -> dict[str, Any]:
+        stats = super().get_cumulative_stats()
+        stats.update(replays=self.replays, eager_groups=self.eager_groups, eager_reasons=dict(self.eager_reasons),
+                     padding_tokens=self.padding_tokens, replays_per_budget=dict(self.replays_per_budget),
+                     captured_budgets=self.captured_budgets(), capture_failures=dict(self.capture_failures),
+                     graph_backend=self.backend.name)
+        return stats
+
+
+# ---------------------------------------------------------------------------------------------------- wiring
+# Modules of vLLM 0.33 that construct EncoderCudaGraphManager: gpu_model_runner imports it from the defining module
+# when it builds one, the v2 model state binds it at import.
+_CONSTRUCTING_MODULES = ("vllm.v1.worker.encoder_cudagraph", "vllm.v1.worker.gpu.model_states.interface")
+
+
+def install_single_replay_manager(manager_cls: type = SingleReplayEncoderCudaGraphManager) -> Callable[[], None]:
+    """Opt in: make vLLM's model runners in this process build ``manager_cls`` instead of upstream's manager.
+
+    Call it before the engine creates its workers (in the worker process, e.g. from a vLLM plugin). Returns a
+    function that restores upstream's class. Nothing is changed unless this is called.
+    """
+    original = EncoderCudaGraphManager  # upstream's class, as imported above
+    patched = []
+    for name in _CONSTRUCTING_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "EncoderCudaGraphManager", None) is original:
+            module.EncoderCudaGraphManager = manager_cls
+            patched.append(module)
+
+    def undo() -> None:
+        for module in patched:
+            module.EncoderCudaGraphManager = original
+
+    return undo
+
+
+__all__ = ["BUFFER_KEYS", "PADDING_LOGICS", "SUPPORTED_VLLM", "VLLM_VERSION", "Qwen3OmniEncoderCudaGraphAdapter",
+           "ReplayDecision", "SingleReplayEncoderCudaGraphManager", "UnsupportedVllmError", "check_vllm_version",
+           "install_single_replay_manager", "pad_columns", "pad_cu_seqlens"]

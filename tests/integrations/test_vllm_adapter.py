@@ -1,0 +1,444 @@
+"""vLLM 0.33 integration on CPU: the adapter against vLLM's installed protocol, the single-replay manager's decisions
+and outputs. Runs in .venv-vllm (ci/test.sh vllm); the default CPU run has no vllm and skips this module.
+
+vLLM's manager reads only a few config fields (compilation, multimodal, parallel, scheduler); building a real
+``VllmConfig`` would need a Hugging Face model config, so the real sub-configs are assembled in a namespace.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from packaging.version import Version
+
+pytest.importorskip("vllm", reason="vllm is not installed: the vLLM integration tests run with ci/test.sh vllm")
+
+from vllm.config import CompilationConfig, MultiModalConfig, ParallelConfig, SchedulerConfig  # noqa: E402
+from vllm.model_executor.models.interfaces import SupportsEncoderCudaGraph, supports_encoder_cudagraph  # noqa: E402
+from vllm.v1.worker import encoder_cudagraph as upstream  # noqa: E402
+from vllm.v1.worker.encoder_cudagraph_defs import (  # noqa: E402
+    EncoderCudaGraphCaptureInputs,
+    EncoderCudaGraphConfig,
+    EncoderCudaGraphReplayBuffers,
+    EncoderItemSpec,
+)
+
+from hwgraph.integrations import vllm as hv  # noqa: E402
+from hwgraph.manager import relative_error  # noqa: E402
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BUDGETS = [64, 128, 256]
+MAX_ITEMS = 4
+CPU = torch.device("cpu")
+
+
+def vllm_config(budgets=None, max_items=0, max_batched_tokens=8192):
+    return SimpleNamespace(
+        compilation_config=CompilationConfig(cudagraph_mm_encoder=True, encoder_cudagraph_token_budgets=budgets or [],
+                                             encoder_cudagraph_max_vision_items_per_batch=max_items),
+        model_config=SimpleNamespace(multimodal_config=MultiModalConfig(limit_per_prompt={"image": 8, "video": 0})),
+        parallel_config=ParallelConfig(),
+        scheduler_config=SchedulerConfig(max_model_len=8192, is_encoder_decoder=False,
+                                         max_num_batched_tokens=max_batched_tokens),
+    )
+
+
+@pytest.fixture(scope="module")
+def tower():
+    torch.manual_seed(0)
+    return Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval()
+
+
+@pytest.fixture(scope="module")
+def adapter(tower):
+    return hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
+
+
+@pytest.fixture(scope="module")
+def captured(adapter):
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
+                                               graph_backend="cpu")
+    m.capture(graph_pool=None)
+    yield m
+    m.clear()
+
+
+@pytest.fixture
+def manager(captured):
+    captured.reset_stats()  # captured once per module; each test counts from zero
+    return captured
+
+
+def tokens_of(grid):
+    return [t * h * w // 4 for t, h, w in grid]
+
+
+def mm_kwargs(tower, grid, seed=0, grid_as=list):
+    g = torch.Generator().manual_seed(seed)
+    patches = sum(t * h * w for t, h, w in grid)
+    return {"pixel_values": torch.randn(patches, tower.patch_row_width, generator=g), "image_grid_thw": grid_as(grid)}
+
+
+def eager_per_image(tower, kwargs):
+    grid = list(kwargs["image_grid_thw"])
+    with torch.inference_mode():
+        out = tower.forward(kwargs["pixel_values"], grid)
+    return out.split(tokens_of(grid))
+
+
+# bf16 (the CUDA test): a padded replay and an unpadded eager call run different GEMM tilings, so near-zero values
+# differ by rounding; torch.testing's bf16 rtol with atol 1e-2 plus a relative-L2 bound, as hwgraph's CUDA tests.
+BF16 = {"rtol": 1.6e-2, "atol": 1e-2}
+
+
+def assert_matches_eager(adapter, got, want):
+    assert len(got) == len(want)
+    for features, ref in zip(got, want, strict=True):
+        assert features.shape == (ref.num_tokens, adapter.out_hidden_size)  # no padding row leaked
+        out = adapter.split(features)
+        assert len(out.deepstack) == len(ref.deepstack) == 3
+        for a, b in zip(out.tensors(), ref.tensors(), strict=True):
+            if b.dtype == torch.bfloat16:
+                torch.testing.assert_close(a, b, **BF16)
+                assert relative_error(a, b) < 1e-2
+            else:
+                torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ protocol
+def test_adapter_is_a_supports_encoder_cudagraph_model(adapter):
+    assert isinstance(adapter, SupportsEncoderCudaGraph)
+    assert supports_encoder_cudagraph(adapter)
+    assert type(adapter).supports_encoder_cudagraph is True
+
+
+def protocol_methods():
+    return sorted(name for name, value in vars(SupportsEncoderCudaGraph).items()
+                  if inspect.isfunction(value) and not name.startswith("_"))
+
+
+@pytest.mark.parametrize("name", protocol_methods())
+def test_every_protocol_method_has_the_installed_signature(adapter, name):
+    want = inspect.signature(getattr(SupportsEncoderCudaGraph, name))
+    got = inspect.signature(getattr(type(adapter), name))
+    assert [(p.name, p.kind, p.default) for p in got.parameters.values()] == \
+        [(p.name, p.kind, p.default) for p in want.parameters.values()]
+
+
+def test_config_names_the_image_modality_buffers_and_width_with_deepstack(adapter, tower):
+    config = adapter.get_encoder_cudagraph_config()
+    assert isinstance(config, EncoderCudaGraphConfig)
+    assert config.modalities == ["image"]
+    assert config.buffer_keys == ["pixel_values", "pos_indices", "pos_weights", "rotary_positions", "cu_seqlens"]
+    assert config.out_hidden_size == tower.out_hidden_size * (1 + 3) == 128
+    assert set(config.padding_logics) <= set(config.buffer_keys)
+    assert config.max_frames_per_video == 1 and adapter.get_max_frames_per_video() == 1
+    assert list(config.paths) == ["default"] and config.capture_axes == ()
+
+
+def test_budget_range_starts_at_the_smallest_image_and_respects_the_scheduler(tower, adapter):
+    assert adapter.get_encoder_cudagraph_budget_range(vllm_config()) == (64, 256)
+    assert adapter.get_encoder_cudagraph_budget_range(vllm_config(max_batched_tokens=128)) == (64, 128)
+    wide = hv.Qwen3OmniEncoderCudaGraphAdapter(tower, min_token_budget=16, max_token_budget=1024)
+    assert wide.get_encoder_cudagraph_budget_range(vllm_config()) == (16, 1024)
+    with pytest.raises(ValueError, match="min_token_budget"):
+        hv.Qwen3OmniEncoderCudaGraphAdapter(tower, min_token_budget=128, max_token_budget=64)
+
+
+@pytest.mark.parametrize("grid_as", [list, torch.tensor, np.array], ids=["list", "cpu-tensor", "numpy"])
+def test_item_specs_come_from_the_host_grid(tower, adapter, grid_as):
+    kwargs = mm_kwargs(tower, [(1, 8, 8), (1, 4, 12), (1, 2, 2)], grid_as=grid_as)
+    specs = adapter.get_encoder_cudagraph_item_specs(kwargs)
+    assert all(type(s) is EncoderItemSpec for s in specs)
+    assert [(s.input_size, s.output_tokens) for s in specs] == [(64, 16), (48, 12), (4, 1)]
+    assert all(type(s.input_size) is int and type(s.output_tokens) is int for s in specs)
+    assert adapter.get_input_modality(kwargs) == "image"
+    assert adapter.get_encoder_cudagraph_item_frames(kwargs) == [1, 1, 1]
+
+
+def test_a_device_grid_is_refused_rather_than_read_back(tower, adapter):
+    kwargs = {"pixel_values": torch.zeros(4, tower.patch_row_width), "image_grid_thw": torch.empty(1, 3, device="meta",
+                                                                                                dtype=torch.int64)}
+    with pytest.raises(ValueError, match="on the host"):
+        adapter.get_encoder_cudagraph_item_specs(kwargs)
+
+
+def test_select_slices_pixels_by_patch_offsets(tower, adapter):
+    grid = [(1, 8, 8), (1, 4, 4), (1, 2, 6)]
+    kwargs = mm_kwargs(tower, grid)
+    px = kwargs["pixel_values"]
+    picked = adapter.select_encoder_cudagraph_items(kwargs, [2, 0])
+    assert picked["image_grid_thw"] == [(1, 2, 6), (1, 8, 8)]
+    torch.testing.assert_close(picked["pixel_values"], torch.cat((px[80:92], px[0:64])), rtol=0, atol=0)
+    whole = adapter.select_encoder_cudagraph_items(kwargs, [0, 1, 2])
+    assert whole["pixel_values"].data_ptr() == px.data_ptr()  # the whole group in order is a view
+    empty = adapter.select_encoder_cudagraph_items(kwargs, [])
+    assert empty["pixel_values"].shape == (0, tower.patch_row_width) and empty["image_grid_thw"] == []
+    assert adapter.get_encoder_cudagraph_item_specs(empty) == []
+    with pytest.raises(IndexError):
+        adapter.select_encoder_cudagraph_items(kwargs, [3])
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_capture_inputs_and_forward_have_the_budget_shapes(tower, adapter, budget):
+    inputs = adapter.prepare_encoder_cudagraph_capture_inputs(budget, MAX_ITEMS, MAX_ITEMS, CPU, torch.bfloat16)
+    assert isinstance(inputs, EncoderCudaGraphCaptureInputs)
+    v = inputs.values
+    assert list(v) == adapter.get_encoder_cudagraph_config().buffer_keys
+    rows = budget * 4
+    assert v["pixel_values"].shape == (rows, tower.patch_row_width) and v["pixel_values"].dtype == torch.bfloat16
+    assert v["pos_indices"].shape == (4, rows) and v["pos_indices"].dtype == torch.int64
+    assert v["pos_weights"].shape == (4, rows) and v["pos_weights"].dtype == torch.float32
+    assert v["rotary_positions"].shape == (rows, 2) and v["rotary_positions"].dtype == torch.int64
+    assert v["cu_seqlens"].shape == (MAX_ITEMS + 1,) and v["cu_seqlens"].dtype == torch.int32
+    assert v["cu_seqlens"].tolist() == [0] + [rows] * MAX_ITEMS  # one image filling the budget, then empty ones
+    with torch.inference_mode():
+        out = adapter.encoder_cudagraph_forward({**v, "pixel_values": v["pixel_values"].float()})
+    assert out.shape == (budget, adapter.out_hidden_size) and out.dtype == torch.float32
+
+
+def test_replay_buffers_are_the_unpadded_host_metadata(tower, adapter):
+    grid = [(1, 8, 8), (1, 4, 4)]
+    kwargs = mm_kwargs(tower, grid)
+    buffers = adapter.prepare_encoder_cudagraph_replay_buffers(kwargs, MAX_ITEMS, MAX_ITEMS)
+    assert isinstance(buffers, EncoderCudaGraphReplayBuffers)
+    assert set(buffers.values) == set(adapter.get_encoder_cudagraph_config().buffer_keys)
+    assert buffers.values["pixel_values"] is kwargs["pixel_values"]
+    want = tower.prepare_metadata(grid)
+    for key, tensor in want.tensors().items():
+        torch.testing.assert_close(buffers.values[key], tensor, rtol=0, atol=0)
+
+
+def test_padding_logics_pad_exactly_like_the_towers_padded_metadata(tower):
+    host = tower.prepare_metadata([(1, 8, 8), (1, 4, 4)])
+    padded = host.padded(256, MAX_ITEMS)
+    for key, pad in hv.PADDING_LOGICS.items():
+        dst = torch.full_like(padded.tensors()[key], 7)  # stale values from an earlier replay
+        pad(dst, host.tensors()[key])
+        torch.testing.assert_close(dst, padded.tensors()[key], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not fit"):
+        hv.pad_cu_seqlens(torch.zeros(2, dtype=torch.int32), host.cu_seqlens)
+    with pytest.raises(ValueError, match="does not fit"):
+        hv.pad_columns(torch.zeros(4, 8), host.pos_weights)
+
+
+def test_select_then_postprocess_reproduce_the_eager_tower_per_image(tower, adapter):
+    grid = [(1, 8, 8), (1, 4, 4), (1, 2, 6), (1, 6, 2)]
+    kwargs = mm_kwargs(tower, grid, seed=5)
+    want = eager_per_image(tower, kwargs)
+    tokens = tokens_of(grid)
+    dest: dict[int, torch.Tensor] = {}
+    for indices in ([3, 1], [0], [2]):
+        sub = adapter.select_encoder_cudagraph_items(kwargs, indices)
+        with torch.inference_mode():
+            out = adapter.encoder_eager_forward(sub)
+        padded = torch.cat((out, torch.full((5, out.shape[1]), float("nan"))))  # rows past the images: padding
+        adapter.postprocess_encoder_output({"default": padded}, indices, tokens, dest, clone=True)
+    assert sorted(dest) == [0, 1, 2, 3]
+    assert_matches_eager(adapter, [dest[i] for i in range(4)], want)
+    with pytest.raises(ValueError, match="exceed"):
+        adapter.postprocess_encoder_output({"default": out[:1]}, [0], tokens, {}, clone=False)
+
+
+# ------------------------------------------------------------------------------------------------ manager
+def test_manager_takes_its_budgets_from_the_adapter_and_captures_through_hwgraph(adapter):
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(), CPU, torch.float32, adapter, graph_backend="cpu")
+    assert m.token_budgets == BUDGETS and m.max_batch_size == 4  # auto-inferred from (64, 256)
+    m.capture(graph_pool=None)
+    try:
+        assert m.captured_budgets() == BUDGETS and m.is_captured()
+        assert m.backend.name == "cpu" and m.get_cumulative_stats()["graph_backend"] == "cpu"
+        for budget, meta in m.budget_graphs["default"].items():
+            assert meta.output_buffer.shape == (budget, adapter.out_hidden_size)
+            assert meta.input_buffers["pixel_values"].shape[0] == budget * 4
+    finally:
+        m.clear()
+    assert m.captured_budgets() == [] and not m.is_captured()
+
+
+CASES = [  # grid, expected decision (budget or None), reason
+    ([(1, 16, 16)], 64, "replay"),  # exactly the smallest budget
+    ([(1, 8, 8), (1, 8, 8), (1, 4, 4)], 64, "replay"),  # 16 + 16 + 4 tokens
+    ([(1, 16, 16), (1, 8, 8), (1, 4, 8)], 128, "replay"),  # 64 + 16 + 8
+    ([(1, 16, 32), (1, 16, 28), (1, 2, 2), (1, 2, 2)], 256, "replay"),  # 128 + 112 + 1 + 1: four images, full
+    ([(1, 4, 4)] * 5, None, "too many images"),  # 5 > max_batch_size 4, though 20 tokens fit
+    ([(1, 16, 32), (1, 16, 36)], None, "over budget"),  # 128 + 144 = 272 > 256: upstream would replay twice
+    ([(1, 40, 40)], None, "over budget"),  # one oversized image
+    ([(2, 8, 8)], None, "video"),  # t > 1
+]
+
+
+@pytest.mark.parametrize("grid, budget, reason", CASES, ids=[c[2] + f"-{i}" for i, c in enumerate(CASES)])
+def test_single_replay_decision_and_outputs(tower, adapter, manager, monkeypatch, grid, budget, reason):
+    kwargs = mm_kwargs(tower, grid, seed=len(grid))
+    specs = adapter.get_encoder_cudagraph_item_specs(kwargs)
+    decision = manager.decide(specs, "image", adapter.get_encoder_cudagraph_item_frames(kwargs))
+    assert (decision.budget, decision.reason) == (budget, reason)
+    eager_calls = []
+    real_eager = adapter.encoder_eager_forward
+    monkeypatch.setattr(adapter, "encoder_eager_forward", lambda kw, path="default": (eager_calls.append(kw),
+                                                                                       real_eager(kw, path))[1])
+    got = manager.execute(kwargs)
+    assert_matches_eager(adapter, got, eager_per_image(tower, kwargs))
+    stats = manager.get_cumulative_stats()
+    n = len(grid)
+    if budget is not None:
+        assert eager_calls == []
+        assert (stats["graph_hits"], stats["graph_misses"], stats["replays"]) == (n, 0, 1)
+        assert stats["replays_per_budget"] == {budget: 1}
+        assert stats["padding_tokens"] == budget - sum(tokens_of(grid))
+    else:
+        assert len(eager_calls) == 1 and eager_calls[0] is kwargs  # the whole group, once, unsplit
+        assert (stats["graph_hits"], stats["graph_misses"], stats["replays"]) == (0, n, 0)
+        assert stats["eager_groups"] == 1 and stats["eager_reasons"] == {reason: 1}
+
+
+def test_no_captured_graph_means_one_eager_call(tower, adapter):
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
+                                               graph_backend="cpu")
+    kwargs = mm_kwargs(tower, [(1, 8, 8)])
+    assert m.decide(adapter.get_encoder_cudagraph_item_specs(kwargs)).reason == "no graphs"
+    assert_matches_eager(adapter, m.execute(kwargs), eager_per_image(tower, kwargs))
+    assert m.get_cumulative_stats()["eager_reasons"] == {"no graphs": 1}
+
+
+def test_empty_group_returns_no_outputs(tower, manager):
+    assert manager.execute({"pixel_values": torch.zeros(0, tower.patch_row_width), "image_grid_thw": []}) == []
+    assert manager.decide([]).reason == "empty"
+
+
+def test_changing_budgets_leave_no_stale_inputs_and_kept_outputs_survive(tower, adapter, manager):
+    calls = [[(1, 32, 32)], [(1, 4, 4)], [(1, 8, 8), (1, 8, 8)], [(1, 4, 4), (1, 2, 2)], [(1, 16, 16)], [(1, 2, 4)]]
+    kept = []
+    for i, grid in enumerate(calls):
+        kwargs = mm_kwargs(tower, grid, seed=100 + i)
+        got = manager.execute(kwargs)
+        assert_matches_eager(adapter, got, eager_per_image(tower, kwargs))
+        kept.append((got, [t.clone() for t in got]))
+    for got, copies in kept:  # outputs handed back never alias a graph buffer that a later replay overwrote
+        for t, c in zip(got, copies, strict=True):
+            torch.testing.assert_close(t, c, rtol=0, atol=0)
+    assert manager.get_cumulative_stats()["replays_per_budget"] == {256: 1, 64: 5}
+
+
+def test_the_replay_path_reads_nothing_back_from_the_device(tower, adapter, manager):
+    kwargs = mm_kwargs(tower, [(1, 8, 8), (1, 4, 4)], seed=7)
+    with manager.backend.sync_guard():  # rejects .item(), .tolist(), .cpu(), bool() on tensors
+        got = manager.execute(kwargs)
+    assert_matches_eager(adapter, got, eager_per_image(tower, kwargs))
+    assert manager.get_cumulative_stats()["replays"] == 1
+
+
+def test_adapter_also_serves_vllms_greedy_packing(tower, adapter, manager):
+    """Upstream's dispatch (several replays per step) on the same captured graphs gives the same outputs."""
+    grid = [(1, 16, 32), (1, 16, 36), (1, 4, 4), (1, 40, 40)]  # 128 + 144 + 4 + 400 tokens
+    kwargs = mm_kwargs(tower, grid, seed=11)
+    got = upstream.EncoderCudaGraphManager._execute_local(manager, kwargs)
+    assert_matches_eager(adapter, got, eager_per_image(tower, kwargs))
+    assert manager.graph_hits == 3 and manager.graph_misses == 1  # two replays hold three images; one eager
+
+
+def test_a_failed_capture_leaves_that_budget_eager(tower, adapter, monkeypatch):
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
+                                               graph_backend="cpu")
+    real, calls = m.backend.capture, []
+
+    def capture(fn, pool=None):
+        calls.append(fn)
+        if len(calls) == 1:  # the first capture is the largest budget
+            raise RuntimeError("simulated capture failure")
+        return real(fn, pool)
+
+    monkeypatch.setattr(m.backend, "capture", capture)
+    m.capture(graph_pool=None)
+    assert m.captured_budgets() == [64, 128] and "simulated" in m.capture_failures[256]
+    kwargs = mm_kwargs(tower, [(1, 16, 32), (1, 8, 8)], seed=3)  # 144 tokens: only the failed 256 would hold it
+    assert_matches_eager(adapter, m.execute(kwargs), eager_per_image(tower, kwargs))
+    assert m.get_cumulative_stats()["eager_reasons"] == {"over budget": 1}
+    m.clear()
+
+
+def test_manager_refuses_multi_path_encoders(tower):
+    class TwoPaths(hv.Qwen3OmniEncoderCudaGraphAdapter):
+        def get_encoder_cudagraph_config(self):
+            config = super().get_encoder_cudagraph_config()
+            config.paths = {"default": config.paths["default"], "other": config.paths["default"]}
+            return config
+
+    with pytest.raises(ValueError, match="single-path"):
+        hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, TwoPaths(tower),
+                                               graph_backend="cpu")
+
+
+def test_install_swaps_the_class_vllm_runners_build_and_undoes_it():
+    undo = hv.install_single_replay_manager()
+    try:
+        assert upstream.EncoderCudaGraphManager is hv.SingleReplayEncoderCudaGraphManager
+    finally:
+        undo()
+    assert upstream.EncoderCudaGraphManager is hv.EncoderCudaGraphManager
+    assert not issubclass(upstream.EncoderCudaGraphManager, hv.SingleReplayEncoderCudaGraphManager)
+
+
+# ------------------------------------------------------------------------------------------------ versions, imports
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.1.dev3+gabc123", "0.33.0+cu130"])
+def test_supported_versions_are_accepted(version):
+    assert hv.check_vllm_version(version).release[:2] == (0, 33)
+
+
+@pytest.mark.parametrize("version", ["0.32.1", "0.34.0", "1.0.0", "not-a-version", None])
+def test_unsupported_versions_are_refused_with_the_fix(monkeypatch, version):
+    monkeypatch.delenv(hv.ALLOW_UNSUPPORTED_ENV, raising=False)
+    with pytest.raises(hv.UnsupportedVllmError, match=r"pip install 'hwgraph\[vllm\]'") as info:
+        hv.check_vllm_version(version)
+    assert ">=0.33.0" in str(info.value) and isinstance(info.value, ImportError)
+
+
+def test_an_unsupported_version_can_be_tried_on_purpose(monkeypatch, caplog):
+    monkeypatch.setenv(hv.ALLOW_UNSUPPORTED_ENV, "1")
+    assert hv.check_vllm_version("0.34.0") == Version("0.34.0")
+    assert "supports vllm" in caplog.text
+    assert hv.VLLM_VERSION.release[:2] == (0, 33)
+
+
+def test_importing_hwgraph_never_imports_vllm():
+    code = ("import sys, hwgraph, hwgraph.integrations, hwgraph.manager, hwgraph.models.qwen3_omni; "
+            "hwgraph.EncoderGraphManager; assert 'vllm' not in sys.modules, sorted(m for m in sys.modules "
+            "if m.startswith('vllm'))")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+# ------------------------------------------------------------------------------------------------ device
+@pytest.mark.cuda
+@pytest.mark.parametrize("manager_cls", ["single-replay", "upstream"])
+def test_real_capture_and_replay_on_cuda(manager_cls):
+    """The real capture path: vLLM's pool handle, a device graph per budget, replay equal to eager (bf16)."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    tower = Qwen3OmniVisionTower.from_preset("tiny").to(device, torch.bfloat16).eval()
+    adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
+    config = vllm_config(BUDGETS, MAX_ITEMS)
+    if manager_cls == "upstream":
+        m = upstream.EncoderCudaGraphManager(config, device, torch.bfloat16, adapter)
+    else:
+        m = hv.SingleReplayEncoderCudaGraphManager(config, device, torch.bfloat16, adapter)
+        assert m.backend.name == "cuda", "install backends/cuda (ci/vllm.sh does) for the real capture path"
+    m.capture(graph_pool=torch.cuda.graph_pool_handle())
+    try:
+        for seed, grid in enumerate([[(1, 16, 16)], [(1, 8, 8), (1, 4, 4)], [(1, 40, 40)], [(1, 16, 32)] * 3]):
+            kwargs = mm_kwargs(tower, grid, seed=seed)
+            kwargs["pixel_values"] = kwargs["pixel_values"].to(device, torch.bfloat16)
+            got = m.execute(kwargs)
+            torch.accelerator.synchronize()
+            assert_matches_eager(adapter, got, eager_per_image(tower, kwargs))
+        assert m.graph_hits > 0
+    finally:
+        m.clear()
