@@ -8,3 +8,8 @@ if command -v rocm-smi >/dev/null 2>&1; then ACCEL=rocm; fi
 if command -v npu-smi >/dev/null 2>&1; then ACCEL=npu; fi
 source "$(dirname "$0")/env.sh" "$ACCEL"
 .venv/bin/hwgraph info
+# The side-by-side benchmark (on CPU: the tiny preset and small groups, about a minute on 2 cores).
+REPORT="${HWGRAPH_DEMO_OUT:-out/demo}"
+mkdir -p "$REPORT"
+.venv/bin/hwgraph bench --json "$REPORT/bench.json" "$@" | tee "$REPORT/bench.md"
+echo "demo: benchmark report in $REPORT/bench.md (JSON: $REPORT/bench.json)"

@@ -22,8 +22,8 @@ if ! $VPY -c "import torch" 2>/dev/null; then
   fi
 fi
 if [ "$ACCEL" = cpu ]; then
-  # The Triton interpreter runs TRITON_ATTN's correctness tests on CPU.
-  $PIP install -e ".[test,triton]" -e backends/cuda -e backends/rocm -e backends/npu
+  # The Triton interpreter runs TRITON_ATTN's correctness tests on CPU; matplotlib draws `hwgraph validate`'s plot.
+  $PIP install -e ".[test,triton,plot]" -e backends/cuda -e backends/rocm -e backends/npu
 else
   # Accelerator machines may be offline: no build isolation, no dependency resolution beyond what is there.
   $PIP install --no-build-isolation --no-deps -e . -e backends/cuda -e backends/rocm -e backends/npu

@@ -1,5 +1,347 @@
-"""``hwgraph bench``: measured side-by-side comparisons (filled in by the benchmark issue)."""
+"""``hwgraph bench``: transformers eager, hwgraph eager and hwgraph replay side by side, per image group, in one run.
+
+Every latency is measured in this process with ``hwgraph.timing.measure`` (device events on CUDA/ROCm, wall clock
+elsewhere): median and p95 of ``samples`` calls after ``warmup`` calls. Speedups are ratios of medians from the
+same run. A group ``NxT`` is N single-frame images of T merged tokens each, encoded as one call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hwgraph import budgets as budget_rules
+from hwgraph.timing import measure
+
+log = logging.getLogger(__name__)
+
+ACCELERATOR_GROUPS = "1x49,2x49,1x98,1x256,4x64,1x1024"
+CPU_GROUPS = "1x16,2x16,1x49,4x16,1x64"
+ACCELERATOR_PRESET = "qwen3-omni-30b-a3b"
+CPU_PRESET = "tiny"
+
+
+@dataclass(frozen=True)
+class Group:
+    """``count`` single-frame images of ``tokens`` merged tokens each, encoded in one call."""
+
+    count: int
+    tokens: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.count}x{self.tokens}"
+
+    @property
+    def total(self) -> int:
+        return self.count * self.tokens
+
+    def grid(self, merge: int) -> list[tuple[int, int, int]]:
+        """``(1, h, w)`` patch grids with ``h * w / merge**2 == tokens`` (49 tokens, merge 2: 14x14 patches)."""
+        return [budget_rules.filling_grid(self.tokens, merge)] * self.count
+
+
+def parse_groups(spec: str) -> list[Group]:
+    """``"1x49,2x49,4x64"`` -> groups; ``ValueError`` naming the bad entry."""
+    groups = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        count, sep, tokens = item.lower().partition("x")
+        if not sep or not count.isdigit() or not tokens.isdigit() or int(count) < 1 or int(tokens) < 1:
+            raise ValueError(f"bad group {item!r} in {spec!r}: expected COUNTxTOKENS with positive ints, e.g. 2x49")
+        groups.append(Group(int(count), int(tokens)))
+    if not groups:
+        raise ValueError(f"no groups in {spec!r}")
+    return groups
+
+
+def covering_budgets(groups: list[Group]) -> list[int]:
+    """Budgets doubling from 64 up to the first that holds the largest group (the manager's auto rule)."""
+    cap = budget_rules.MIN_AUTO_BUDGET
+    while cap < max(g.total for g in groups):
+        cap *= 2
+    return budget_rules.auto_budgets(cap)
+
+
+@dataclass
+class BenchConfig:
+    preset: str
+    groups: list[Group]
+    device: torch.device
+    dtype: torch.dtype
+    kernels: list[str] | None = None  # None: every kernel available here, best first
+    graph_backend: str | None = None
+    warmup: int = 10
+    samples: int = 30
+    calibrate: bool = False
+    profile: bool = False
+    reference: bool = True  # also time transformers' encoder
+    compile: bool = False  # torch.compile each budget's forward before capturing it
+    seed: int = 0
+    budgets: list[int] = field(default_factory=list)  # empty: covering_budgets(groups)
+
+
+def default_device() -> torch.device:
+    from hwgraph.platform import detect
+
+    kind = detect().kind
+    return torch.device({"cuda": "cuda", "rocm": "cuda", "npu": "npu"}.get(kind, "cpu"))
+
+
+def build_tower(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A randomly initialised tower, built on the device (the real preset is 1.08 GB in bf16)."""
+    from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        tower = Qwen3OmniVisionTower.from_preset(preset)
+    return tower.to(dtype=dtype).eval()
+
+
+def kernel_choices(tower, requested: list[str] | None) -> tuple[list[str], list[dict]]:
+    """(kernels to run, every kernel with availability and reasons for the tower's device, dtype, head dim)."""
+    from hwgraph.attention.registry import kernel_named, kernel_specs
+    from hwgraph.manager import platform_for
+
+    platform = platform_for(tower.device)
+    table = []
+    for spec in sorted(kernel_specs(), key=lambda k: -k.priority):
+        cap = spec.capability(platform, tower.dtype, tower.head_dim)
+        table.append({"name": spec.name, "available": cap.ok, "reasons": list(cap.reasons),
+                      "graph_safe": spec.graph_safe, "kinds": list(spec.kinds)})
+    if requested:
+        names = [kernel_named(n).name for n in requested]  # unknown names raise, listing the known ones
+        refused = {row["name"]: row["reasons"] for row in table if row["name"] in names and not row["available"]}
+        if refused:
+            from hwgraph.registry import SelectionError
+
+            raise SelectionError("; ".join(f"attention kernel {n} is unavailable: {'; '.join(r)}"
+                                           for n, r in refused.items()))
+        return names, table
+    return [row["name"] for row in table if row["available"] and platform.kind in row["kinds"]], table
+
+
+def eager_call(tower, pixels, grid):
+    with torch.inference_mode():
+        return tower.forward(pixels, grid)
+
+
+def group_inputs(tower, groups: list[Group], seed: int) -> dict:
+    out = {}
+    for i, group in enumerate(groups):
+        grid = group.grid(tower.spatial_merge_size)
+        gen = torch.Generator().manual_seed(seed + i)
+        rows = sum(t * h * w for t, h, w in grid)
+        pixels = torch.randn(rows, tower.patch_row_width, generator=gen).to(tower.device, tower.dtype)
+        out[group.label] = (pixels, grid)
+    return out
+
+
+def time_reference(tower, groups, inputs, cfg: BenchConfig, progress) -> dict:
+    """transformers' encoder with the tower's weights (``attn_implementation="sdpa"``), per group."""
+    from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
+
+    encoder = reference_encoder(tower, attn_implementation="sdpa")
+    out = {}
+    for group in groups:
+        pixels, grid = inputs[group.label]
+        out[group.label] = measure(lambda p=pixels, g=grid: run_reference(encoder, p, g), cfg.device, cfg.warmup,
+                                   cfg.samples).as_dict()
+        progress.advance(note=f"transformers {group.label}")
+    return out
+
+
+def empty_cache(device: torch.device) -> None:
+    fn = getattr(getattr(torch, device.type, None), "empty_cache", None)
+    if device.type != "cpu" and callable(fn):
+        fn()
+
+
+def time_kernel(tower, kernel: str, groups, inputs, cfg: BenchConfig, progress, calibrate: bool = False) -> dict:
+    """hwgraph eager and replay of every group with one attention kernel (one manager, budgets covering all)."""
+    from hwgraph.manager import EncoderGraphManager
+
+    budgets = cfg.budgets or covering_budgets(groups)
+    max_images = min(max(g.count for g in groups), min(budgets))
+    manager = EncoderGraphManager(tower, device=cfg.device, dtype=cfg.dtype, budgets=budgets,
+                                  max_images_per_graph=max_images, graph_backend=cfg.graph_backend,
+                                  attention=kernel, calibrate=calibrate, max_budget=max(budgets), compile=cfg.compile)
+    try:
+        manager.capture()
+        rows = {}
+        for group in groups:
+            pixels, grid = inputs[group.label]
+            entry, why = manager.select_graph(grid, group.total)
+            rows[group.label] = row = time_group(tower, manager, pixels, grid, entry is not None, cfg)
+            row["budget"] = entry.budget if entry is not None else None
+            row["replay_note"] = "replay" if entry is not None else f"eager: {why}"
+            progress.advance(note=f"{kernel} {group.label}")
+        stats = manager.stats()
+        return {"kernel": kernel, "backend": manager.backend.name, "accelerates": manager.backend.accelerates,
+                "budgets": sorted(manager.graphs), "rows": rows, "stats": stats,
+                "graph_memory_bytes": dict(sorted(stats["capture_bytes_per_budget"].items()))}
+    finally:
+        manager.close()
+
+
+def time_group(tower, manager, pixels, grid, replays: bool, cfg: BenchConfig) -> dict:
+    """Eager and (when a graph holds the group) replay latency of one group; kernel time with ``cfg.profile``."""
+    from hwgraph.profiling import kernel_time
+
+    def eager():
+        return eager_call(tower, pixels, grid)
+
+    def replay():
+        return manager.encode(pixels, grid)
+
+    row = {"eager": measure(eager, cfg.device, cfg.warmup, cfg.samples).as_dict(),
+           "replay": measure(replay, cfg.device, cfg.warmup, cfg.samples).as_dict() if replays else None}
+    if cfg.profile:
+        row["profile"] = {"eager": kernel_time(eager, cfg.device).as_dict(),
+                          "replay": kernel_time(replay, cfg.device).as_dict() if replays else None}
+    return row
+
+
+def ratio(num: dict | None, den: dict | None) -> float | None:
+    if not num or not den or not den.get("median_ms"):
+        return None
+    return num["median_ms"] / den["median_ms"]
+
+
+def profile_ratios(row: dict) -> dict:
+    prof = row.get("profile")
+    if not prof:
+        return {}
+    eager_k, replay_k = prof["eager"]["kernel_ms"], (prof["replay"] or {}).get("kernel_ms")
+    out = {"eager_kernel_ms": eager_k, "replay_kernel_ms": replay_k, "source": prof["eager"]["source"],
+           "eager_over_kernels": row["eager"]["median_ms"] / eager_k if eager_k else None,
+           "replay_over_tower_kernels": row["replay"]["median_ms"] / eager_k if eager_k and row["replay"] else None,
+           "replay_over_replay_kernels": row["replay"]["median_ms"] / replay_k if replay_k and row["replay"] else None}
+    return out
+
+
+def flatten_rows(groups, reference: dict, per_kernel: list[dict]) -> list[dict]:
+    """One row per (group, kernel) with latencies and the speedups measured in this run."""
+    rows = []
+    for group in groups:
+        tf = reference.get(group.label)
+        for result in per_kernel:
+            r = result["rows"][group.label]
+            rows.append({
+                "group": group.label, "images": group.count, "tokens": group.total, "kernel": result["kernel"],
+                "transformers": tf, "eager": r["eager"], "replay": r["replay"], "budget": r["budget"],
+                "replay_note": r["replay_note"],
+                "speedup": {"eager_vs_transformers": ratio(tf, r["eager"]),
+                            "replay_vs_transformers": ratio(tf, r["replay"]),
+                            "replay_vs_eager": ratio(r["eager"], r["replay"])},
+                "profile": profile_ratios(r),
+            })
+    return rows
+
+
+def run_bench(cfg: BenchConfig, progress=None) -> dict:
+    """Everything ``hwgraph bench`` reports, as a JSON-ready dict."""
+    from hwgraph.progress import Progress
+    from hwgraph.versions import environment
+
+    tower = build_tower(cfg.preset, cfg.device, cfg.dtype, cfg.seed)
+    kernels, kernel_table = kernel_choices(tower, cfg.kernels)
+    groups = cfg.groups
+    inputs = group_inputs(tower, groups, cfg.seed + 1000)
+    steps = len(groups) * (len(kernels) + int(cfg.reference) + int(cfg.calibrate))
+    progress = progress or Progress("bench")
+    progress.set_total(steps)
+    with progress:
+        reference = time_reference(tower, groups, inputs, cfg, progress) if cfg.reference else {}
+        empty_cache(cfg.device)  # the reference encoder's weights are garbage now
+        per_kernel = [time_kernel(tower, k, groups, inputs, cfg, progress) for k in kernels]
+        calibrated = None
+        if cfg.calibrate and kernels:
+            calibrated = time_kernel(tower, kernels[0], groups, inputs, cfg, progress, calibrate=True)
+    result = {
+        "environment": environment(),
+        "preset": cfg.preset, "device": str(cfg.device), "dtype": str(cfg.dtype).removeprefix("torch."),
+        "timer": "device events" if cfg.device.type == "cuda" else "wall clock",
+        "warmup": cfg.warmup, "samples": cfg.samples, "groups": [g.label for g in groups], "compile": cfg.compile,
+        "budgets": cfg.budgets or covering_budgets(groups),
+        "graph_backend": per_kernel[0]["backend"] if per_kernel else cfg.graph_backend,
+        "graph_backend_accelerates": per_kernel[0]["accelerates"] if per_kernel else None,
+        "kernels": kernel_table, "rows": flatten_rows(groups, reference, per_kernel),
+        "per_kernel": {r["kernel"]: {k: r[k] for k in ("budgets", "graph_memory_bytes", "stats")}
+                       for r in per_kernel},
+        "calibration": None,
+    }
+    if calibrated is not None:
+        result["calibration"] = {
+            "kernel": calibrated["kernel"], "findings": calibrated["stats"]["calibration"],
+            "kept_budgets": calibrated["budgets"],
+            "rows": [{"group": g.label, "replay": calibrated["rows"][g.label]["replay"],
+                      "budget": calibrated["rows"][g.label]["budget"],
+                      "replay_note": calibrated["rows"][g.label]["replay_note"],
+                      "replay_vs_transformers": ratio(reference.get(g.label), calibrated["rows"][g.label]["replay"])}
+                     for g in groups]}
+    return result
+
+
+# ---------------------------------------------------------------- command line
+def config_from_args(args) -> BenchConfig:
+    from hwgraph.testing.cases import parse_dtype
+
+    device = torch.device(args.device) if args.device else default_device()
+    on_cpu = device.type == "cpu"
+    return BenchConfig(
+        preset=args.preset or (CPU_PRESET if on_cpu else ACCELERATOR_PRESET),
+        groups=parse_groups(args.groups or (CPU_GROUPS if on_cpu else ACCELERATOR_GROUPS)),
+        device=device, dtype=parse_dtype(args.dtype) if args.dtype else (torch.float32 if on_cpu else torch.bfloat16),
+        kernels=args.attention, graph_backend=args.backend, warmup=args.warmup, samples=args.samples,
+        calibrate=args.calibrate, profile=args.profile, reference=not args.no_transformers, compile=args.compile,
+        budgets=sorted(args.budgets) if args.budgets else [])
+
+
+def cmd_bench(args) -> int:
+    from hwgraph.report import bench_markdown
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"hwgraph bench: {exc}", file=sys.stderr)
+        return 2
+    result = run_bench(cfg)
+    print(bench_markdown(result))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, default=str))
+        print(f"\nJSON report: {path}")
+    return 0
+
+
+def add_bench_arguments(parser) -> None:
+    parser.add_argument("--preset", help=f"tower preset (default: {CPU_PRESET} on CPU, {ACCELERATOR_PRESET} elsewhere)")
+    parser.add_argument("--groups", help=f"image groups COUNTxTOKENS,... (default: {ACCELERATOR_GROUPS}; "
+                                         f"on CPU {CPU_GROUPS})")
+    parser.add_argument("--attention", nargs="+", metavar="NAME", help="attention kernels (default: every available)")
+    parser.add_argument("--backend", help="graph backend (default: the best available here)")
+    parser.add_argument("--device", help="torch device (default: the detected accelerator, else cpu)")
+    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16; float32 on CPU)")
+    parser.add_argument("--warmup", type=int, default=10, help="warm-up calls per cell (default 10)")
+    parser.add_argument("--samples", type=int, default=30, help="timed calls per cell (default 30)")
+    parser.add_argument("--budgets", type=int, nargs="+", help="token budgets (default: doubling from 64 to cover "
+                                                               "the largest group)")
 
 
 def register_cli(sub) -> None:
-    return None
+    p = sub.add_parser("bench", help="transformers eager vs hwgraph eager vs hwgraph replay, per image group")
+    add_bench_arguments(p)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--calibrate", action="store_true", help="also calibrate budgets (keep those where replay wins)")
+    p.add_argument("--profile", action="store_true", help="also sum device kernel time per call with torch.profiler")
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers reference encoder")
+    p.add_argument("--compile", action="store_true", help="torch.compile each budget's forward before capture")
+    p.set_defaults(func=cmd_bench)

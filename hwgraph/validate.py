@@ -1,5 +1,134 @@
-"""``hwgraph validate``: the vendor validation report (filled in by the validation issue)."""
+"""``hwgraph validate``: the conformance suite and a short benchmark on what is detected, as one report.
+
+Writes ``report.md``, ``report.json`` and ``latency.png`` (plus pytest's ``conformance.log``) into the report folder.
+Exit status 1 when any conformance check fails or errors (each failing check is named on stderr), 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ACCELERATOR_TOKENS = (16, 64, 256, 1024)
+CPU_TOKENS = (16, 64, 256)
+
+
+def choose_backend_name(name: str | None) -> tuple[str, str]:
+    from hwgraph.registry import choose_backend
+
+    if name:
+        return name, "explicit (--backend)"
+    selected = choose_backend()
+    return selected.spec.name, selected.reason
+
+
+def device_for_backend(name: str) -> torch.device:
+    """The device the suite runs this backend on (the accelerator it serves, else the CPU)."""
+    from hwgraph.platform import detect
+    from hwgraph.registry import SelectionError, spec_named
+    from hwgraph.testing.cases import DEVICE_TYPE
+
+    platform = detect()
+    try:
+        kinds = spec_named(name).kinds
+    except SelectionError:
+        return torch.device("cpu")  # the suite reports the unknown backend; the benchmark says why it could not run
+    return torch.device(DEVICE_TYPE[platform.kind] if platform.kind in kinds else "cpu")
+
+
+def failing_checks(conformance: dict) -> list[dict]:
+    return [r for r in conformance["results"] if r["outcome"] in ("failed", "error")]
+
+
+def verdict(conformance: dict) -> tuple[bool, str]:
+    counts = conformance["counts"]
+    failing = failing_checks(conformance)
+    if failing:
+        return False, f"FAIL: {len(failing)} conformance check(s) failed"
+    if counts["passed"] == 0:
+        reasons = sorted({r["message"] for r in conformance["results"] if r["outcome"] == "skipped"})
+        return False, "FAIL: no conformance check ran" + (f" ({'; '.join(reasons)})" if reasons else "")
+    if conformance["exit_code"] not in (0, 5):
+        return False, f"FAIL: pytest exited with status {conformance['exit_code']} (see conformance.log)"
+    return True, f"PASS: {counts['passed']} checks passed, {counts['skipped']} skipped"
+
+
+def run_benchmark(args, backend: str, device: torch.device, progress_cls) -> dict:
+    from hwgraph.bench import BenchConfig, Group, run_bench
+    from hwgraph.testing.cases import parse_dtype
+
+    tokens = args.tokens or (CPU_TOKENS if device.type == "cpu" else ACCELERATOR_TOKENS)
+    warmup = args.warmup if args.warmup is not None else (3 if device.type == "cpu" else 10)
+    samples = args.samples if args.samples is not None else (10 if device.type == "cpu" else 30)
+    cfg = BenchConfig(preset=args.preset, groups=[Group(1, t) for t in tokens], device=device,
+                      dtype=parse_dtype(args.dtype) if args.dtype else
+                      (torch.float32 if device.type == "cpu" else torch.bfloat16),
+                      kernels=args.attention, graph_backend=backend, warmup=warmup, samples=samples,
+                      reference=not args.no_transformers)
+    return run_bench(cfg, progress=progress_cls("benchmark"))
+
+
+def cmd_validate(args) -> int:
+    from hwgraph.cli import info_data
+    from hwgraph.plot import latency_plot
+    from hwgraph.progress import Progress
+    from hwgraph.testing.results import run_conformance
+    from hwgraph.validation_report import validation_markdown
+    from hwgraph.versions import environment
+
+    out = Path(args.report)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    backend, why = choose_backend_name(args.backend)
+    device = device_for_backend(backend)
+    with tempfile.TemporaryDirectory(prefix="hwgraph-validate-") as tmp, Progress("conformance") as bar:
+        conformance = run_conformance(Path(tmp), backend, args.preset, args.attention, args.dtype, progress=bar,
+                                      log_path=out / "conformance.log")
+    ok, summary = verdict(conformance)
+    bench, bench_error = None, None
+    if not args.no_bench:
+        try:
+            bench = run_benchmark(args, backend, device, Progress)
+        except Exception as exc:  # the report still says what conformance found, and why no latency table
+            log.exception("benchmark failed")
+            bench_error = f"{type(exc).__name__}: {exc}"
+    plot_note = latency_plot(bench, out / "latency.png") if bench else (bench_error or "benchmark skipped")
+    report = {"verdict": summary, "ok": ok, "backend": backend, "backend_reason": why, "preset": args.preset,
+              "attention": args.attention, "environment": environment(), "info": info_data(),
+              "conformance": conformance, "bench": bench, "bench_error": bench_error,
+              "plot": {"path": "latency.png"} if plot_note is None else {"skipped": plot_note},
+              "seconds": round(time.perf_counter() - started, 1)}
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "report.md").write_text(validation_markdown(report))
+    print(f"{summary}\nreport: {out / 'report.md'} (also report.json"
+          f"{', latency.png' if plot_note is None else ''}, conformance.log)")
+    if plot_note is not None:
+        print(f"latency.png not written: {plot_note}")
+    for r in failing_checks(conformance):
+        print(f"hwgraph validate: conformance check {r['outcome']}: {r['check']}: {r['message']}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 def register_cli(sub) -> None:
-    return None
+    p = sub.add_parser("validate", help="conformance suite + short benchmark -> report.md, report.json, latency.png")
+    p.add_argument("--report", default="hwgraph-report", metavar="DIR", help="output folder (default hwgraph-report)")
+    p.add_argument("--backend", help="graph backend to validate (default: the one hwgraph chooses here)")
+    p.add_argument("--attention", nargs="+", metavar="NAME", help="attention kernels (default: every available)")
+    p.add_argument("--preset", default="tiny", help="tower preset for the suite and the benchmark (default tiny)")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 elsewhere)")
+    p.add_argument("--tokens", type=int, nargs="+", help="single-image sizes to benchmark, merged tokens "
+                                                         f"(default {' '.join(map(str, ACCELERATOR_TOKENS))}; "
+                                                         f"CPU {' '.join(map(str, CPU_TOKENS))})")
+    p.add_argument("--warmup", type=int, help="warm-up calls per cell (default 10; CPU 3)")
+    p.add_argument("--samples", type=int, help="timed calls per cell (default 30; CPU 10)")
+    p.add_argument("--no-bench", action="store_true", help="conformance only")
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers reference in the benchmark")
+    p.set_defaults(func=cmd_validate)

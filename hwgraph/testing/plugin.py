@@ -7,6 +7,7 @@ accelerator; elsewhere it is skipped with the reason, never reported as passed.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -31,6 +32,21 @@ def detected_kind() -> str:
 def pytest_configure(config):
     for name, text in {**ACCELERATOR_MARKERS, **OTHER_MARKERS}.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    share_cpu_threads()
+
+
+def share_cpu_threads() -> None:
+    """Give each pytest-xdist worker its share of the cores for torch's CPU threads.
+
+    Every worker otherwise starts one thread per core; oversubscribed OpenMP threads spin against each other and
+    made the tiny tower's CPU forward ~100x slower on a 2-core machine. ``OMP_NUM_THREADS`` set by the user wins.
+    """
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(workers))))
 
 
 def pytest_collection_modifyitems(config, items):

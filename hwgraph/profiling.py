@@ -1,0 +1,73 @@
+"""Summed device kernel time of one call, from ``torch.profiler``: the floor a replay is compared against.
+
+The manager issue asks for every replay within 1.3x of the tower's summed kernel time and the tower issue for the
+eager tower at 1024 tokens within 1.2x of it; both ratios come out of ``hwgraph bench --profile``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+log = logging.getLogger(__name__)
+
+DEVICE_EVENT_TYPES = (DeviceType.CUDA, DeviceType.PrivateUse1, DeviceType.XPU)  # ROCm reports as CUDA, NPU as PU1
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    """``ms``: summed duration of the device activities (kernels, copies, memsets) of one call.
+
+    On CPU there are no device kernels; ``ms`` is then the summed self time of the CPU operators and ``source``
+    says so.
+    """
+
+    ms: float | None
+    events: int
+    source: str  # "device kernels" | "cpu operators" | "unavailable: <why>"
+
+    def as_dict(self) -> dict:
+        return {"kernel_ms": self.ms, "events": self.events, "source": self.source}
+
+
+def activities_for(device: torch.device) -> list:
+    acts = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    elif device.type not in ("cpu", "meta") and hasattr(ProfilerActivity, "PrivateUse1"):
+        acts.append(ProfilerActivity.PrivateUse1)
+    return acts
+
+
+def synchronize(device: torch.device) -> None:
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
+    if device.type != "cpu" and callable(sync):
+        sync()
+
+
+def kernel_time(fn: Callable[[], object], device, warmup: int = 1) -> KernelTime:
+    """Profile one call of ``fn`` (after ``warmup`` unprofiled calls) and sum its device time."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    try:
+        with profile(activities=activities_for(device)) as prof:
+            fn()
+            synchronize(device)
+        events = list(prof.events())
+    except Exception as exc:  # a profiler that cannot start here is a reported gap, not a crashed benchmark
+        log.warning("torch.profiler failed on %s: %s", device, exc)
+        return KernelTime(None, 0, f"unavailable: {type(exc).__name__}: {exc}")
+    if device.type == "cpu":
+        ops = [e for e in events if e.device_type == DeviceType.CPU]
+        return KernelTime(sum(e.self_cpu_time_total for e in ops) / 1e3, len(ops), "cpu operators")
+    kernels = [e for e in events if e.device_type in DEVICE_EVENT_TYPES]
+    if not kernels:
+        return KernelTime(None, 0, "unavailable: the profiler recorded no device activity")
+    return KernelTime(sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels), "device kernels")

@@ -1,0 +1,118 @@
+"""Markdown for ``hwgraph bench`` results: latency tables, graph memory, kernel time, calibration, dispatch."""
+
+from __future__ import annotations
+
+MIB = 2**20
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join("-" if c is None else str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def ms(lat: dict | None) -> str | None:
+    """``median / p95`` in ms."""
+    if not lat:
+        return None
+    return f"{lat['median_ms']:.3f} / {lat['p95_ms']:.3f}"
+
+
+def x(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}x"
+
+
+def latency_table(result: dict) -> str:
+    rows = []
+    for r in result["rows"]:
+        replay = ms(r["replay"])
+        replay = f"{replay} (budget {r['budget']})" if replay else r["replay_note"]
+        s = r["speedup"]
+        rows.append([r["group"], r["tokens"], r["kernel"], ms(r["transformers"]), ms(r["eager"]), replay,
+                     x(s["eager_vs_transformers"]), x(s["replay_vs_transformers"]), x(s["replay_vs_eager"])])
+    return md_table(["group", "tokens", "attention", "transformers eager", "hwgraph eager", "hwgraph replay",
+                     "eager vs transformers", "replay vs transformers", "replay vs eager"], rows)
+
+
+def memory_table(result: dict) -> str:
+    budgets = result["budgets"]
+    rows = []
+    for kernel, data in result["per_kernel"].items():
+        mem = {int(b): v for b, v in data["graph_memory_bytes"].items()}
+        failures = data["stats"].get("capture_failures") or {}
+        cells = [f"{mem[b] / MIB:.1f}" if b in mem else ("failed" if b in failures or str(b) in failures else None)
+                 for b in budgets]
+        rows.append([kernel, *cells, f"{sum(mem.values()) / MIB:.1f}"])
+    return md_table(["attention", *[str(b) for b in budgets], "total"], rows)
+
+
+def dispatch_table(result: dict) -> str:
+    rows = []
+    for kernel, data in result["per_kernel"].items():
+        s = data["stats"]
+        rows.append([kernel, s["calls"], s["hits"], s["misses"], s["eager_groups"], s["padding_tokens"],
+                     ", ".join(f"{b}: {n}" for b, n in sorted(s["replays_per_budget"].items())) or None,
+                     "; ".join(f"{b}: {why}" for b, why in s["capture_failures"].items()) or None])
+    return md_table(["attention", "calls", "hits (images)", "misses (images)", "eager groups", "padding tokens",
+                     "replays per budget", "capture failures"], rows)
+
+
+def profile_table(result: dict) -> str | None:
+    rows = [[r["group"], r["kernel"], r["profile"].get("source"), fmt(r["profile"].get("eager_kernel_ms")),
+             x(r["profile"].get("eager_over_kernels")), fmt(r["profile"].get("replay_kernel_ms")),
+             x(r["profile"].get("replay_over_tower_kernels")), x(r["profile"].get("replay_over_replay_kernels"))]
+            for r in result["rows"] if r.get("profile")]
+    if not rows:
+        return None
+    return md_table(["group", "attention", "measured", "eager kernel ms", "eager / its kernels",
+                     "replay kernel ms", "replay / tower kernels", "replay / its kernels"], rows)
+
+
+def fmt(value: float | None) -> str | None:
+    return None if value is None else f"{value:.3f}"
+
+
+def calibration_section(cal: dict | None) -> str | None:
+    if not cal:
+        return None
+    found = md_table(["budget", "eager ms", "replay ms", "kept"],
+                     [[b, fmt(f["eager_ms"]), fmt(f["replay_ms"]), "yes" if f["kept"] else "no"]
+                      for b, f in sorted(cal["findings"].items(), key=lambda kv: int(kv[0]))])
+    rows = md_table(["group", "calibrated replay", "budget", "replay vs transformers"],
+                    [[r["group"], ms(r["replay"]) or r["replay_note"], r["budget"], x(r["replay_vs_transformers"])]
+                     for r in cal["rows"]])
+    kept = ", ".join(str(b) for b in cal["kept_budgets"]) or "none"
+    return f"### Calibrated budgets ({cal['kernel']}): kept {kept}\n\n{found}\n\n{rows}"
+
+
+def heading(result: dict) -> str:
+    p = result["environment"]["platform"]
+    where = p["device_name"] if result["device"] != "cpu" else "cpu"
+    return (f"## hwgraph bench: {result['preset']}, {result['dtype']}, {result['device']} ({where}), "
+            f"graph backend {result['graph_backend']}\n\n"
+            f"{result['timer']}, {result['warmup']} warm-ups, {result['samples']} samples per cell; latency in ms "
+            f"as median / p95; speedups are ratios of medians measured in this run. Budgets: "
+            f"{', '.join(str(b) for b in result['budgets'])}"
+            f"{' (each captured after torch.compile)' if result.get('compile') else ''}. torch {p['torch_version']}, "
+            f"transformers "
+            f"{result['environment']['packages'].get('transformers')}."
+            + ("" if result.get("graph_backend_accelerates") is not False else
+               f" The {result['graph_backend']} graph backend emulates replay eagerly (exact graph semantics, no "
+               f"speed-up): its replay columns show the emulation's cost, not a device graph's."))
+
+
+def bench_markdown(result: dict) -> str:
+    parts = [heading(result), "### Latency per image group\n\n" + latency_table(result),
+             "### Graph memory per budget (MiB)\n\n" + memory_table(result),
+             "### Dispatch\n\n" + dispatch_table(result)]
+    prof = profile_table(result)
+    if prof:
+        parts.append("### Kernel time (torch.profiler, one call)\n\n" + prof)
+    cal = calibration_section(result.get("calibration"))
+    if cal:
+        parts.append(cal)
+    skipped = [k for k in result["kernels"] if not k["available"]]
+    if skipped:
+        parts.append("Attention kernels not run here: " + "; ".join(
+            f"{k['name']} ({'; '.join(k['reasons'])})" for k in skipped))
+    return "\n\n".join(parts)

@@ -1,0 +1,137 @@
+"""What the conformance suite runs: one case per (graph backend, attention kernel, dtype), gated on capabilities.
+
+A case is skipped, with the gate's own reasons, when the backend or the kernel reports itself unavailable here; the
+suite never looks at device names. Settings come from, in order: the test class, the test module, the environment.
+
+=========================  ==============================  =============================================
+setting                    class/module attribute          environment
+=========================  ==============================  =============================================
+graph backend under test   ``HWGRAPH_BACKEND``             (none: the backend hwgraph would choose here)
+backends allowed to run    -                               ``HWGRAPH_TEST_BACKENDS=rocm,cuda``
+attention kernels          ``HWGRAPH_ATTENTION`` (tuple)   ``HWGRAPH_TEST_ATTENTION=TRITON_ATTN,...``
+tower preset               ``HWGRAPH_PRESET``              ``HWGRAPH_TEST_PRESET`` (default ``tiny``)
+dtype                      ``HWGRAPH_DTYPE``               ``HWGRAPH_TEST_DTYPE`` (cpu: float32, else bfloat16)
+=========================  ==============================  =============================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+BACKENDS_ENV = "HWGRAPH_TEST_BACKENDS"
+ATTENTION_ENV = "HWGRAPH_TEST_ATTENTION"
+PRESET_ENV = "HWGRAPH_TEST_PRESET"
+DTYPE_ENV = "HWGRAPH_TEST_DTYPE"
+DEFAULT_PRESET = "tiny"
+DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "npu": "npu", "cpu": "cpu"}  # ROCm builds answer to "cuda"
+
+
+@dataclass(frozen=True)
+class ConformanceCase:
+    """One combination the suite checks; ``device`` is a device type ("cpu", "cuda", "npu")."""
+
+    backend: str
+    kernel: str
+    dtype: torch.dtype
+    device: str
+    preset: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.backend}-{self.kernel}-{str(self.dtype).removeprefix('torch.')}"
+
+
+@dataclass(frozen=True)
+class SuiteSettings:
+    backend: str | None
+    kernels: tuple[str, ...] | None
+    preset: str
+    dtype: str | None
+    allowed_backends: tuple[str, ...] | None
+
+
+def split_names(text: str | None) -> tuple[str, ...] | None:
+    names = tuple(n.strip() for n in (text or "").split(",") if n.strip())
+    return names or None
+
+
+def settings_for(cls, module) -> SuiteSettings:
+    """Resolve the suite's settings for a test class in ``module`` (class, then module, then environment)."""
+
+    def pick(attr, env=None):
+        for owner in (cls, module):
+            value = getattr(owner, attr, None)
+            if value is not None:
+                return value
+        return os.environ.get(env) if env else None
+
+    kernels = pick("HWGRAPH_ATTENTION", ATTENTION_ENV)
+    if isinstance(kernels, str):
+        kernels = split_names(kernels)
+    return SuiteSettings(backend=pick("HWGRAPH_BACKEND"), kernels=tuple(k.upper() for k in kernels or ()) or None,
+                         preset=pick("HWGRAPH_PRESET", PRESET_ENV) or DEFAULT_PRESET,
+                         dtype=pick("HWGRAPH_DTYPE", DTYPE_ENV),
+                         allowed_backends=split_names(os.environ.get(BACKENDS_ENV)))
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
+    return dtype
+
+
+def skipped(case_id: str, reason: str):
+    return pytest.param(None, id=case_id, marks=pytest.mark.skip(reason=reason))
+
+
+def conformance_params(settings: SuiteSettings) -> list:
+    """``pytest.param`` per case: runnable ones carry a ``ConformanceCase``; the others are skips with reasons."""
+    from hwgraph.attention.registry import kernel_specs
+    from hwgraph.manager import platform_for
+    from hwgraph.models.qwen3_omni import preset_config
+    from hwgraph.platform import detect
+    from hwgraph.registry import SelectionError, choose_backend, spec_named
+
+    platform = detect()
+    name = settings.backend or choose_backend(platform=platform).spec.name
+    if settings.allowed_backends and name not in settings.allowed_backends:
+        return [skipped(f"{name}-excluded", f"{BACKENDS_ENV}={','.join(settings.allowed_backends)} "
+                                            f"excludes the {name} graph backend")]
+    try:
+        spec = spec_named(name)
+    except SelectionError as exc:
+        return [skipped(f"{name}-not-installed", str(exc))]
+    cap = spec.capability(platform)
+    if not cap.ok:
+        return [skipped(f"{name}-unavailable", f"graph backend {name!r} is unavailable: {cap.describe()}")]
+    kind = platform.kind if platform.kind in spec.kinds else "cpu"
+    device = DEVICE_TYPE[kind]
+    dtype = parse_dtype(settings.dtype) if settings.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
+    config = preset_config(settings.preset)
+    head_dim = config.hidden_size // config.num_heads
+    kernel_platform = platform_for(torch.device(device))
+    params = []
+    for kernel in kernel_specs():
+        if kernel_platform.kind not in kernel.kinds:
+            continue  # a kernel for another accelerator is no concern of this backend's conformance
+        case = ConformanceCase(name, kernel.name, dtype, device, settings.preset)
+        if settings.kernels and kernel.name not in settings.kernels:
+            params.append(skipped(case.id, f"attention kernel {kernel.name} not selected "
+                                           f"(selected: {', '.join(settings.kernels)})"))
+            continue
+        kcap = kernel.capability(kernel_platform, dtype, head_dim)
+        if not kcap.ok:
+            params.append(skipped(case.id, f"attention kernel {kernel.name} is unavailable: {kcap.describe()}"))
+        elif not kernel.graph_safe:
+            params.append(skipped(case.id, f"attention kernel {kernel.name} is not graph-safe: "
+                                           f"the manager runs it eagerly"))
+        else:
+            params.append(pytest.param(case, id=case.id))
+    if not params:
+        params.append(skipped(f"{name}-no-kernel", f"no attention kernel serves {kernel_platform.kind}"))
+    return params

@@ -1,0 +1,244 @@
+"""The conformance suite a graph backend must pass: ``from hwgraph.testing.suite import *`` in a test module.
+
+Each class checks one behaviour of ``EncoderGraphManager`` on the backend under test, for every attention kernel that
+backend's platform offers (see ``hwgraph.testing.cases``: unavailable backends and kernels are skipped with the
+reasons their gates give). A backend distribution declares itself and may override a check by subclassing::
+
+    from hwgraph.testing.suite import *  # noqa: F401,F403
+
+    HWGRAPH_BACKEND = "rocm"
+
+    class TestPoolRelease(TestPoolRelease):  # the same name replaces the shipped class in this module
+        pool_release_slack_bytes = 4 << 20
+
+Every check compares the manager's answer with the tower's eager answer for the same group: float32 within
+``torch.testing``'s defaults; bfloat16/float16 within torch.testing's rtol with atol widened to 1e-2/2e-3 (a padded
+replay and an unpadded eager call run different GEMM tilings, so near-zero outputs differ by a few ulps of rounding)
+and a relative L2 error bound (a stale or misplaced row gives errors of order 1). Override ``tolerances`` and
+``relative_l2``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hwgraph.graphs.base import HostSyncError
+from hwgraph.manager import EncoderGraphManager
+from hwgraph.testing.cases import conformance_params, settings_for
+from hwgraph.testing.towers import eager_per_image, grid_of, image_tokens, pixels_for, suite_tower
+
+__all__ = ["ConformanceSuite", "TestBudgetChanges", "TestCapture", "TestDeepStack", "TestEagerFallback",
+           "TestMultiImageGroups", "TestNoHostSync", "TestPoolRelease", "TestReplayEqualsEager",
+           "TestRetainedOutputs"]
+
+
+class ConformanceSuite:
+    """Fixtures and comparisons shared by every check; parametrised over ``case`` at collection."""
+
+    budgets: tuple[int, ...] = (16, 32, 64)
+    max_images: int = 4
+    #: dtype -> dict(rtol=..., atol=...) for assert_close; absent: torch.testing's defaults for the dtype.
+    tolerances: dict = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}, torch.float16: {"rtol": 1e-3, "atol": 2e-3}}
+    #: dtype -> bound on ||got - want|| / ||want|| per tensor; absent: no extra bound.
+    relative_l2: dict = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+    def pytest_generate_tests(self, metafunc):
+        if "case" in metafunc.fixturenames:
+            params = conformance_params(settings_for(metafunc.cls, metafunc.module))
+            metafunc.parametrize("case", params)
+
+    @pytest.fixture
+    def tower(self, case):
+        return suite_tower(case.preset, case.device, case.dtype)
+
+    @pytest.fixture
+    def manager(self, tower, case):
+        m = self.make_manager(tower, case)
+        m.capture()
+        yield m
+        m.close()
+
+    def make_manager(self, tower, case) -> EncoderGraphManager:
+        return EncoderGraphManager(tower, device=case.device, dtype=case.dtype, budgets=list(self.budgets),
+                                   max_images_per_graph=self.max_images, graph_backend=case.backend,
+                                   attention=case.kernel)
+
+    # ---------------------------------------------------------------- helpers
+    def budget_for(self, tokens: int) -> int | None:
+        """The budget the single-replay policy must pick for a group of ``tokens``, or None (eager)."""
+        return min((b for b in self.budgets if b >= tokens), default=None)
+
+    def grid(self, tower, *tokens: int, frames: int = 1) -> list[tuple[int, int, int]]:
+        """One single-frame image per entry of ``tokens`` (merged tokens each)."""
+        return [grid_of(n, tower.spatial_merge_size, frames) for n in tokens]
+
+    def assert_close(self, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        tol = self.tolerances.get(want.dtype, {})
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{what}: {m}")
+        bound = self.relative_l2.get(want.dtype)
+        if bound is not None:
+            error = float(torch.linalg.vector_norm(got.float() - want.float())
+                          / torch.linalg.vector_norm(want.float()).clamp_min(1e-30))
+            assert error <= bound, f"{what}: relative L2 error {error:.3g} above {bound} for {want.dtype}"
+
+    def assert_matches_eager(self, got, tower, pixels, grid, what: str = "") -> None:
+        """Per image: the embeddings and every DeepStack feature equal the eager answer for the group."""
+        want = eager_per_image(tower, pixels, grid)
+        assert len(got) == len(want), f"{what}: {len(got)} outputs for {len(want)} images"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            label = f"{what} image {i} of grid {grid}"
+            assert g.embeds.shape == w.embeds.shape, f"{label}: embeds {tuple(g.embeds.shape)}, " \
+                                                     f"expected {tuple(w.embeds.shape)} (padding leaked?)"
+            self.assert_close(g.embeds, w.embeds, f"{label} embeddings")
+            assert len(g.deepstack) == len(w.deepstack), f"{label}: {len(g.deepstack)} DeepStack features, " \
+                                                         f"expected {len(w.deepstack)}"
+            for j, (gd, wd) in enumerate(zip(g.deepstack, w.deepstack, strict=True)):
+                self.assert_close(gd, wd, f"{label} DeepStack feature {j}")
+
+    def encode_and_check(self, manager, tower, grid, seed: int, what: str = ""):
+        pixels = pixels_for(tower, grid, seed)
+        out = manager.encode(pixels, grid)
+        self.assert_matches_eager(out, tower, pixels, grid, what)
+        return out
+
+
+class TestCapture(ConformanceSuite):
+    def test_every_budget_captures_and_reports_its_memory(self, manager):
+        stats = manager.stats()
+        assert stats["capture_failures"] == {}, f"captures failed: {stats['capture_failures']}"
+        assert sorted(manager.graphs) == sorted(self.budgets)
+        assert sorted(stats["capture_bytes_per_budget"]) == sorted(self.budgets)
+        assert all(b >= 0 for b in stats["capture_bytes_per_budget"].values())
+
+
+class TestReplayEqualsEager(ConformanceSuite):
+    @pytest.mark.parametrize("fill", ["full", "padded"])
+    def test_single_image_replays_at_each_budget_and_equals_eager(self, manager, tower, fill):
+        for i, budget in enumerate(sorted(self.budgets)):
+            tokens = budget if fill == "full" else budget - budget // 4
+            grid = self.grid(tower, tokens)
+            before = dict(manager.stats()["replays_per_budget"])
+            self.encode_and_check(manager, tower, grid, seed=100 + i, what=f"budget {budget} ({fill})")
+            after = manager.stats()["replays_per_budget"]
+            assert after.get(budget, 0) == before.get(budget, 0) + 1, \
+                f"a {tokens}-token image must replay budget {budget}; replays per budget {after}"
+
+
+class TestMultiImageGroups(ConformanceSuite):
+    def test_several_images_share_one_replay_in_caller_order(self, manager, tower):
+        tokens = (4, 1, 16, 2)[: self.max_images]  # different sizes, so a reordering shows
+        grid = self.grid(tower, *tokens)
+        out = self.encode_and_check(manager, tower, grid, seed=200, what=f"group of {len(grid)}")
+        assert [o.embeds.shape[0] for o in out] == list(image_tokens(grid, tower.spatial_merge_size))
+        stats = manager.stats()
+        assert stats["replays"] == 1 and stats["hits"] == len(grid) and stats["misses"] == 0
+        assert stats["padding_tokens"] == self.budget_for(sum(tokens)) - sum(tokens)
+
+    def test_the_largest_budget_holds_a_full_group(self, manager, tower):
+        budget = max(self.budgets)
+        grid = self.grid(tower, *([budget // self.max_images] * self.max_images))
+        self.encode_and_check(manager, tower, grid, seed=201, what="full group")
+        assert manager.stats()["replays_per_budget"] == {budget: 1}
+
+
+class TestEagerFallback(ConformanceSuite):
+    @pytest.mark.parametrize("kind", ["over budget", "video", "too many images"])
+    def test_a_group_no_graph_holds_runs_once_eagerly_and_is_counted(self, manager, tower, kind):
+        if kind == "over budget":
+            grid = self.grid(tower, max(self.budgets) + 4)
+        elif kind == "video":
+            grid = self.grid(tower, 4, frames=2)
+        else:
+            grid = self.grid(tower, *([1] * (self.max_images + 1)))
+        self.encode_and_check(manager, tower, grid, seed=300, what=f"eager fallback ({kind})")
+        stats = manager.stats()
+        assert stats["replays"] == 0 and stats["hits"] == 0
+        assert stats["eager_groups"] == 1 and stats["misses"] == len(grid)
+        assert stats["eager_reasons"] == {kind: 1}
+
+
+class TestBudgetChanges(ConformanceSuite):
+    def test_consecutive_calls_switch_budgets_without_stale_inputs(self, manager, tower):
+        small, middle, large = sorted(self.budgets)[0], sorted(self.budgets)[len(self.budgets) // 2], max(self.budgets)
+        calls = [(large,), (small // 2,), (middle // 2, middle // 2), (small,), (large - 3,), (2, 1), (large + 1,),
+                 (small // 2,)]
+        for i, tokens in enumerate(calls):
+            self.encode_and_check(manager, tower, self.grid(tower, *tokens), seed=400 + i, what=f"call {i + 1}")
+        want: dict = {}
+        for tokens in calls:
+            budget = self.budget_for(sum(tokens))
+            if budget is not None:
+                want[budget] = want.get(budget, 0) + 1
+        stats = manager.stats()
+        assert stats["replays_per_budget"] == want
+        assert stats["eager_groups"] == len(calls) - sum(want.values()) == 1
+
+    def test_the_same_budget_with_new_pixels_gives_new_answers(self, manager, tower):
+        grid = self.grid(tower, 12)
+        for seed in (410, 411, 412):
+            self.encode_and_check(manager, tower, grid, seed=seed, what=f"seed {seed}")
+
+
+class TestDeepStack(ConformanceSuite):
+    def test_every_deepstack_slice_of_every_image_equals_eager(self, manager, tower):
+        grid = self.grid(tower, 6, 9, 1)
+        out = self.encode_and_check(manager, tower, grid, seed=500, what="DeepStack group")
+        for o, n in zip(out, image_tokens(grid, tower.spatial_merge_size), strict=True):
+            assert len(o.deepstack) == tower.num_deepstack > 0
+            assert all(d.shape == (n, tower.out_hidden_size) for d in o.deepstack)
+            assert o.embeds.shape == (n, tower.out_hidden_size)
+
+
+class TestRetainedOutputs(ConformanceSuite):
+    def test_outputs_kept_from_one_call_are_unchanged_by_later_calls(self, manager, tower):
+        grid = self.grid(tower, 16)
+        first = self.encode_and_check(manager, tower, grid, seed=600, what="call 1")
+        kept = [o.clone() for o in first]
+        self.encode_and_check(manager, tower, grid, seed=601, what="call 2 (same budget)")
+        self.encode_and_check(manager, tower, self.grid(tower, 3), seed=602, what="call 3 (smaller budget)")
+        for i, (o, k) in enumerate(zip(first, kept, strict=True)):
+            torch.testing.assert_close(o.embeds, k.embeds, rtol=0, atol=0,
+                                       msg=lambda m, i=i: f"image {i} of call 1 changed after later calls: {m}")
+            for d, kd in zip(o.deepstack, k.deepstack, strict=True):
+                torch.testing.assert_close(d, kd, rtol=0, atol=0,
+                                           msg=lambda m, i=i: f"DeepStack of call 1 image {i} changed: {m}")
+
+
+class TestNoHostSync(ConformanceSuite):
+    def test_sync_guard_rejects_a_host_read(self, manager):
+        t = torch.ones(2, device=manager.device)
+        with pytest.raises((HostSyncError, RuntimeError)), manager.backend.sync_guard():
+            t.sum().item()
+
+    def test_replay_and_fallback_read_nothing_back_from_the_device(self, manager, tower):
+        grid, video = self.grid(tower, 8, 4), self.grid(tower, 4, frames=2)
+        pixels, video_pixels = pixels_for(tower, grid, 700), pixels_for(tower, video, 701)
+        with manager.backend.sync_guard():
+            out = manager.encode(pixels, grid)
+            fallback = manager.encode(video_pixels, video)
+        manager.backend.synchronize()
+        self.assert_matches_eager(out, tower, pixels, grid, "replay under sync_guard")
+        self.assert_matches_eager(fallback, tower, video_pixels, video, "fallback under sync_guard")
+        stats = manager.stats()
+        assert stats["hits"] == 2 and stats["misses"] == 1
+
+
+class TestPoolRelease(ConformanceSuite):
+    #: Bytes ``memory_in_use()`` may stay above its pre-capture value after ``close()`` (allocator rounding).
+    pool_release_slack_bytes: int = 0
+
+    def test_close_returns_the_graph_memory(self, tower, case):
+        m = self.make_manager(tower, case)
+        m.backend.synchronize()
+        before = m.backend.memory_in_use()
+        m.capture()
+        held = m.backend.memory_in_use()
+        assert held > before, f"capture held no memory: memory_in_use {before} -> {held} bytes"
+        self.encode_and_check(m, tower, self.grid(tower, 8), seed=800, what="before close")
+        m.close()
+        after = m.backend.memory_in_use()
+        assert after <= before + self.pool_release_slack_bytes, \
+            f"close() left {after - before} bytes of {held - before} held (memory_in_use {before} -> {held} -> {after})"
+        with pytest.raises(RuntimeError, match="after close"):
+            m.encode(pixels_for(tower, self.grid(tower, 4), 801), self.grid(tower, 4))

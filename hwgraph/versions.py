@@ -1,0 +1,25 @@
+"""The software a report was made with: platform facts and installed versions (read, never imported)."""
+
+from __future__ import annotations
+
+import platform as host
+from importlib.metadata import PackageNotFoundError, version
+
+PACKAGES = ("hwgraph", "torch", "transformers", "numpy", "triton", "flash-attn", "aiter", "torch-npu", "matplotlib",
+            "pytest", "hwgraph-backend-cuda", "hwgraph-backend-rocm", "hwgraph-backend-npu")
+
+
+def installed(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """``{"platform": detect().as_dict(), "python": ..., "host": ..., "packages": {name: version or None}}``."""
+    from hwgraph.platform import detect
+
+    return {"platform": detect().as_dict(), "python": host.python_version(),
+            "host": f"{host.system()} {host.release()} {host.machine()}",
+            "packages": {name: installed(name) for name in PACKAGES}}

@@ -1,0 +1,87 @@
+"""``hwgraph bench`` on CPU: group specs, budgets, and the shape of its JSON and Markdown (tiny preset, 2 samples)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hwgraph import cli
+from hwgraph.bench import BenchConfig, Group, covering_budgets, parse_groups, run_bench
+from hwgraph.profiling import kernel_time
+
+
+def test_group_specs_parse_into_counts_and_tokens():
+    assert parse_groups("1x49, 2x49,4X64") == [Group(1, 49), Group(2, 49), Group(4, 64)]
+    assert Group(2, 49).total == 98 and Group(2, 49).label == "2x49"
+
+
+@pytest.mark.parametrize("spec", ["", "49", "0x49", "1x0", "1x49,ax2", "1*49"])
+def test_bad_group_specs_raise_naming_the_entry(spec):
+    with pytest.raises(ValueError, match="group"):
+        parse_groups(spec)
+
+
+@pytest.mark.parametrize("tokens, grid", [(49, (1, 14, 14)), (64, (1, 16, 16)), (98, (1, 14, 28)),
+                                          (1024, (1, 64, 64))])
+def test_a_group_image_has_a_grid_of_exactly_its_tokens(tokens, grid):
+    assert Group(1, tokens).grid(2) == [grid]
+
+
+def test_budgets_double_from_64_to_cover_the_largest_group():
+    assert covering_budgets(parse_groups("1x49,2x49,1x98,1x256,4x64,1x1024")) == [64, 128, 256, 512, 1024]
+    assert covering_budgets(parse_groups("1x16,2x16")) == [64]
+
+
+def test_kernel_time_sums_cpu_operator_time_on_cpu():
+    x = torch.randn(64, 64)
+    found = kernel_time(lambda: (x @ x).relu(), "cpu")
+    assert found.source == "cpu operators" and found.ms is not None and found.ms > 0 and found.events > 0
+
+
+@pytest.fixture(scope="module")
+def result():
+    cfg = BenchConfig(preset="tiny", groups=parse_groups("1x4,2x4"), device=torch.device("cpu"),
+                      dtype=torch.float32, graph_backend="cpu", warmup=1, samples=2, calibrate=True, profile=True,
+                      budgets=[8, 16])
+    return run_bench(cfg)
+
+
+def test_bench_times_transformers_eager_and_replay_per_group_with_ratios(result):
+    assert result["groups"] == ["1x4", "2x4"] and result["preset"] == "tiny" and result["timer"] == "wall clock"
+    rows = {(r["group"], r["kernel"]): r for r in result["rows"]}
+    assert set(rows) == {("1x4", "TORCH_SDPA"), ("2x4", "TORCH_SDPA")}
+    for r in rows.values():
+        for column in ("transformers", "eager", "replay"):
+            assert r[column]["samples"] == 2 and 0 < r[column]["median_ms"] <= r[column]["p95_ms"]
+        assert r["speedup"]["replay_vs_eager"] == pytest.approx(r["eager"]["median_ms"] / r["replay"]["median_ms"])
+        assert r["profile"]["eager_kernel_ms"] > 0 and r["profile"]["replay_kernel_ms"] > 0
+    assert rows[("1x4", "TORCH_SDPA")]["budget"] == 8 and rows[("2x4", "TORCH_SDPA")]["budget"] == 8
+
+
+def test_bench_reports_graph_memory_dispatch_calibration_and_every_kernel(result):
+    per = result["per_kernel"]["TORCH_SDPA"]
+    assert sorted(per["graph_memory_bytes"]) == [8, 16] and all(v > 0 for v in per["graph_memory_bytes"].values())
+    assert per["stats"]["hits"] > 0 and per["stats"]["misses"] == 0
+    assert set(result["calibration"]["findings"]) == {8, 16}
+    assert {k["name"] for k in result["kernels"]} >= {"TORCH_SDPA", "TRITON_ATTN", "FLASH_ATTN"}
+    assert all(k["reasons"] for k in result["kernels"] if not k["available"])
+    assert result["environment"]["packages"]["torch"] and result["environment"]["platform"]["kind"] == "cpu"
+
+
+def test_bench_command_prints_markdown_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "out" / "bench.json"
+    code = cli.main(["bench", "--groups", "1x4", "--warmup", "0", "--samples", "1", "--budgets", "8",
+                     "--json", str(path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| group | tokens | attention | transformers eager | hwgraph eager | hwgraph replay |" in out
+    assert "| 1x4 | 4 | TORCH_SDPA |" in out and "Graph memory per budget" in out and str(path) in out
+    data = json.loads(path.read_text())
+    assert data["rows"][0]["group"] == "1x4" and data["budgets"] == [8]
+
+
+def test_bench_command_rejects_a_bad_group_spec(capsys):
+    assert cli.main(["bench", "--groups", "1x"]) == 2
+    assert "bad group" in capsys.readouterr().err

@@ -1,0 +1,114 @@
+"""``hwgraph validate`` on CPU: the report passes for the cpu backend and fails, naming the check, for a broken one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hwgraph.testing.results import suite_module
+from hwgraph.validate import verdict
+
+STALE = Path(__file__).parent / "plugins" / "stale"
+FAST = ["--tokens", "4", "16", "--warmup", "0", "--samples", "1"]
+
+
+def run_validate(args, env=None, timeout=300):
+    env = {**os.environ, **(env or {})}
+    env.pop("HWGRAPH_TEST_BACKENDS", None)
+    env.pop("HWGRAPH_GRAPH_BACKEND", None)
+    return subprocess.run([sys.executable, "-m", "hwgraph.cli", "validate", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_validate_on_cpu_writes_a_passing_report_with_plot(tmp_path):
+    out = tmp_path / "report"
+    result = run_validate(["--report", str(out), *FAST])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert {"report.md", "report.json", "latency.png", "conformance.log"} <= {p.name for p in out.iterdir()}
+    assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "report.md").read_text()
+    assert "**PASS" in md and "Validated: **cpu**" in md and "| cpu | yes | emulated | **yes** |" in md
+    for section in ("## Platform", "## Versions", "## Attention kernels", "## Conformance", "## Latency",
+                    "## Graph memory per budget", "## Dispatch", "![latency against image tokens](latency.png)"):
+        assert section in md, section
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] is True and report["backend"] == "cpu"
+    counts = report["conformance"]["counts"]
+    assert counts["passed"] >= 10 and counts["failed"] == counts["error"] == 0
+    assert [r["group"] for r in report["bench"]["rows"]] == ["1x4", "1x16"]
+    assert "PASS" in result.stdout and "report.md" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def stale_site(tmp_path_factory):
+    """The deliberately broken plugin, installed as a separate distribution into its own folder."""
+    tmp = tmp_path_factory.mktemp("stale")
+    source = tmp / "src"
+    shutil.copytree(STALE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    target = tmp / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--quiet", "--target", str(target), str(source)], check=True, capture_output=True, timeout=300)
+    return target
+
+
+def test_validate_fails_a_backend_whose_replays_go_stale_naming_the_checks(tmp_path, stale_site):
+    out = tmp_path / "report"
+    path = os.pathsep.join(filter(None, [str(stale_site), os.environ.get("PYTHONPATH")]))
+    result = run_validate(["--backend", "stale", "--report", str(out), "--no-bench"], env={"PYTHONPATH": path})
+    assert result.returncode == 1, result.stdout + result.stderr
+    check = "TestReplayEqualsEager::test_single_image_replays_at_each_budget_and_equals_eager[stale-TORCH_SDPA-float32"
+    assert f"conformance check failed: {check}-full]" in result.stderr
+    assert "TestRetainedOutputs::" in result.stderr and "not close" in result.stderr
+    report = json.loads((out / "report.json").read_text())
+    outcomes = {r["check"]: r["outcome"] for r in report["conformance"]["results"]}
+    # The manager's post-capture verification replays once and passes: only the suite's own checks catch it.
+    assert outcomes["TestCapture::test_every_budget_captures_and_reports_its_memory[stale-TORCH_SDPA-float32]"] \
+        == "passed"
+    assert outcomes[f"{check}-padded]"] == "failed"
+    md = (out / "report.md").read_text()
+    assert "**FAIL" in md and f"`{check}-full]`" in md and "latency.png not written" in md
+
+
+def test_the_verdict_fails_when_no_check_ran():
+    conformance = {"exit_code": 0, "counts": {"passed": 0, "failed": 0, "error": 0, "skipped": 2},
+                   "results": [{"check": "x", "outcome": "skipped", "message": "graph backend 'cuda' is unavailable"}]}
+    ok, summary = verdict(conformance)
+    assert not ok and "no conformance check ran" in summary and "cuda" in summary
+
+
+def test_the_generated_suite_module_names_backend_preset_and_kernels():
+    text = suite_module("rocm", "tiny", ["triton_attn"], "bfloat16")
+    assert "from hwgraph.testing.suite import *" in text
+    assert "HWGRAPH_BACKEND = 'rocm'" in text and "HWGRAPH_ATTENTION = ('TRITON_ATTN',)" in text
+    assert "HWGRAPH_DTYPE = 'bfloat16'" in text
+
+
+class FakeTerminal:
+    def __init__(self, tty):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, text):
+        self.text += text
+
+    def flush(self):
+        pass
+
+
+def test_the_progress_bar_draws_only_on_a_terminal():
+    from hwgraph.progress import Progress
+
+    for tty in (True, False):
+        stream = FakeTerminal(tty)
+        with Progress("conformance", total=4, stream=stream) as bar:
+            bar.advance(note="TestCapture")
+        assert ("conformance [#######" in stream.text and "1/4" in stream.text) is tty
+        assert (stream.text == "") is not tty
