@@ -168,6 +168,8 @@ def time_kernel(tower, kernel: str, groups, inputs, cfg: BenchConfig, progress, 
     from hwgraph.manager import EncoderGraphManager
 
     budgets = cfg.budgets or covering_budgets(groups)
+    if calibrate and not cfg.budgets:  # look for the cap up to the manager's calibration limit
+        budgets = budget_rules.auto_budgets(max(budget_rules.CALIBRATION_CAP, max(budgets)))
     max_images = min(max(g.count for g in groups), min(budgets))
     manager = EncoderGraphManager(tower, device=cfg.device, dtype=cfg.dtype, budgets=budgets,
                                   max_images_per_graph=max_images, graph_backend=cfg.graph_backend,
@@ -178,7 +180,8 @@ def time_kernel(tower, kernel: str, groups, inputs, cfg: BenchConfig, progress, 
         for group in groups:
             pixels, grid = inputs[group.label]
             entry, why = manager.select_graph(grid, group.total)
-            rows[group.label] = row = time_group(tower, manager, pixels, grid, entry is not None, cfg)
+            # Calibrated budgets: time what a caller gets, replay or the eager fallback the calibration left.
+            rows[group.label] = row = time_group(tower, manager, pixels, grid, entry is not None or calibrate, cfg)
             row["budget"] = entry.budget if entry is not None else None
             row["replay_note"] = "replay" if entry is not None else f"eager: {why}"
             progress.advance(note=f"{kernel} {group.label}")

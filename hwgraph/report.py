@@ -34,15 +34,19 @@ def latency_table(result: dict) -> str:
                      "eager vs transformers", "replay vs transformers", "replay vs eager"], rows)
 
 
+def mib(nbytes: int) -> str:
+    return f"{nbytes / MIB:.1f}" if nbytes >= MIB or nbytes == 0 else f"{nbytes / MIB:.3f}"
+
+
 def memory_table(result: dict) -> str:
     budgets = result["budgets"]
     rows = []
     for kernel, data in result["per_kernel"].items():
         mem = {int(b): v for b, v in data["graph_memory_bytes"].items()}
         failures = data["stats"].get("capture_failures") or {}
-        cells = [f"{mem[b] / MIB:.1f}" if b in mem else ("failed" if b in failures or str(b) in failures else None)
+        cells = [mib(mem[b]) if b in mem else ("failed" if b in failures or str(b) in failures else None)
                  for b in budgets]
-        rows.append([kernel, *cells, f"{sum(mem.values()) / MIB:.1f}"])
+        rows.append([kernel, *cells, mib(sum(mem.values()))])
     return md_table(["attention", *[str(b) for b in budgets], "total"], rows)
 
 
@@ -78,8 +82,10 @@ def calibration_section(cal: dict | None) -> str | None:
     found = md_table(["budget", "eager ms", "replay ms", "kept"],
                      [[b, fmt(f["eager_ms"]), fmt(f["replay_ms"]), "yes" if f["kept"] else "no"]
                       for b, f in sorted(cal["findings"].items(), key=lambda kv: int(kv[0]))])
-    rows = md_table(["group", "calibrated replay", "budget", "replay vs transformers"],
-                    [[r["group"], ms(r["replay"]) or r["replay_note"], r["budget"], x(r["replay_vs_transformers"])]
+    rows = md_table(["group", "calibrated dispatch", "budget", "vs transformers"],
+                    [[r["group"], " ".join(filter(None, [ms(r["replay"]), None if r["replay_note"] == "replay"
+                                                          else f"({r['replay_note']})"])),
+                      r["budget"], x(r["replay_vs_transformers"])]
                      for r in cal["rows"]])
     kept = ", ".join(str(b) for b in cal["kept_budgets"]) or "none"
     return f"### Calibrated budgets ({cal['kernel']}): kept {kept}\n\n{found}\n\n{rows}"

@@ -77,6 +77,7 @@ def run_benchmark(args, backend: str, device: torch.device, progress_cls) -> dic
 
 
 def cmd_validate(args) -> int:
+    from hwgraph.bench import ACCELERATOR_PRESET, CPU_PRESET
     from hwgraph.cli import info_data
     from hwgraph.plot import latency_plot
     from hwgraph.progress import Progress
@@ -89,6 +90,7 @@ def cmd_validate(args) -> int:
     started = time.perf_counter()
     backend, why = choose_backend_name(args.backend)
     device = device_for_backend(backend)
+    args.preset = args.preset or (CPU_PRESET if device.type == "cpu" else ACCELERATOR_PRESET)
     with tempfile.TemporaryDirectory(prefix="hwgraph-validate-") as tmp, Progress("conformance") as bar:
         conformance = run_conformance(Path(tmp), backend, args.preset, args.attention, args.dtype, progress=bar,
                                       log_path=out / "conformance.log")
@@ -122,7 +124,8 @@ def register_cli(sub) -> None:
     p.add_argument("--report", default="hwgraph-report", metavar="DIR", help="output folder (default hwgraph-report)")
     p.add_argument("--backend", help="graph backend to validate (default: the one hwgraph chooses here)")
     p.add_argument("--attention", nargs="+", metavar="NAME", help="attention kernels (default: every available)")
-    p.add_argument("--preset", default="tiny", help="tower preset for the suite and the benchmark (default tiny)")
+    p.add_argument("--preset", help="tower preset for the suite and the benchmark (default: tiny on CPU, "
+                                    "qwen3-omni-30b-a3b on accelerators)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--tokens", type=int, nargs="+", help="single-image sizes to benchmark, merged tokens "
                                                          f"(default {' '.join(map(str, ACCELERATOR_TOKENS))}; "

@@ -208,7 +208,7 @@ class TestRetainedOutputs(ConformanceSuite):
 class TestNoHostSync(ConformanceSuite):
     def test_sync_guard_rejects_a_host_read(self, manager):
         t = torch.ones(2, device=manager.device)
-        with pytest.raises((HostSyncError, RuntimeError)), manager.backend.sync_guard():
+        with pytest.raises(HostSyncError), manager.backend.sync_guard():
             t.sum().item()
 
     def test_replay_and_fallback_read_nothing_back_from_the_device(self, manager, tower):
