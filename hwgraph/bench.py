@@ -157,6 +157,23 @@ def time_reference(tower, groups, inputs, cfg: BenchConfig, progress) -> dict:
     return out
 
 
+def warm_device(device: torch.device, seconds: float = 2.0) -> None:
+    """Keep an accelerator busy for ``seconds`` before the first timed cell: an idle GPU starts at low clocks
+    (345 MHz seen on the H200) and would make whichever cell runs first look slow."""
+    if device.type == "cpu":
+        return
+    import time
+
+    from hwgraph.profiling import synchronize
+
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            a @ a
+        synchronize(device)
+
+
 def empty_cache(device: torch.device) -> None:
     fn = getattr(getattr(torch, device.type, None), "empty_cache", None)
     if device.type != "cpu" and callable(fn):
@@ -261,6 +278,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     progress = progress or Progress("bench")
     progress.set_total(steps)
     with progress:
+        warm_device(cfg.device)
         reference = time_reference(tower, groups, inputs, cfg, progress) if cfg.reference else {}
         empty_cache(cfg.device)  # the reference encoder's weights are garbage now
         per_kernel = [time_kernel(tower, k, groups, inputs, cfg, progress) for k in kernels]

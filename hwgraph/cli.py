@@ -13,7 +13,7 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers) - 1)]
     lines = []
     for row in [headers, ["-" * w for w in widths] + ["-" * len(headers[-1])], *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row, widths)] + [str(row[-1])]
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)] + [str(row[-1])]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 

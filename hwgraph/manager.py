@@ -11,7 +11,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from hwgraph import budgets as budget_rules
@@ -28,7 +27,7 @@ VERIFY_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """``||got - want|| / ||want||`` in float32 (one host read: used at capture time, never on the replay path)."""
-    diff = torch.linalg.vector_norm((got.float() - want.float()))
+    diff = torch.linalg.vector_norm(got.float() - want.float())
     return float(diff / torch.linalg.vector_norm(want.float()).clamp_min(1e-30))
 
 
@@ -169,6 +168,9 @@ class EncoderGraphManager:
             forward = torch.compile(forward, dynamic=False)
 
         self.backend.synchronize()
+        # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so the difference below
+        # is what this graph holds, not cached blocks released on the way in.
+        self.backend.empty_cache()
         before = self.backend.memory_in_use()
         start = time.perf_counter()
         with torch.inference_mode():
@@ -282,11 +284,11 @@ class EncoderGraphManager:
             host = self.tower.prepare_metadata(grid)
             pixels = torch.randn_like(entry.pixels)
 
-            def eager():
+            def eager(pixels=pixels, host=host):
                 with torch.inference_mode():
                     self.tower.forward_with_metadata(pixels, host)
 
-            def replay():
+            def replay(entry=entry, pixels=pixels, host=host):
                 self._fill(entry, pixels, host)
                 entry.graph.replay()
 
@@ -319,7 +321,7 @@ class EncoderGraphManager:
         self.graphs.clear()
         self.pool = None
         self.backend.synchronize()
-        self.backend.empty_cache()
+        self.backend.empty_cache(workspaces=True)
         self._closed = True
 
     def __enter__(self):

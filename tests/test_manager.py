@@ -44,10 +44,10 @@ def eager_per_image(tower, pixels, grid):
 
 def assert_outputs_equal(got, want):
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.embeds, w.embeds)
         assert len(g.deepstack) == len(w.deepstack) > 0
-        for gd, wd in zip(g.deepstack, w.deepstack):
+        for gd, wd in zip(g.deepstack, w.deepstack, strict=True):
             torch.testing.assert_close(gd, wd)
 
 
@@ -105,9 +105,9 @@ def test_outputs_kept_from_call_one_are_not_overwritten_by_call_two(tower, manag
     first = manager.encode(pixels_for(tower, grid, 20), grid)
     kept = [(o.embeds.clone(), [d.clone() for d in o.deepstack]) for o in first]
     manager.encode(pixels_for(tower, grid, 21), grid)  # same budget, new inputs
-    for out, (embeds, deepstack) in zip(first, kept):
+    for out, (embeds, deepstack) in zip(first, kept, strict=True):
         torch.testing.assert_close(out.embeds, embeds, rtol=0, atol=0)
-        for d, k in zip(out.deepstack, deepstack):
+        for d, k in zip(out.deepstack, deepstack, strict=True):
             torch.testing.assert_close(d, k, rtol=0, atol=0)
 
 

@@ -49,7 +49,8 @@ def kernel_named(name: str) -> KernelSpec:
     raise SelectionError(f"unknown attention kernel {name!r}; known: {known}")
 
 
-def list_kernels(platform: PlatformInfo | None = None, dtype=None, head_dim=None) -> list[tuple[KernelSpec, Capability]]:
+def list_kernels(platform: PlatformInfo | None = None, dtype=None,
+                 head_dim=None) -> list[tuple[KernelSpec, Capability]]:
     platform = platform or detect()
     return [(spec, spec.capability(platform, dtype, head_dim)) for spec in kernel_specs()]
 

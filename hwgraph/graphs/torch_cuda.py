@@ -252,11 +252,11 @@ class TorchCudaGraphBackend(GraphBackend):
     def synchronize(self) -> None:
         self.runtime().synchronize(self.device)
 
-    def empty_cache(self) -> None:
+    def empty_cache(self, workspaces: bool = False) -> None:
         # cuBLAS keeps a workspace per stream in the caching allocator (32 MiB on Hopper), and capture uses its
         # own stream: without clearing them a closed manager would still appear to hold that memory.
         clear = getattr(torch._C, f"_{self.runtime_name}_clearCublasWorkspaces", None)
-        if callable(clear):
+        if workspaces and callable(clear):
             clear()
         self.runtime().empty_cache()
 

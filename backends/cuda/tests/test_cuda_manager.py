@@ -49,7 +49,7 @@ def check(tower, got, pix, grid):
     with torch.inference_mode():
         want = tower.forward(pix, grid).split([t * h * w // 4 for t, h, w in grid])
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         for gt, wt in zip(g.tensors(), w.tensors(), strict=True):
             torch.testing.assert_close(gt, wt, **BF16)
             assert relative_error(gt, wt) < 1e-2
@@ -69,7 +69,7 @@ def test_bf16_replay_equals_eager_for_every_kernel(tower, kernel):
             check(tower, out, pix, grid)
             kept.append((out, [o.embeds.clone() for o in out]))
         for out, copy in kept:  # nothing handed back was overwritten by a later replay
-            for o, c in zip(out, copy):
+            for o, c in zip(out, copy, strict=True):
                 assert torch.equal(o.embeds, c)
         s = m.stats()
         assert s["replays_per_budget"] == {64: 2, 128: 2, 256: 3}

@@ -1,0 +1,91 @@
+"""Where the tower's time goes on a GPU: kernel breakdown per forward, eager vs replay vs compiled replay.
+
+Usage: python benchmarks/explore.py [--tokens 49 256 1024] [--compile] [--kernel FLASH_ATTN]
+Prints per-kernel-name device time of one eager forward (torch.profiler), the number of kernels, and the
+CUDA-event latency (median/p95 of 30 after 10 warm-ups) of eager, plain replay and (with --compile) compiled replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hwgraph.bench import warm_device
+from hwgraph.budgets import filling_grid
+from hwgraph.manager import EncoderGraphManager
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+from hwgraph.timing import measure
+
+
+def breakdown(fn, top=14):
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            per[e.name][0] += e.time_range.elapsed_us()
+            per[e.name][1] += 1
+    total = sum(v[0] for v in per.values())
+    count = sum(v[1] for v in per.values())
+    print(f"  {count} device activities, {total / 1e3:.3f} ms summed")
+    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {us / 1e3:8.3f} ms {n:5d}x  {name[:110]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[49, 256, 1024])
+    ap.add_argument("--kernel", default="FLASH_ATTN")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--breakdown", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to("cuda", torch.bfloat16).eval()
+    tower.set_attention(args.kernel)
+    warm_device(torch.device("cuda"))
+    budgets = sorted({1 << max(6, (t - 1).bit_length()) for t in args.tokens})
+    modes = [("replay", False)] + ([("compiled", True)] if args.compile else [])
+    managers = {}
+    for name, comp in modes:
+        start = time.perf_counter()
+        m = EncoderGraphManager(tower, budgets=budgets, max_images_per_graph=4, attention=args.kernel, compile=comp)
+        m.capture()
+        print(f"{name}: captured {sorted(m.graphs)} in {time.perf_counter() - start:.1f} s; per budget "
+              f"{ {b: round(s, 1) for b, s in m.stats()['capture_seconds_per_budget'].items()} } s; memory MiB "
+              f"{ {b: round(v / 2**20) for b, v in m.stats()['capture_bytes_per_budget'].items()} }; "
+              f"failures {m.stats()['capture_failures']}")
+        managers[name] = m
+    for tokens in args.tokens:
+        grid = [filling_grid(tokens, 2)]
+        pixels = torch.randn(tokens * 4, 1536, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            want = tower.forward(pixels, grid)
+
+        def eager(pixels=pixels, grid=grid):
+            with torch.inference_mode():
+                return tower.forward(pixels, grid)
+
+        line = [f"{tokens:5d} tokens: eager {measure(eager, 'cuda').median:7.3f}"]
+        for name, m in managers.items():
+            got = m.encode(pixels, grid)[0]
+            err = (got.embeds.float() - want.embeds.float()).norm() / want.embeds.float().norm()
+            lat = measure(lambda m=m, p=pixels, g=grid: m.encode(p, g), "cuda")
+            line.append(f"{name} {lat.median:7.3f} (p95 {lat.p95:.3f}, rel err {err:.2e})")
+        print(" | ".join(line))
+        if args.breakdown:
+            print(f" eager breakdown at {tokens} tokens:")
+            breakdown(eager)
+            for name, m in managers.items():
+                print(f" {name} breakdown at {tokens} tokens:")
+                breakdown(lambda m=m, p=pixels, g=grid: m.encode(p, g))
+
+
+if __name__ == "__main__":
+    main()
