@@ -45,13 +45,15 @@ def main():
     ap.add_argument("--kernel", default="FLASH_ATTN")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--capture-only", action="store_true", help="capture and report startup cost, then stop")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain (uncompiled) replay")
     args = ap.parse_args()
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to("cuda", torch.bfloat16).eval()
     tower.set_attention(args.kernel)
     warm_device(torch.device("cuda"))
     budgets = sorted({1 << max(6, (t - 1).bit_length()) for t in args.tokens})
-    modes = [("replay", False)] + ([("compiled", True)] if args.compile else [])
+    modes = ([] if args.no_plain else [("replay", False)]) + ([("compiled", True)] if args.compile else [])
     managers = {}
     for name, comp in modes:
         start = time.perf_counter()
@@ -62,6 +64,11 @@ def main():
               f"{ {b: round(v / 2**20) for b, v in m.stats()['capture_bytes_per_budget'].items()} }; "
               f"failures {m.stats()['capture_failures']}")
         managers[name] = m
+    if args.capture_only:
+        return
+    from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
+
+    encoder = reference_encoder(tower, attn_implementation="sdpa")
     for tokens in args.tokens:
         grid = [filling_grid(tokens, 2)]
         pixels = torch.randn(tokens * 4, 1536, device="cuda", dtype=torch.bfloat16)
@@ -72,7 +79,9 @@ def main():
             with torch.inference_mode():
                 return tower.forward(pixels, grid)
 
-        line = [f"{tokens:5d} tokens: eager {measure(eager, 'cuda').median:7.3f}"]
+        ref = measure(lambda p=pixels, g=grid: run_reference(encoder, p, g), "cuda")
+        line = [f"{tokens:5d} tokens: transformers {ref.median:7.3f} (p95 {ref.p95:.3f}) | eager "
+                f"{measure(eager, 'cuda').median:7.3f}"]
         for name, m in managers.items():
             got = m.encode(pixels, grid)[0]
             err = (got.embeds.float() - want.embeds.float()).norm() / want.embeds.float().norm()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hwgraph.attention.base import VarlenAttention
+from hwgraph.models.qwen3_omni.fused import add_layer_norm, linear_gelu_tanh, rotary_qk
 
 
 def activation(name: str):
@@ -71,21 +72,12 @@ class AxialRotary(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions`` ``[R, 2]`` int -> ``cos``, ``sin`` ``[R, 1, 1, head_dim]`` float32, shaped to broadcast
-        over ``[R, 2 (q and k), heads, head_dim]``. ``sin`` carries the sign of the rotation (``-sin`` on the
-        first half), so applying it needs one half-swap instead of a negate and a concatenation."""
+        """``positions`` ``[R, 2]`` int -> ``cos``, ``sin`` ``[R, head_dim]`` float32, contiguous. ``sin`` carries the
+        sign of the rotation (``-sin`` on the first half), so applying it needs one half-swap instead of a negate and
+        a concatenation (``fused.rotary_qk``)."""
         angles = (positions[:, :, None].float() * self.inv_freq).flatten(1)  # [R, head_dim/2]: rows, then cols
         cos, sin = angles.cos(), angles.sin()
-        cos = torch.cat((cos, cos), dim=-1)
-        sin = torch.cat((-sin, sin), dim=-1)
-        return cos[:, None, None, :], sin[:, None, None, :]
-
-
-def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate q and k together (``qk`` ``[T, 2, heads, head_dim]``) in float32, back to their dtype."""
-    x = qk.float()
-    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1): with the signed sin, x*cos + swapped*sin is the rotation
-    return (x * cos + swapped * sin).to(qk.dtype)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 class VisionAttention(nn.Module):
@@ -100,10 +92,10 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int, attend: VarlenAttention) -> torch.Tensor:
         tokens = x.shape[0]
-        # [T, 3, H, D] views straight off the matmul: q, k, v stay [T, H, D] without copies.
+        # [T, 3, H, D] view straight off the matmul: v stays a view; q and k come out rotated (one kernel on GPUs).
         qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)
-        qk = apply_rotary(qkv[:, :2], cos, sin)
-        out = attend(qk[:, 0], qk[:, 1], qkv[:, 2], cu_seqlens, max_seqlen, self.scale)
+        q, k = rotary_qk(qkv, cos, sin)
+        out = attend(q, k, qkv[:, 2], cu_seqlens, max_seqlen, self.scale)
         return self.proj(out.reshape(tokens, -1))
 
 
@@ -113,9 +105,11 @@ class VisionMLP(nn.Module):
         self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
         self.act = activation(config.hidden_act)
+        self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+        hidden = linear_gelu_tanh(x, self.linear_fc1) if self.gelu_tanh else self.act(self.linear_fc1(x))
+        return self.linear_fc2(hidden)
 
 
 class VisionBlock(nn.Module):
@@ -129,6 +123,16 @@ class VisionBlock(nn.Module):
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen, attend):
         x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen, attend)
         return x + self.mlp(self.norm2(x))
+
+    def forward_fused(self, x, normed, next_norm, cos, sin, cu_seqlens, max_seqlen, attend):
+        """The same block with each residual add fused into the LayerNorm after it. ``normed`` is ``norm1(x)``
+        (computed by the previous block's fused add); returns ``(x_out, next_norm(x_out))``, or ``(x_out, None)``
+        when ``next_norm`` is None (the last block)."""
+        x, normed = add_layer_norm(x, self.attn(normed, cos, sin, cu_seqlens, max_seqlen, attend), self.norm2)
+        delta = self.mlp(normed)
+        if next_norm is None:
+            return x + delta, None
+        return add_layer_norm(x, delta, next_norm)
 
 
 class PatchMerger(nn.Module):

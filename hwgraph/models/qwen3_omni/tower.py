@@ -190,8 +190,11 @@ class Qwen3OmniVisionTower(nn.Module):
         x = x + self.position_embeddings(metadata.pos_indices, metadata.pos_weights).to(x.dtype)
         cos, sin = self.rotary_pos_emb(metadata.rotary_positions)
         deepstack = []
+        normed = self.blocks[0].norm1(x) if len(self.blocks) else None
         for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, metadata.cu_seqlens, metadata.max_seqlen, attend)
+            next_norm = self.blocks[layer + 1].norm1 if layer + 1 < len(self.blocks) else None
+            x, normed = block.forward_fused(x, normed, next_norm, cos, sin, metadata.cu_seqlens, metadata.max_seqlen,
+                                            attend)
             merger = self.deepstack_after.get(layer)
             if merger is not None:
                 deepstack.append(self.merger_list[merger](x))

@@ -1,0 +1,137 @@
+"""Fused device kernels for the tower's hot path: fewer, larger kernels on GPUs.
+
+Profiling the eager tower on the H200 (``benchmarks/explore.py``) showed rotary embedding costing six small kernels
+per block (float copy, roll, two multiplies, an add, a cast back) and every residual add followed by a separate
+LayerNorm. Here:
+
+- ``rotary_qk``: one Triton kernel rotates q and k straight out of the qkv matmul's ``[T, 3, H, D]`` view and
+  writes them contiguous (float32 math, as transformers does);
+- ``add_layer_norm``: one Triton kernel adds the residual and normalises the sum (LayerNorm of the rounded sum,
+  as the unfused pair computes it);
+- ``linear_gelu_tanh``: fc1 with its tanh-GELU as the cuBLASLt epilogue (``torch._addmm_activation``).
+
+Each has a plain torch fallback, used on CPU, without Triton, and when ``HWGRAPH_FUSED=0``; the fallbacks are the
+exact unfused computations, so the CPU tower stays equal to transformers. The Triton kernels are ``torch.library``
+custom ops (one opaque op for capture and ``torch.compile``); eager calls go straight to the launcher, skipping the
+dispatcher's overhead.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+import torch.nn.functional as F
+
+FUSED_ENV = "HWGRAPH_FUSED"
+
+
+@functools.lru_cache(maxsize=1)
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton kernels on CUDA/ROCm tensors (or CPU tensors under the Triton interpreter, for tests)."""
+    if os.environ.get(FUSED_ENV, "1") == "0" or not triton_importable():
+        return False
+    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ---------------------------------------------------------------- rotary on q and k
+def rotary_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qkv`` ``[T, 3, H, D]``; ``cos``/``sin`` ``[T, D]`` float32 with the rotation's sign folded into ``sin``
+    (``-sin`` on the first half). Returns rotated ``q``, ``k`` ``[T, H, D]`` in qkv's dtype."""
+    x = qkv[:, :2].float()
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1): with the signed sin, x*cos + swapped*sin rotates
+    out = (x * cos[:, None, None, :] + swapped * sin[:, None, None, :]).to(qkv.dtype)
+    return out[:, 0], out[:, 1]
+
+
+def rotary_qk_launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The Triton path: returns ``[2, T, H, D]`` (rotated q, then k), contiguous."""
+    from hwgraph.models.qwen3_omni.fused_kernels import rotary_qk_kernel
+
+    tokens, _, heads, head_dim = qkv.shape
+    out = torch.empty((2, tokens, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
+    if tokens:
+        rotary_qk_kernel[(tokens, 2)](
+            qkv, cos, sin, out, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0), tokens * heads * head_dim,
+            H=heads, D=head_dim, HALF=head_dim // 2, BLOCK_H=next_pow2(heads), BLOCK_D=next_pow2(head_dim))
+    return out
+
+
+@torch.library.custom_op("hwgraph::rotary_qk", mutates_args=())
+def rotary_qk_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return rotary_qk_launch(qkv, cos, sin)
+
+
+@rotary_qk_op.register_fake
+def _(qkv, cos, sin):
+    return qkv.new_empty((2, qkv.shape[0], qkv.shape[2], qkv.shape[3]))
+
+
+def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated ``q``, ``k`` ``[T, H, D]`` from the ``[T, 3, H, D]`` qkv view (see ``rotary_qk_reference``)."""
+    if not use_triton(qkv) or qkv.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
+        return rotary_qk_reference(qkv, cos, sin)
+    out = rotary_qk_op(qkv, cos, sin) if torch.compiler.is_compiling() else rotary_qk_launch(qkv, cos, sin)
+    return out[0], out[1]
+
+
+# ---------------------------------------------------------------- residual add + LayerNorm
+def add_layer_norm_reference(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNorm
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + delta
+    return total, F.layer_norm(total, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+def add_layer_norm_launch(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    """The Triton path: returns ``[2, rows, N]``: the sum, then its LayerNorm."""
+    from hwgraph.models.qwen3_omni.fused_kernels import add_layer_norm_kernel
+
+    rows, width = x.shape
+    out = torch.empty((2, rows, width), device=x.device, dtype=x.dtype)
+    if rows:
+        block = next_pow2(width)
+        add_layer_norm_kernel[(rows,)](x, delta, weight, bias, out, x.stride(0), delta.stride(0), rows * width, eps,
+                                       N=width, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    return out
+
+
+@torch.library.custom_op("hwgraph::add_layer_norm", mutates_args=())
+def add_layer_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    return add_layer_norm_launch(x, delta, weight, bias, eps)
+
+
+@add_layer_norm_op.register_fake
+def _(x, delta, weight, bias, eps):
+    return x.new_empty((2, *x.shape))
+
+
+def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, norm(x + delta))`` for ``[rows, N]`` activations, in one kernel on GPUs."""
+    fusable = (use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and delta.stride(-1) == 1
+               and delta.shape == x.shape and norm.weight is not None and norm.bias is not None)
+    if not fusable:
+        return add_layer_norm_reference(x, delta, norm)
+    args = (x, delta, norm.weight, norm.bias, float(norm.eps))
+    out = add_layer_norm_op(*args) if torch.compiler.is_compiling() else add_layer_norm_launch(*args)
+    return out[0], out[1]
+
+
+# ---------------------------------------------------------------- fc1 + tanh-GELU
+def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """``gelu(linear(x), approximate="tanh")``; on CUDA the GELU runs as the matmul's epilogue (cuBLASLt's GELU
+    epilogue is the tanh approximation; off CUDA ``_addmm_activation`` would use exact GELU, so it is not used)."""
+    if x.is_cuda and not torch.version.hip and x.dim() == 2 and linear.bias is not None:
+        return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
+    return F.gelu(linear(x), approximate="tanh")

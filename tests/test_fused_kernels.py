@@ -1,0 +1,96 @@
+"""The tower's fused kernels (rotary on q/k, residual add + LayerNorm) equal their unfused torch computations.
+
+The Triton kernels run on CPU under the Triton interpreter (``TRITON_INTERPRET=1``, which Triton reads when it is
+first imported), so these checks run in a child process; the `cuda` tests run them on the GPU for real.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hwgraph.models.qwen3_omni import fused
+
+CHILD = textwrap.dedent("""
+    import torch
+    from hwgraph.models.qwen3_omni import fused
+
+    assert fused.use_triton(torch.empty(1)), "the interpreter path must be active in this child"
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for tokens, heads, dim in ((7, 3, 8), (33, 4, 72), (1, 16, 72), (0, 2, 16)):
+            qkv = torch.randn(tokens, 3 * heads * dim).to(dtype).view(tokens, 3, heads, dim)
+            angles = torch.randn(tokens, dim // 2)
+            cos = torch.cat((angles.cos(), angles.cos()), -1)
+            sin = torch.cat((-angles.sin(), angles.sin()), -1)
+            got = fused.rotary_qk(qkv, cos, sin)
+            want = fused.rotary_qk_reference(qkv, cos, sin)
+            for g, w in zip(got, want, strict=True):
+                assert g.is_contiguous() and g.shape == (tokens, heads, dim)
+                torch.testing.assert_close(g, w)
+        for rows, width in ((5, 64), (17, 1152), (3, 100), (0, 32)):
+            norm = torch.nn.LayerNorm(width, eps=1e-6)
+            torch.nn.init.normal_(norm.weight); torch.nn.init.normal_(norm.bias)
+            norm = norm.to(dtype)
+            x, delta = torch.randn(rows, width).to(dtype), torch.randn(rows, width).to(dtype)
+            got = fused.add_layer_norm(x, delta, norm)
+            want = fused.add_layer_norm_reference(x, delta, norm)
+            # The interpreter casts float32 to bf16 by truncation (the GPU rounds to nearest): one ulp apart.
+            exact = {"rtol": 0, "atol": 0} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 0}
+            torch.testing.assert_close(got[0], want[0], **exact)
+            # ... so the LayerNorm is checked against the sum the kernel actually normalised.
+            torch.testing.assert_close(got[1], fused.add_layer_norm_reference(got[0], torch.zeros_like(x), norm)[1])
+    print("fused kernels ok")
+""")
+
+
+def test_triton_fused_kernels_equal_the_unfused_computation_under_the_interpreter():
+    pytest.importorskip("triton", reason="TRITON kernels need the triton package")
+    env = dict(os.environ, TRITON_INTERPRET="1", HWGRAPH_FUSED="1")
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "fused kernels ok" in done.stdout
+
+
+def test_cpu_tensors_take_the_exact_unfused_path():
+    qkv = torch.randn(4, 3, 2, 8)
+    assert not fused.use_triton(qkv) or os.environ.get("TRITON_INTERPRET") == "1"
+    norm = torch.nn.LayerNorm(8)
+    x, d = torch.randn(4, 8), torch.randn(4, 8)
+    total, normed = fused.add_layer_norm(x, d, norm)
+    torch.testing.assert_close(total, x + d, rtol=0, atol=0)
+    torch.testing.assert_close(normed, norm(x + d), rtol=0, atol=0)
+
+
+def test_fused_paths_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("HWGRAPH_FUSED", "0")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not fused.use_triton(torch.empty(1))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_kernels_on_the_gpu_equal_the_unfused_computation(dtype):
+    torch.manual_seed(0)
+    for tokens in (1, 196, 4096):
+        qkv = torch.randn(tokens, 3 * 1152, device="cuda", dtype=dtype).view(tokens, 3, 16, 72)
+        angles = torch.randn(tokens, 36, device="cuda")
+        cos = torch.cat((angles.cos(), angles.cos()), -1)
+        sin = torch.cat((-angles.sin(), angles.sin()), -1)
+        for g, w in zip(fused.rotary_qk(qkv, cos, sin), fused.rotary_qk_reference(qkv, cos, sin), strict=True):
+            torch.testing.assert_close(g, w)
+        norm = torch.nn.LayerNorm(1152, eps=1e-6, device="cuda", dtype=dtype)
+        torch.nn.init.normal_(norm.weight)
+        x, d = torch.randn(tokens, 1152, device="cuda", dtype=dtype), torch.randn(tokens, 1152, device="cuda",
+                                                                               dtype=dtype)
+        got, want = fused.add_layer_norm(x, d, norm), fused.add_layer_norm_reference(x, d, norm)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1])
+        fc1 = torch.nn.Linear(1152, 4304, device="cuda", dtype=dtype)
+        torch.testing.assert_close(fused.linear_gelu_tanh(x, fc1),
+                                   torch.nn.functional.gelu(fc1(x), approximate="tanh"))
