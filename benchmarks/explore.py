@@ -47,6 +47,7 @@ def main():
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--capture-only", action="store_true", help="capture and report startup cost, then stop")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain (uncompiled) replay")
+    ap.add_argument("--cpu-profile", action="store_true", help="host time per operator of one eager forward")
     args = ap.parse_args()
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to("cuda", torch.bfloat16).eval()
@@ -88,6 +89,12 @@ def main():
             lat = measure(lambda m=m, p=pixels, g=grid: m.encode(p, g), "cuda")
             line.append(f"{name} {lat.median:7.3f} (p95 {lat.p95:.3f}, rel err {err:.2e})")
         print(" | ".join(line))
+        if args.cpu_profile:
+            eager()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                eager()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
         if args.breakdown:
             print(f" eager breakdown at {tokens} tokens:")
             breakdown(eager)

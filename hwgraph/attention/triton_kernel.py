@@ -110,7 +110,8 @@ def is_interpreted() -> bool:
 
 
 def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_seqlen: int, scale: float) -> torch.Tensor:
+                            max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None
+                            ) -> torch.Tensor:
     """Run the kernel: ``q, k, v`` ``[T, H, D]`` with unit stride on D -> a new ``[T, H, D]`` in q's dtype."""
     if q.device.type == "cpu" and not is_interpreted():
         raise RuntimeError("TRITON_ATTN on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
@@ -121,6 +122,9 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if tokens == 0:
         return out
     block_m, block_n, block_d = block_sizes(head_dim, q.dtype)
+    warps, stages = 4, 2
+    if tiles is not None:  # (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning (benchmarks/triton_tiles.py)
+        block_m, block_n, warps, stages = tiles
     num_seqs = cu_seqlens.shape[0] - 1
     dot_dtype = dot_dtype_for(q.dtype)
     # At least one m program, so the padding slot runs even when every sequence is empty.
@@ -131,6 +135,6 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype,
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     return out
