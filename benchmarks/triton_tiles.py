@@ -5,10 +5,10 @@ sequence of 196, 1024 and 4096 patches, checking each config against FLASH_ATTN'
 """
 
 import torch
+from hwgraph_cuda.attention import flash_varlen
 
 from hwgraph.attention.triton_kernel import launch_varlen_attention
 from hwgraph.timing import measure
-from hwgraph_cuda.attention import flash_varlen
 
 CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 4, 2),
            (64, 64, 4, 3), (128, 128, 8, 2)]
