@@ -268,6 +268,8 @@ class EncoderGraphManager:
         patches = pixel_values.shape[0]
         entry.pixels[:patches].copy_(pixel_values, non_blocking=True)
         padded = host.padded(entry.num_patches, self.max_images)
+        if self.device.type != "cpu":
+            padded = padded.pin_memory()  # a pageable host-to-device copy would wait for the stream to drain
         entry.metadata.copy_from(padded)
 
     # ---------------------------------------------------------------- calibration

@@ -92,5 +92,8 @@ def test_fused_kernels_on_the_gpu_equal_the_unfused_computation(dtype):
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         torch.testing.assert_close(got[1], want[1])
         fc1 = torch.nn.Linear(1152, 4304, device="cuda", dtype=dtype)
+        # The epilogue applies GELU to the float32 accumulator; the unfused pair rounds the matmul to 16 bits first,
+        # so a few elements differ by one ulp (seen: 15 of 843,584 in bf16, up to 7e-4): tolerances of one ulp.
+        ulp = {"rtol": 2**-7, "atol": 2e-3} if dtype == torch.bfloat16 else {"rtol": 2**-10, "atol": 1e-3}
         torch.testing.assert_close(fused.linear_gelu_tanh(x, fc1),
-                                   torch.nn.functional.gelu(fc1(x), approximate="tanh"))
+                                   torch.nn.functional.gelu(fc1(x), approximate="tanh"), **ulp)

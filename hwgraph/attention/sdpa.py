@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import check_varlen_inputs, valid_rows
+from hwgraph.attention.varlen_inputs import check_varlen_inputs, zero_padding_rows
 from hwgraph.capability import Capability
 
 
@@ -43,11 +43,7 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     # [T, H, D] -> [1, H, T, D]: the packed batch is one SDPA "batch" whose mask keeps sequences apart.
     attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                           v.transpose(0, 1)[None], attn_mask=mask, scale=scale)
-    out = torch.empty_like(q)
-    keep = valid_rows(cu_seqlens, tokens)[:, None, None]
-    # One pass writes the [T, H, D] layout and zeroes the padding rows.
-    torch.where(keep, attn[0].transpose(0, 1), out.new_zeros(()), out=out)
-    return out
+    return zero_padding_rows(attn[0].transpose(0, 1).contiguous(), cu_seqlens)
 
 
 @torch.library.custom_op("hwgraph::sdpa_varlen", mutates_args=())
@@ -68,7 +64,9 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     ``max_seqlen`` is accepted for the common signature; the mask covers every length.
     """
     check_varlen_inputs("TORCH_SDPA", q, k, v, cu_seqlens, max_seqlen, scale)
-    return sdpa_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale))
+    if torch.compiler.is_compiling():
+        return sdpa_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale))
+    return masked_sdpa(q, k, v, cu_seqlens, float(scale))  # eager: no dispatcher round trip (see eager_or_op)
 
 
 TORCH_SDPA = KernelSpec(

@@ -11,7 +11,7 @@ import os
 import torch
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import check_varlen_inputs
+from hwgraph.attention.varlen_inputs import check_varlen_inputs, eager_or_op
 from hwgraph.capability import Capability, require_module
 from hwgraph.platform import PlatformInfo
 
@@ -55,7 +55,9 @@ def triton_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     Every real sequence must be at most ``max_seqlen`` long: rows beyond it are not computed.
     """
     check_varlen_inputs("TRITON_ATTN", q, k, v, cu_seqlens, max_seqlen, scale)
-    return triton_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale))
+    from hwgraph.attention.triton_kernel import launch_varlen_attention
+
+    return eager_or_op(triton_varlen_op, launch_varlen_attention)(q, k, v, cu_seqlens, max_seqlen, float(scale))
 
 
 TRITON_ATTN = KernelSpec(

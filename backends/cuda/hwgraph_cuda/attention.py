@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import check_varlen_inputs, zero_padding_rows
+from hwgraph.attention.varlen_inputs import check_varlen_inputs, eager_or_op, zero_padding_rows
 from hwgraph.capability import Capability, sm_tuple
 from hwgraph.platform import PlatformInfo
 
@@ -110,7 +110,7 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
                  max_seqlen: int, scale: float) -> torch.Tensor:
     """Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on CUDA, ``cu_seqlens`` int32 ``[n + 1]``."""
     check_varlen_inputs("FLASH_ATTN", q, k, v, cu_seqlens, max_seqlen, scale)
-    return flash_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale))
+    return eager_or_op(flash_varlen_op, flash_attention)(q, k, v, cu_seqlens, max_seqlen, float(scale))
 
 
 FLASH_ATTN = KernelSpec(

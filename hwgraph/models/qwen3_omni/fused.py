@@ -18,7 +18,6 @@ dispatcher's overhead.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -28,14 +27,14 @@ import torch.nn.functional as F
 FUSED_ENV = "HWGRAPH_FUSED"
 
 
-@functools.lru_cache(maxsize=1)
-def triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# Looked up once (finds the package without importing it); a plain constant also keeps torch.compile from tracing
+# a cached function call on every forward.
+TRITON_FOUND = importlib.util.find_spec("triton") is not None
 
 
 def use_triton(t: torch.Tensor) -> bool:
     """Triton kernels on CUDA/ROCm tensors (or CPU tensors under the Triton interpreter, for tests)."""
-    if os.environ.get(FUSED_ENV, "1") == "0" or not triton_importable():
+    if os.environ.get(FUSED_ENV, "1") == "0" or not TRITON_FOUND:
         return False
     return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 

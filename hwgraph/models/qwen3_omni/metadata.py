@@ -104,7 +104,12 @@ class VisionMetadata:
         device = torch.device(device)
         if device == self.device:
             return self
-        moved = {name: t.to(device, non_blocking=True) for name, t in self.tensors().items()}
+        source = self
+        if self.device.type == "cpu" and device.type not in ("cpu", "meta"):
+            # From pageable memory the "asynchronous" copy blocks the host until the stream has drained: a hidden
+            # sync measured at 0.5 ms per tensor on the H200. Pinned, it is truly asynchronous.
+            source = self.pin_memory()
+        moved = {name: t.to(device, non_blocking=True) for name, t in source.tensors().items()}
         return dataclasses.replace(self, **moved)
 
     def pin_memory(self) -> VisionMetadata:
