@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from collections.abc import Hashable
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -73,7 +71,6 @@ except ImportError as exc:
 VLLM_VERSION = check_vllm_version(getattr(_vllm, "__version__", None))
 
 # The rest needs vLLM, and only a checked version: hence after the check.
-from vllm.v1.worker.encoder_cudagraph import BudgetGraphMetadata, EncoderCudaGraphManager  # noqa: E402
 from vllm.v1.worker.encoder_cudagraph_defs import (  # noqa: E402
     EncoderCudaGraphCaptureInputs,
     EncoderCudaGraphConfig,
@@ -82,10 +79,8 @@ from vllm.v1.worker.encoder_cudagraph_defs import (  # noqa: E402
 )
 
 from hwgraph import budgets as budget_rules  # noqa: E402
-from hwgraph.manager import platform_for  # noqa: E402
 from hwgraph.models.qwen3_omni.metadata import TENSOR_FIELDS, VisionMetadata, normalize_grid  # noqa: E402
 from hwgraph.models.qwen3_omni.output import VisionOutput  # noqa: E402
-from hwgraph.registry import create_backend  # noqa: E402
 
 PIXELS = "pixel_values"
 GRID = "image_grid_thw"
@@ -311,174 +306,12 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
             raise ValueError(f"the Qwen3-Omni image tower has one encoder path, 'default'; got {path!r}")
 
 
-# ---------------------------------------------------------------------------------------------------- manager
-@dataclass(frozen=True)
-class ReplayDecision:
-    """What one step's group of images does: replay ``budget``'s graph, or (``budget is None``) one eager call."""
-
-    budget: int | None
-    reason: str  # "replay", "empty", "video", "too many images", "over budget", "no graphs"
-
-    @property
-    def replay(self) -> bool:
-        return self.budget is not None
-
-
-class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
-    """vLLM's encoder graph manager with hwgraph's dispatch and capture primitive.
-
-    Upstream packs a step's items greedily into several budget graphs. Here a step replays only when one captured
-    graph holds all its images (count <= ``max_batch_size``, tokens <= the budget; the smallest such budget);
-    otherwise the whole group runs as one eager call, since several replays plus their copies were not measured
-    to beat a single eager forward. Video (t > 1) goes eager. Graphs come from ``hwgraph.registry.create_backend``
-    (``graph_backend``: a backend name, default ``$HWGRAPH_GRAPH_BACKEND`` or the best for ``device``). Budgets,
-    buffer copies (``_run_budget_graph``), DP sharding and hit/miss counting (images) are upstream's.
-    """
-
-    def __init__(self, vllm_config, device: torch.device, dtype: torch.dtype, model, graph_backend: str | None = None):
-        super().__init__(vllm_config, device, dtype, model)
-        if set(self.config.paths) != {"default"} or self._capture_axes:
-            raise ValueError(f"{type(self).__name__} serves single-path encoders without capture axes; this model "
-                             f"has paths {sorted(self.config.paths)} and capture_axes {self._capture_axes}: use "
-                             f"vLLM's EncoderCudaGraphManager for it")
-        device = torch.device(device)
-        self.backend = create_backend(graph_backend, device=device, platform=platform_for(device))
-        self.capture_failures: dict[int, str] = {}
-        self.reset_stats()
-
-    def reset_stats(self) -> None:
-        """Zero the dispatch counters (upstream's hits and misses included); captured graphs stay."""
-        self.graph_hits = 0
-        self.graph_misses = 0
-        self.replays = 0
-        self.eager_groups = 0
-        self.eager_reasons: dict[str, int] = {}
-        self.padding_tokens = 0  # budget tokens replayed that held no image
-        self.replays_per_budget: dict[int, int] = {}
-
-    # ------------------------------------------------------------------ capture
-    def capture(self, graph_pool: Any = None):
-        """Capture every budget, largest first (upstream's loop) into ``graph_pool``: vLLM passes its platform's
-        graph pool handle, which is what hwgraph's device backends use; the CPU reference backend, or no pool,
-        gets a pool of the backend's own."""
-        if graph_pool is None or not self.backend.accelerates:
-            graph_pool = self.backend.new_pool()
-        super().capture(graph_pool)
-        log.info("encoder graphs captured on %s: budgets %s; failed: %s", self.backend.name,
-                 self.captured_budgets(), self.capture_failures or "none")
-
-    def _capture_budget_graph(self, token_budget: int, path: str = "default", axis_keys: tuple = ()):
-        values = self.model.prepare_encoder_cudagraph_capture_inputs(
-            token_budget, self.max_batch_size, self.max_frames_per_batch, self.device, self.dtype, path, axis_keys,
-        ).values
-        model = self.model
-
-        def forward() -> torch.Tensor:
-            return model.encoder_cudagraph_forward({**values}, path=path)  # a copy: forwards may pop keys
-
-        try:
-            with torch.inference_mode():
-                graph = self.backend.capture(forward, self.graph_pool)
-        except Exception as exc:  # a failed capture leaves that budget eager: a slower answer, never a wrong one
-            self.capture_failures[token_budget] = f"{type(exc).__name__}: {exc}"
-            log.warning("encoder graph capture of budget %d failed on %s, it stays eager: %s", token_budget,
-                        self.backend.name, self.capture_failures[token_budget])
-            self.backend.synchronize()
-            return
-        self._get_graph_set(path)[token_budget] = BudgetGraphMetadata(
-            token_budget=token_budget, max_batch_size=self.max_batch_size,
-            max_frames_per_batch=self.max_frames_per_batch, graph=graph, input_buffers=values,
-            output_buffer=graph.outputs, axis_keys=(),
-        )
-
-    def clear(self) -> None:
-        for graph_set in self.budget_graphs.values():
-            for meta in graph_set.values():
-                meta.graph.release()
-        super().clear()
-
-    def captured_budgets(self) -> list[int]:
-        return sorted(b for b in self._get_graph_set("default") if isinstance(b, int) and b > 0)
-
-    # ------------------------------------------------------------------ dispatch
-    def decide(self, item_specs: list[EncoderItemSpec], modality: str = "image",
-               frames: list[int] | None = None) -> ReplayDecision:
-        """The single-replay rule for one group (host values only)."""
-        if not item_specs:
-            return ReplayDecision(None, "empty")
-        if modality != "image" or (frames and max(frames) > 1):
-            return ReplayDecision(None, "video")
-        if len(item_specs) > self.max_batch_size:
-            return ReplayDecision(None, "too many images")
-        budgets = self.captured_budgets()
-        if not budgets:
-            return ReplayDecision(None, "no graphs")
-        tokens = sum(spec.output_tokens for spec in item_specs)
-        fitting = [b for b in budgets if b >= tokens]
-        return ReplayDecision(fitting[0], "replay") if fitting else ReplayDecision(None, "over budget")
-
-    def _execute_local(self, mm_kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        # Called by upstream's execute() for the whole step, or for this rank's share under DP.
-        with torch.inference_mode():
-            specs = self._get_item_specs(mm_kwargs)
-            if not specs:
-                return []
-            frames_of = getattr(self.model, "get_encoder_cudagraph_item_frames", None)
-            decision = self.decide(specs, self.model.get_input_modality(mm_kwargs),
-                                   frames_of(mm_kwargs) if frames_of else None)
-            tokens = [spec.output_tokens for spec in specs]
-            indices = list(range(len(specs)))
-            if decision.replay:
-                output = self._run_budget_graph(mm_kwargs, decision.budget)  # counts the hits
-                self.replays += 1
-                self.padding_tokens += decision.budget - sum(tokens)
-                self.replays_per_budget[decision.budget] = self.replays_per_budget.get(decision.budget, 0) + 1
-            else:
-                output = self.model.encoder_eager_forward(mm_kwargs)
-                self.graph_misses += len(specs)
-                self.eager_groups += 1
-                self.eager_reasons[decision.reason] = self.eager_reasons.get(decision.reason, 0) + 1
-            dest: dict[int, torch.Tensor] = {}
-            # Replayed rows live in the graph's output buffer, which the next replay overwrites: clone them.
-            self.model.postprocess_encoder_output({"default": output}, indices, tokens, dest,
-                                                  clone=decision.replay, batch_mm_kwargs=mm_kwargs)
-            return [dest[i] for i in indices]
-
-    def get_cumulative_stats(self) -> dict[str, Any]:
-        stats = super().get_cumulative_stats()
-        stats.update(replays=self.replays, eager_groups=self.eager_groups, eager_reasons=dict(self.eager_reasons),
-                     padding_tokens=self.padding_tokens, replays_per_budget=dict(self.replays_per_budget),
-                     captured_budgets=self.captured_budgets(), capture_failures=dict(self.capture_failures),
-                     graph_backend=self.backend.name)
-        return stats
-
-
-# ---------------------------------------------------------------------------------------------------- wiring
-# Modules of vLLM 0.33 that construct EncoderCudaGraphManager: gpu_model_runner imports it from the defining module
-# when it builds one, the v2 model state binds it at import.
-_CONSTRUCTING_MODULES = ("vllm.v1.worker.encoder_cudagraph", "vllm.v1.worker.gpu.model_states.interface")
-
-
-def install_single_replay_manager(manager_cls: type = SingleReplayEncoderCudaGraphManager) -> Callable[[], None]:
-    """Opt in: make vLLM's model runners in this process build ``manager_cls`` instead of upstream's manager.
-
-    Call it before the engine creates its workers (in the worker process, e.g. from a vLLM plugin). Returns a
-    function that restores upstream's class. Nothing is changed unless this is called.
-    """
-    original = EncoderCudaGraphManager  # upstream's class, as imported above
-    patched = []
-    for name in _CONSTRUCTING_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "EncoderCudaGraphManager", None) is original:
-            module.EncoderCudaGraphManager = manager_cls
-            patched.append(module)
-
-    def undo() -> None:
-        for module in patched:
-            module.EncoderCudaGraphManager = original
-
-    return undo
-
+# The manager lives in its own module (one concept per module); importing it here keeps one import path.
+from hwgraph.integrations.vllm_manager import (  # noqa: E402, F401
+    ReplayDecision,
+    SingleReplayEncoderCudaGraphManager,
+    install_single_replay_manager,
+)
 
 __all__ = ["BUFFER_KEYS", "PADDING_LOGICS", "SUPPORTED_VLLM", "VLLM_VERSION", "Qwen3OmniEncoderCudaGraphAdapter",
            "ReplayDecision", "SingleReplayEncoderCudaGraphManager", "UnsupportedVllmError", "check_vllm_version",
