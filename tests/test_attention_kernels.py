@@ -296,7 +296,7 @@ def test_aiter_adapter_calls_by_keyword_and_zeroes_padding(monkeypatch):
     assert calls[0]["max_seqlen_q"] == calls[0]["max_seqlen_k"] == 9
 
 
-@pytest.mark.parametrize("provider", ["flash_attn", "torch"])
+@pytest.mark.parametrize("provider", ["flash_attn", "aten", "torch"])
 def test_flash_adapter_uses_either_provider_and_zeroes_padding(monkeypatch, provider):
     import torch.nn.attention.varlen as torch_varlen
     from hwgraph_cuda import attention
@@ -312,6 +312,8 @@ def test_flash_adapter_uses_either_provider_and_zeroes_padding(monkeypatch, prov
     monkeypatch.setattr(attention, "flash_provider", lambda: (provider, ()))
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
     monkeypatch.setattr(torch_varlen, "varlen_attn", varlen_attn)
+    monkeypatch.setattr(attention, "aten_flash",
+                        lambda q, k, v, cu, max_seqlen, scale: reference_like(q, k, v, cu, scale))
     for head_dim in (72, 36):  # 36 is padded to 40 for the flash kernels and sliced back
         batch = random_packed_batch([9, 4], heads=2, head_dim=head_dim, zero_length=1, padding_rows=6,
                                     dtype=torch.bfloat16)

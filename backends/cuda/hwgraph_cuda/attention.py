@@ -25,7 +25,10 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 
 @functools.lru_cache(maxsize=1)
 def flash_provider() -> tuple[str | None, tuple[str, ...]]:
-    """(``"flash_attn"`` | ``"torch"`` | None, why each missing provider is missing)."""
+    """(``"flash_attn"`` | ``"aten"`` | ``"torch"`` | None, why each missing provider is missing).
+
+    ``"aten"``: ATen's ``_flash_attention_forward``, the kernel torch's ``varlen_attn`` wraps, called directly;
+    ``"torch"``: ``varlen_attn`` itself, where that ATen op is missing."""
     missing = []
     try:
         module = importlib.import_module("flash_attn")
@@ -39,6 +42,8 @@ def flash_provider() -> tuple[str | None, tuple[str, ...]]:
     except Exception as exc:
         missing.append(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn ({exc})")
         return None, tuple(missing)
+    if hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return "aten", tuple(missing)
     return "torch", tuple(missing)
 
 
@@ -66,6 +71,14 @@ def varlen_attn_takes_scale() -> bool:
     return "scale" in inspect.signature(varlen_attn).parameters
 
 
+def aten_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+               scale: float) -> torch.Tensor:
+    """ATen's flash kernel, the one torch's ``varlen_attn`` wraps, called directly: ``varlen_attn`` adds a Python
+    custom op (about 0.12 ms of host time per call on the H200's host) and a zeros kernel for an unused RNG state."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
+                                                   False, return_debug_mask=False, scale=scale)[0]
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                     max_seqlen: int, scale: float) -> torch.Tensor:
     """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows zero."""
@@ -82,11 +95,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         out = flash_attn_varlen_func(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                      max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, dropout_p=0.0,
                                      softmax_scale=scale, causal=False)
-    elif hasattr(torch.ops.aten, "_flash_attention_forward"):
-        # The ATen flash kernel that torch's varlen_attn wraps, called directly: varlen_attn adds a Python custom op
-        # (about 0.12 ms of host time per call on the H200's host) and a zeros kernel for an unused RNG state.
-        out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
-                                                      False, return_debug_mask=False, scale=scale)
+    elif provider == "aten":
+        out = aten_flash(q, k, v, cu_seqlens, max_seqlen, scale)
     else:
         from torch.nn.attention.varlen import varlen_attn
 
