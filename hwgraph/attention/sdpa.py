@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import check_varlen_inputs, zero_padding_rows
+from hwgraph.attention.varlen_inputs import register_varlen_kernel, zero_padding_rows
 from hwgraph.capability import Capability
 
 
@@ -46,27 +46,10 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     return zero_padding_rows(attn[0].transpose(0, 1).contiguous(), cu_seqlens)
 
 
-@torch.library.custom_op("hwgraph::sdpa_varlen", mutates_args=())
-def sdpa_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                   max_seqlen: int, scale: float) -> torch.Tensor:
-    return masked_sdpa(q, k, v, cu_seqlens, scale)
-
-
-@sdpa_varlen_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale):
-    return torch.empty_like(q)
-
-
-def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, scale: float) -> torch.Tensor:
-    """Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``.
-
-    ``max_seqlen`` is accepted for the common signature; the mask covers every length.
-    """
-    check_varlen_inputs("TORCH_SDPA", q, k, v, cu_seqlens, max_seqlen, scale)
-    if torch.compiler.is_compiling():
-        return sdpa_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale))
-    return masked_sdpa(q, k, v, cu_seqlens, float(scale))  # eager: no dispatcher round trip (see eager_or_op)
+# Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``; ``max_seqlen`` is
+# accepted for the common signature (the mask covers every length).
+sdpa_varlen, sdpa_varlen_op = register_varlen_kernel(
+    "TORCH_SDPA", "sdpa_varlen", lambda q, k, v, cu_seqlens, max_seqlen, scale: masked_sdpa(q, k, v, cu_seqlens, scale))
 
 
 TORCH_SDPA = KernelSpec(

@@ -11,7 +11,7 @@ import os
 import torch
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import check_varlen_inputs, eager_or_op
+from hwgraph.attention.varlen_inputs import register_varlen_kernel
 from hwgraph.capability import Capability, require_module
 from hwgraph.platform import PlatformInfo
 
@@ -35,29 +35,17 @@ def triton_gate(platform: PlatformInfo) -> Capability:
     return Capability.available()
 
 
-@torch.library.custom_op("hwgraph::triton_varlen", mutates_args=())
-def triton_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, scale: float) -> torch.Tensor:
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+           scale: float) -> torch.Tensor:
+    """The kernel body: imports triton (through the kernel module) only when it runs."""
     from hwgraph.attention.triton_kernel import launch_varlen_attention
 
     return launch_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
-@triton_varlen_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale):
-    return torch.empty_like(q)
-
-
-def triton_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                  max_seqlen: int, scale: float) -> torch.Tensor:
-    """Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``.
-
-    Every real sequence must be at most ``max_seqlen`` long: rows beyond it are not computed.
-    """
-    check_varlen_inputs("TRITON_ATTN", q, k, v, cu_seqlens, max_seqlen, scale)
-    from hwgraph.attention.triton_kernel import launch_varlen_attention
-
-    return eager_or_op(triton_varlen_op, launch_varlen_attention)(q, k, v, cu_seqlens, max_seqlen, float(scale))
+# Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``. Every real sequence
+# must be at most ``max_seqlen`` long: rows beyond it are not computed.
+triton_varlen, triton_varlen_op = register_varlen_kernel("TRITON_ATTN", "triton_varlen", launch)
 
 
 TRITON_ATTN = KernelSpec(

@@ -52,6 +52,27 @@ def zero_padding_rows(out: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tens
     return out.masked_fill_(padding[:, None, None], 0)
 
 
+def register_varlen_kernel(kernel: str, op_name: str, body):
+    """Register ``body`` (the common signature, inputs unchecked) as the custom op ``hwgraph::<op_name>`` with a
+    fake returning ``empty_like(q)``. Returns ``(public, op)``: ``public`` checks its inputs (``ValueError`` naming
+    ``kernel``) and runs the op while torch.compile traces, ``body`` itself in eager (``eager_or_op``)."""
+
+    def impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+             scale: float) -> torch.Tensor:
+        return body(q, k, v, cu_seqlens, max_seqlen, scale)
+
+    op = torch.library.custom_op(f"hwgraph::{op_name}", impl, mutates_args=())
+    op.register_fake(lambda q, k, v, cu_seqlens, max_seqlen, scale: torch.empty_like(q))
+
+    def public(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+               scale: float) -> torch.Tensor:
+        check_varlen_inputs(kernel, q, k, v, cu_seqlens, max_seqlen, scale)
+        return eager_or_op(op, body)(q, k, v, cu_seqlens, max_seqlen, float(scale))
+
+    public.__name__ = public.__qualname__ = op_name
+    return public, op
+
+
 def eager_or_op(op, body):
     """``op`` (the registered custom op) while torch.compile traces, so the kernel stays one opaque node; ``body``
     in eager, skipping the dispatcher's Python round trip (about 0.12 ms of host time per call on the H200's host,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import check_varlen_inputs, eager_or_op, zero_padding_rows
+from hwgraph.attention.varlen_inputs import register_varlen_kernel, zero_padding_rows
 from hwgraph.capability import Capability, sm_tuple
 from hwgraph.platform import PlatformInfo
 
@@ -110,22 +110,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     return zero_padding_rows(out[..., :head_dim], cu_seqlens)
 
 
-@torch.library.custom_op("hwgraph::flash_varlen", mutates_args=())
-def flash_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                    max_seqlen: int, scale: float) -> torch.Tensor:
-    return flash_attention(q, k, v, cu_seqlens, max_seqlen, scale)
-
-
-@flash_varlen_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale):
-    return torch.empty_like(q)
-
-
-def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                 max_seqlen: int, scale: float) -> torch.Tensor:
-    """Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on CUDA, ``cu_seqlens`` int32 ``[n + 1]``."""
-    check_varlen_inputs("FLASH_ATTN", q, k, v, cu_seqlens, max_seqlen, scale)
-    return eager_or_op(flash_varlen_op, flash_attention)(q, k, v, cu_seqlens, max_seqlen, float(scale))
+# Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on CUDA, ``cu_seqlens`` int32 ``[n + 1]``.
+flash_varlen, flash_varlen_op = register_varlen_kernel("FLASH_ATTN", "flash_varlen", flash_attention)
 
 
 FLASH_ATTN = KernelSpec(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import check_varlen_inputs, zero_padding_rows
+from hwgraph.attention.varlen_inputs import register_varlen_kernel, zero_padding_rows
 from hwgraph.capability import Capability, gfx_name, require_module
 from hwgraph.platform import PlatformInfo
 
@@ -41,22 +41,8 @@ def aiter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     return zero_padding_rows(out, cu_seqlens)
 
 
-@torch.library.custom_op("hwgraph::aiter_varlen", mutates_args=())
-def aiter_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                    max_seqlen: int, scale: float) -> torch.Tensor:
-    return aiter_attention(q, k, v, cu_seqlens, max_seqlen, scale)
-
-
-@aiter_varlen_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale):
-    return torch.empty_like(q)
-
-
-def aiter_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                 max_seqlen: int, scale: float) -> torch.Tensor:
-    """Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on ROCm, ``cu_seqlens`` int32 ``[n + 1]``."""
-    check_varlen_inputs("ROCM_AITER_FA", q, k, v, cu_seqlens, max_seqlen, scale)
-    return aiter_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale))
+# Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on ROCm, ``cu_seqlens`` int32 ``[n + 1]``.
+aiter_varlen, aiter_varlen_op = register_varlen_kernel("ROCM_AITER_FA", "aiter_varlen", aiter_attention)
 
 
 ROCM_AITER_FA = KernelSpec(
