@@ -107,7 +107,7 @@ def build_tower(preset: str, device: torch.device, dtype: torch.dtype, seed: int
 def kernel_choices(tower, requested: list[str] | None) -> tuple[list[str], list[dict]]:
     """(kernels to run, every kernel with availability and reasons for the tower's device, dtype, head dim)."""
     from hwgraph.attention.registry import kernel_named, kernel_specs
-    from hwgraph.manager import platform_for
+    from hwgraph.platform import platform_for
 
     platform = platform_for(tower.device)
     table = []
@@ -164,7 +164,7 @@ def warm_device(device: torch.device, seconds: float = 2.0) -> None:
         return
     import time
 
-    from hwgraph.profiling import synchronize
+    from hwgraph.timing import synchronize
 
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     end = time.perf_counter() + seconds

@@ -15,7 +15,7 @@ import torch
 
 from hwgraph import budgets as budget_rules
 from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend
-from hwgraph.platform import PlatformInfo, detect
+from hwgraph.platform import platform_for
 from hwgraph.registry import create_backend
 from hwgraph.timing import median_ms
 
@@ -61,14 +61,6 @@ class ManagerStats:
 
     def as_dict(self) -> dict:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
-
-
-def platform_for(device: torch.device) -> PlatformInfo:
-    """The platform that serves ``device``: a CPU tower on a GPU machine is a CPU job."""
-    info = detect()
-    if device.type == "cpu" and info.kind != "cpu":
-        return PlatformInfo("cpu", "cpu", None, info.torch_version, None, None, 0)
-    return info
 
 
 class EncoderGraphManager:

@@ -85,6 +85,14 @@ def cuda_info(notes: list[str]) -> PlatformInfo | None:
     return PlatformInfo("cuda", props.name, arch, torch.__version__, "CUDA", torch.version.cuda, count, tuple(notes))
 
 
+def platform_for(device: torch.device | str) -> PlatformInfo:
+    """The platform that serves ``device``: a CPU (or meta) tensor on a GPU machine is a CPU job."""
+    info = detect()
+    if torch.device(device).type in ("cpu", "meta") and info.kind != "cpu":
+        return PlatformInfo("cpu", "cpu", None, info.torch_version, None, None, 0)
+    return info
+
+
 def detect() -> PlatformInfo:
     """Which accelerator this process would use, with the facts capability gates compare against."""
     notes: list[str] = []

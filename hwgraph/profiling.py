@@ -14,6 +14,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from hwgraph.timing import synchronize
+
 log = logging.getLogger(__name__)
 
 DEVICE_EVENT_TYPES = (DeviceType.CUDA, DeviceType.PrivateUse1, DeviceType.XPU)  # ROCm reports as CUDA, NPU as PU1
@@ -42,12 +44,6 @@ def activities_for(device: torch.device) -> list:
     elif device.type not in ("cpu", "meta") and hasattr(ProfilerActivity, "PrivateUse1"):
         acts.append(ProfilerActivity.PrivateUse1)
     return acts
-
-
-def synchronize(device: torch.device) -> None:
-    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
-    if device.type != "cpu" and callable(sync):
-        sync()
 
 
 def kernel_time(fn: Callable[[], object], device, warmup: int = 1) -> KernelTime:

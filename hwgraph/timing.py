@@ -42,14 +42,19 @@ def measure(fn: Callable[[], object], device: torch.device, warmup: int = 10, sa
             end.synchronize()
             out.append(start.elapsed_time(end))
     else:
-        sync = getattr(getattr(torch, device.type, None), "synchronize", None)
         for _ in range(samples):
             start = time.perf_counter()
             fn()
-            if callable(sync):
-                sync()
+            synchronize(device)
             out.append((time.perf_counter() - start) * 1e3)
     return Latency(tuple(out))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (no-op on CPU); wall-clock timing needs it off CUDA (NPU, ...)."""
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
+    if device.type != "cpu" and callable(sync):
+        sync()
 
 
 def median_ms(fn: Callable[[], object], device, warmup: int = 3, samples: int = 10) -> float:

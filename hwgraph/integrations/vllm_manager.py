@@ -16,7 +16,7 @@ from vllm.v1.worker.encoder_cudagraph import BudgetGraphMetadata, EncoderCudaGra
 from vllm.v1.worker.encoder_cudagraph_defs import EncoderItemSpec
 
 from hwgraph.integrations.vllm import Qwen3OmniEncoderCudaGraphAdapter, log  # noqa: F401
-from hwgraph.manager import platform_for
+from hwgraph.platform import platform_for
 from hwgraph.registry import create_backend
 
 

@@ -92,9 +92,8 @@ def skipped(case_id: str, reason: str):
 def conformance_params(settings: SuiteSettings) -> list:
     """``pytest.param`` per case: runnable ones carry a ``ConformanceCase``; the others are skips with reasons."""
     from hwgraph.attention.registry import kernel_specs
-    from hwgraph.manager import platform_for
     from hwgraph.models.qwen3_omni import preset_config
-    from hwgraph.platform import detect
+    from hwgraph.platform import detect, platform_for
     from hwgraph.registry import SelectionError, choose_backend, spec_named
 
     platform = detect()

@@ -19,19 +19,11 @@ from hwgraph.models.qwen3_omni.config import VisionConfig, check_config, preset_
 from hwgraph.models.qwen3_omni.layers import AxialRotary, PatchEmbed, PatchMerger, VisionBlock
 from hwgraph.models.qwen3_omni.metadata import VisionMetadata, prepare_metadata
 from hwgraph.models.qwen3_omni.output import VisionOutput
-from hwgraph.platform import KINDS, PlatformInfo, detect
+from hwgraph.platform import KINDS, PlatformInfo, platform_for
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
-
-
-def platform_for_device(device: torch.device) -> PlatformInfo:
-    """The platform that serves ``device``: a CPU tower on a GPU machine must get a CPU kernel."""
-    info = detect()
-    if device.type in ("cpu", "meta") and info.kind != "cpu":
-        return PlatformInfo("cpu", "cpu", None, info.torch_version, None, None, 0)
-    return info
 
 
 def callable_spec(fn: VarlenAttention) -> KernelSpec:
@@ -138,7 +130,7 @@ class Qwen3OmniVisionTower(nn.Module):
             self._attention = (spec, request)
             return SelectedKernel(spec, request, "callable given to the tower")
         selected = choose_attention(None if request in (None, AUTO) else request,
-                                    platform or platform_for_device(self.device),
+                                    platform or platform_for(self.device),
                                     dtype=self.dtype, head_dim=self.head_dim)
         self._attention = (selected.spec, selected.fn)
         log.debug("tower attention %s (%s)", selected.spec.name, selected.reason)
