@@ -15,6 +15,7 @@ import torch
 
 from hwgraph import budgets as budget_rules
 from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend
+from hwgraph.hostmem import pinned_copy
 from hwgraph.platform import platform_for
 from hwgraph.registry import create_backend
 from hwgraph.timing import median_ms
@@ -252,7 +253,7 @@ class EncoderGraphManager:
         if tensor.device == self.device and tensor.dtype == self.dtype:
             return tensor
         if tensor.device.type == "cpu" and self.device.type != "cpu":
-            tensor = tensor.pin_memory()  # an async H2D copy; a pageable one would block the host
+            tensor = pinned_copy(tensor)  # an async H2D copy; a pageable one would block the host
         return tensor.to(self.device, self.dtype, non_blocking=True)
 
     def _fill(self, entry: BudgetGraph, pixel_values: torch.Tensor, host) -> None:

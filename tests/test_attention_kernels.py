@@ -189,7 +189,22 @@ def test_sdpa_reads_no_device_memory_on_the_host():
         out = sdpa_varlen(*batch.args())
         body = masked_sdpa(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.scale)  # the op body, unwrapped
     assert_matches_reference(out, batch)
-    assert torch.equal(out, body)
+    real = int(batch.cu_seqlens[-1])
+    assert torch.equal(out[:real], body[:real])  # the body leaves padding rows to the public function
+
+
+def test_padding_unspecified_variant_differs_from_the_public_kernel_only_in_padding_rows():
+    batch = random_packed_batch([20, 3], heads=2, head_dim=72, zero_length=1, padding_rows=5)
+    real = int(batch.cu_seqlens[-1])
+    with CpuGraphBackend().sync_guard():
+        public = sdpa_varlen(*batch.args())
+        raw = sdpa_varlen.padding_unspecified(*batch.args())
+    assert torch.equal(public[:real], raw[:real])
+    assert torch.equal(public[real:], torch.zeros_like(public[real:]))
+    assert raw[real:].abs().sum() > 0  # the zeroing really is skipped: padding rows attend among themselves
+    with pytest.raises(ValueError, match="TORCH_SDPA: cu_seqlens must be int32"):
+        sdpa_varlen.padding_unspecified(batch.q, batch.k, batch.v, batch.cu_seqlens.long(), batch.max_seqlen,
+                                        batch.scale)
 
 
 def test_sdpa_op_passes_opcheck():

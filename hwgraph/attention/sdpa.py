@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import register_varlen_kernel, zero_padding_rows
+from hwgraph.attention.varlen_inputs import register_varlen_kernel
 from hwgraph.capability import Capability
 
 
@@ -37,13 +37,14 @@ def block_diagonal_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
 
 def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                 scale: float) -> torch.Tensor:
-    """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows zero."""
+    """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out; padding rows attend among themselves
+    (the public function zeroes them)."""
     tokens = q.shape[0]
     mask = block_diagonal_mask(cu_seqlens, tokens)
     # [T, H, D] -> [1, H, T, D]: the packed batch is one SDPA "batch" whose mask keeps sequences apart.
     attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                           v.transpose(0, 1)[None], attn_mask=mask, scale=scale)
-    return zero_padding_rows(attn[0].transpose(0, 1).contiguous(), cu_seqlens)
+    return attn[0].transpose(0, 1).contiguous()
 
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``; ``max_seqlen`` is

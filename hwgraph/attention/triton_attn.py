@@ -45,7 +45,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``. Every real sequence
 # must be at most ``max_seqlen`` long: rows beyond it are not computed.
-triton_varlen, triton_varlen_op = register_varlen_kernel("TRITON_ATTN", "triton_varlen", launch)
+triton_varlen, triton_varlen_op = register_varlen_kernel("TRITON_ATTN", "triton_varlen", launch,
+                                                         zeroes_padding=True)
 
 
 TRITON_ATTN = KernelSpec(

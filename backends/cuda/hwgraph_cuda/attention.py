@@ -3,7 +3,7 @@
 It calls ``flash_attn.flash_attn_varlen_func`` when the flash-attn package imports, otherwise PyTorch's own varlen
 flash kernel ``torch.nn.attention.varlen.varlen_attn``. Neither reads device memory on the host: ``max_seqlen`` is
 a host int, so a captured graph keeps the value it was captured with. Neither writes rows past
-``cu_seqlens[-1]``; a device-side ``torch.where`` zeroes them.
+``cu_seqlens[-1]``; the public function zeroes them on the device (``register_varlen_kernel``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import register_varlen_kernel, zero_padding_rows
+from hwgraph.attention.varlen_inputs import register_varlen_kernel
 from hwgraph.capability import Capability, sm_tuple
 from hwgraph.platform import PlatformInfo
 
@@ -81,7 +81,7 @@ def aten_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                     max_seqlen: int, scale: float) -> torch.Tensor:
-    """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows zero."""
+    """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows unwritten."""
     head_dim = q.shape[-1]
     if head_dim % 8:
         # Flash kernels take head dims in multiples of 8; zero lanes change neither q.k nor the kept slice of p.v.
@@ -107,7 +107,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
             out = varlen_attn(q * (scale * q.shape[-1] ** 0.5), k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     if isinstance(out, tuple):
         out = out[0]
-    return zero_padding_rows(out[..., :head_dim], cu_seqlens)
+    return out[..., :head_dim]
 
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on CUDA, ``cu_seqlens`` int32 ``[n + 1]``.

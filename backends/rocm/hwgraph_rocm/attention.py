@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import register_varlen_kernel, zero_padding_rows
+from hwgraph.attention.varlen_inputs import register_varlen_kernel
 from hwgraph.capability import Capability, gfx_name, require_module
 from hwgraph.platform import PlatformInfo
 
@@ -29,7 +29,7 @@ def aiter_gate(platform: PlatformInfo) -> Capability:
 
 def aiter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                     max_seqlen: int, scale: float) -> torch.Tensor:
-    """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows zero."""
+    """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows unwritten."""
     import aiter
 
     max_seqlen = max(max_seqlen, 1)  # an all-padding batch still launches a valid (empty) grid
@@ -38,7 +38,7 @@ def aiter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
                                        softmax_scale=scale, causal=False)
     if isinstance(out, (tuple, list)):  # versions and flags that also return the log-sum-exp
         out = out[0]
-    return zero_padding_rows(out, cu_seqlens)
+    return out
 
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on ROCm, ``cu_seqlens`` int32 ``[n + 1]``.

@@ -18,6 +18,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from hwgraph.hostmem import pinned_copy
+
 Grid = tuple[tuple[int, int, int], ...]
 
 TENSOR_FIELDS = ("pos_indices", "pos_weights", "rotary_positions", "cu_seqlens")
@@ -115,7 +117,7 @@ class VisionMetadata:
     def pin_memory(self) -> VisionMetadata:
         """A copy with pinned host tensors, so that ``to()``/``copy_from()`` into an accelerator are truly
         asynchronous (needs an accelerator runtime)."""
-        return dataclasses.replace(self, **{name: t.pin_memory() for name, t in self.tensors().items()})
+        return dataclasses.replace(self, **{name: pinned_copy(t) for name, t in self.tensors().items()})
 
     def padded(self, num_patches: int, num_seqs: int, max_seqlen: int | None = None) -> VisionMetadata:
         """This metadata grown to ``num_patches`` rows and ``num_seqs`` sequences, for a captured graph.

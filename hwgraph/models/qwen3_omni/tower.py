@@ -171,13 +171,16 @@ class Qwen3OmniVisionTower(nn.Module):
 
     def forward_with_metadata(self, pixel_values: torch.Tensor, metadata: VisionMetadata) -> VisionOutput:
         """Device work only. ``pixel_values`` ``[R, patch_row_width]`` in merge order; returns ``[R / merge**2,
-        out_hidden]`` rows (padding rows included when the metadata is padded). Host metadata is copied to the
-        pixels' device first (asynchronously); for graph capture pass metadata already on the device."""
+        out_hidden]`` rows (padding rows included, with unspecified values, when the metadata is padded). Host
+        metadata is copied to the pixels' device first (asynchronously); for graph capture pass metadata already on
+        the device."""
         self.check_pixels(pixel_values, metadata)
         metadata = metadata.to(pixel_values.device)
         if self._attention is None:
             self.set_attention()
-        attend = self._attention[1]
+        # Padding rows never mix into real ones (attention keeps sequences apart, every other step works per row or
+        # per aligned merge group), so the kernel may leave them unspecified and skip zeroing them in every block.
+        attend = getattr(self._attention[1], "padding_unspecified", self._attention[1])
         x = self.patch_embed(pixel_values)
         x = x + self.position_embeddings(metadata.pos_indices, metadata.pos_weights).to(x.dtype)
         cos, sin = self.rotary_pos_emb(metadata.rotary_positions)

@@ -1,0 +1,15 @@
+"""Host memory for asynchronous copies to an accelerator."""
+
+from __future__ import annotations
+
+import torch
+
+
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of host ``tensor`` in pinned memory, for a truly asynchronous copy to an accelerator.
+
+    ``Tensor.pin_memory()`` first asks the driver whether the pointer is already pinned; on the H200's host that
+    query cost about 0.5 ms per tensor in the eager tower's profile. Allocating from the pinned host allocator and
+    copying skips it."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return out.copy_(tensor)
