@@ -48,6 +48,8 @@ def part1():
     sin = torch.randn(rows, hd, device=dev)
     q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]
     cu = torch.tensor([0, rows], device=dev, dtype=torch.int32)
+    q4 = torch.randn(1024, heads, hd, device=dev, dtype=dt)
+    cu4 = torch.tensor([0, 1024], device=dev, dtype=torch.int32)
     host_idx = torch.zeros(4, 784, dtype=torch.int64)
     w1 = torch.randn(4304, hidden, device=dev, dtype=dt)
     b1 = torch.randn(4304, device=dev, dtype=dt)
@@ -68,6 +70,8 @@ def part1():
         "torch.empty": lambda: torch.empty((2, rows, hidden), device=dev, dtype=dt),
         "reshape non-contig": lambda: qkv[:, 2].reshape(rows, -1),
         "flash_varlen.padding_unspecified": lambda: flash_varlen.padding_unspecified(q, k, v, cu, rows, hd**-0.5),
+        "aten_flash, 1024 rows": lambda: aten_flash(q4, q4, q4, cu4, 1024, hd**-0.5),
+        "triton_varlen, 1024 rows": lambda: triton_varlen(q4, q4, q4, cu4, 1024, hd**-0.5),
         "host [4, 784] int64 .pin_memory()": lambda: host_idx.pin_memory(),
         "host [4, 784] int64 pinned_copy": lambda: pinned_copy(host_idx),
         "pinned_copy + .to(cuda, non_blocking)": lambda: pinned_copy(host_idx).to(dev, non_blocking=True),
@@ -139,6 +143,9 @@ def part3():
 
 
 if __name__ == "__main__":
-    part1()
-    part2()
-    part3()
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3])
+    for part in ap.parse_args().parts:
+        (part1, part2, part3)[part - 1]()

@@ -75,14 +75,15 @@ def aten_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
                scale: float) -> torch.Tensor:
     """ATen's flash kernel, the one torch's ``varlen_attn`` wraps, called directly: ``varlen_attn`` adds a Python
     custom op (about 0.12 ms of host time per call on the H200's host) and a zeros kernel for an unused RNG state."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
-                                                   False, return_debug_mask=False, scale=scale)[0]
+    return torch.ops.aten._flash_attention_forward.default(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                                           0.0, False, return_debug_mask=False, scale=scale)[0]
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                     max_seqlen: int, scale: float) -> torch.Tensor:
     """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows unwritten."""
     head_dim = q.shape[-1]
+    pad = 0
     if head_dim % 8:
         # Flash kernels take head dims in multiples of 8; zero lanes change neither q.k nor the kept slice of p.v.
         pad = 8 - head_dim % 8
@@ -107,7 +108,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
             out = varlen_attn(q * (scale * q.shape[-1] ** 0.5), k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     if isinstance(out, tuple):
         out = out[0]
-    return out[..., :head_dim]
+    return out[..., :head_dim] if pad else out
 
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on CUDA, ``cu_seqlens`` int32 ``[n + 1]``.

@@ -135,37 +135,3 @@ def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
         return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
     return F.gelu(linear(x), approximate="tanh")
 
-
-# ---------------------------------------------------------------- small-M linear (Triton)
-def linear_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool,
-                  tiles: tuple[int, int, int, int, int, int]) -> torch.Tensor:
-    """``x @ weight.T + bias`` (then tanh-GELU when ``gelu``) with our Triton kernel; ``tiles`` is
-    ``(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)``."""
-    from hwgraph.models.qwen3_omni.fused_kernels import linear_kernel, split_k_reduce_kernel
-
-    rows, inner = x.shape
-    cols = weight.shape[0]
-    block_m, block_n, block_k, split_k, warps, stages = tiles
-    out = torch.empty((rows, cols), device=x.device, dtype=x.dtype)
-    if rows == 0:
-        return out
-    grid = (triton_cdiv(cols, block_n), triton_cdiv(rows, block_m), split_k)
-    has_bias = bias is not None
-    if split_k == 1:
-        linear_kernel[grid](x, weight, bias if has_bias else x, out, rows, cols, inner, x.stride(0), weight.stride(0),
-                            out.stride(0), 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1,
-                            HAS_BIAS=has_bias, GELU=gelu, num_warps=warps, num_stages=stages)
-        return out
-    partials = torch.empty((split_k, rows, cols), device=x.device, dtype=torch.float32)
-    linear_kernel[grid](x, weight, x, partials, rows, cols, inner, x.stride(0), weight.stride(0), cols, rows * cols,
-                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=False,
-                        GELU=False, num_warps=warps, num_stages=stages)
-    block = 1024
-    split_k_reduce_kernel[(triton_cdiv(rows * cols, block),)](
-        partials, bias if has_bias else x, out, rows, cols, rows * cols, out.stride(0), SPLIT_K=split_k, BLOCK=block,
-        HAS_BIAS=has_bias, GELU=gelu, num_warps=4)
-    return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -93,10 +93,10 @@ class VisionAttention(nn.Module):
                 max_seqlen: int, attend: VarlenAttention) -> torch.Tensor:
         tokens = x.shape[0]
         # [T, 3, H, D] view straight off the matmul: v stays a view; q and k come out rotated (one kernel on GPUs).
-        qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias).view(tokens, 3, self.num_heads, self.head_dim)
         q, k = rotary_qk(qkv, cos, sin)
         out = attend(q, k, qkv[:, 2], cu_seqlens, max_seqlen, self.scale)
-        return self.proj(out.reshape(tokens, -1))
+        return F.linear(out.reshape(tokens, -1), self.proj.weight, self.proj.bias)
 
 
 class VisionMLP(nn.Module):
@@ -109,7 +109,7 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = linear_gelu_tanh(x, self.linear_fc1) if self.gelu_tanh else self.act(self.linear_fc1(x))
-        return self.linear_fc2(hidden)
+        return F.linear(hidden, self.linear_fc2.weight, self.linear_fc2.bias)
 
 
 class VisionBlock(nn.Module):
@@ -127,9 +127,13 @@ class VisionBlock(nn.Module):
     def forward_fused(self, x, normed, next_norm, cos, sin, cu_seqlens, max_seqlen, attend):
         """The same block with each residual add fused into the LayerNorm after it. ``normed`` is ``norm1(x)``
         (computed by the previous block's fused add); returns ``(x_out, next_norm(x_out))``, or ``(x_out, None)``
-        when ``next_norm`` is None (the last block)."""
-        x, normed = add_layer_norm(x, self.attn(normed, cos, sin, cu_seqlens, max_seqlen, attend), self.norm2)
-        delta = self.mlp(normed)
+        when ``next_norm`` is None (the last block).
+
+        Submodules run through ``forward`` and their weights through ``F.linear``, not ``Module.__call__``: the
+        eager tower is bound by host time, and each module call adds about 5 us of it on the H200's host
+        (``benchmarks/host_costs.py``), about 0.7 ms per eager forward. Module hooks on them do not fire here."""
+        x, normed = add_layer_norm(x, self.attn.forward(normed, cos, sin, cu_seqlens, max_seqlen, attend), self.norm2)
+        delta = self.mlp.forward(normed)
         if next_norm is None:
             return x + delta, None
         return add_layer_norm(x, delta, next_norm)
@@ -151,8 +155,10 @@ class PatchMerger(nn.Module):
                                  nn.Linear(self.merged_size, config.out_hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ln, fc1, fc2 = self.ln_q, self.mlp[0], self.mlp[2]
         if self.postshuffle:
-            x = self.ln_q(x.view(-1, self.merged_size))
+            x = F.layer_norm(x.view(-1, self.merged_size), ln.normalized_shape, ln.weight, ln.bias, ln.eps)
         else:
-            x = self.ln_q(x).view(-1, self.merged_size)
-        return self.mlp(x)
+            x = F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps).view(-1, self.merged_size)
+        # The Sequential's layers called directly (host time, as in VisionBlock.forward_fused).
+        return F.linear(F.gelu(F.linear(x, fc1.weight, fc1.bias)), fc2.weight, fc2.bias)

@@ -185,9 +185,10 @@ class Qwen3OmniVisionTower(nn.Module):
         x = x + self.position_embeddings(metadata.pos_indices, metadata.pos_weights).to(x.dtype)
         cos, sin = self.rotary_pos_emb(metadata.rotary_positions)
         deepstack = []
-        normed = self.blocks[0].norm1(x) if len(self.blocks) else None
-        for layer, block in enumerate(self.blocks):
-            next_norm = self.blocks[layer + 1].norm1 if layer + 1 < len(self.blocks) else None
+        blocks = list(self.blocks)
+        normed = blocks[0].norm1(x) if blocks else None
+        for layer, block in enumerate(blocks):
+            next_norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else None
             x, normed = block.forward_fused(x, normed, next_norm, cos, sin, metadata.cu_seqlens, metadata.max_seqlen,
                                             attend)
             merger = self.deepstack_after.get(layer)
