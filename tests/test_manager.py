@@ -100,6 +100,21 @@ def test_budgets_change_between_calls_and_no_stale_inputs_survive(tower, manager
     assert manager.stats()["replays_per_budget"] == {64: 2, 16: 3, 32: 1}
 
 
+def test_metadata_is_copied_only_when_the_grid_in_a_graphs_buffers_changes(tower, manager, monkeypatch):
+    copies = []
+    for entry in manager.graphs.values():
+        original = entry.metadata.copy_from
+        monkeypatch.setattr(entry.metadata, "copy_from",
+                            lambda src, budget=entry.budget, original=original: copies.append(budget) or original(src))
+    a, b, c = [(1, 4, 8)], [(1, 4, 6)], [(1, 8, 12)]  # 8 and 6 tokens replay the 16-token graph, 24 the 32-token one
+    for i, grid in enumerate([a, a, b, a, a, c, a]):
+        pixels = pixels_for(tower, grid, 40 + i)
+        assert_outputs_equal(manager.encode(pixels, grid), eager_per_image(tower, pixels, grid))
+    # a, b and a again each replace the 16-token graph's metadata, c the 32-token one's; the last a finds its own
+    # metadata still in the 16-token buffers (c went elsewhere)
+    assert copies == [16, 16, 16, 32]
+
+
 def test_outputs_kept_from_call_one_are_not_overwritten_by_call_two(tower, manager):
     grid = [(1, 8, 8)]
     first = manager.encode(pixels_for(tower, grid, 20), grid)
