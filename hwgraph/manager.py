@@ -7,6 +7,7 @@ go eager. Outputs handed back are copies: a later replay never overwrites them a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -66,13 +67,24 @@ class ManagerStats:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
 
+@contextlib.contextmanager
+def compile_limits(num_budgets: int):
+    """Room for every budget's compiled graphs (two per budget) under dynamo's recompile limit, and a hard error
+    instead of a silent eager fallback if it is hit anyway (the capture then fails and is logged)."""
+    wanted = {"recompile_limit": max(8, 2 * num_budgets + 2), "fail_on_recompile_limit_hit": True}
+    config = torch._dynamo.config
+    with config.patch({k: v for k, v in wanted.items() if hasattr(config, k)}):
+        yield
+
+
 class EncoderGraphManager:
     """Captures ``tower.forward_with_metadata`` per token budget and dispatches groups of images.
 
     ``budgets`` are merged-token counts (validated: positive, no repeats, ``max_images_per_graph`` not above the
     smallest); ``None`` doubles from 64 up to 256, or with ``calibrate=True`` up to ``max_budget`` and then keeps
-    only the budgets whose replay beats eager on this device. ``compile=True`` compiles each budget's forward with
-    ``torch.compile(dynamic=False)`` before capturing it (startup cost: see ``stats()['capture_seconds_per_budget']``).
+    only the budgets whose replay beats eager on this device. ``compile=True`` compiles the tower's block forward
+    with ``torch.compile(dynamic=False)`` (one compilation per block shape, shared by the blocks) before capturing
+    each budget (startup cost: see ``stats()['capture_seconds_per_budget']``).
     """
 
     def __init__(self, tower, device=None, dtype=None, budgets=None, max_images_per_graph=None,
@@ -104,6 +116,7 @@ class EncoderGraphManager:
         self._stats = ManagerStats()
         self._calls = 0
         self._padded: dict = {}  # (grid, budget) -> padded host metadata, least recently used first
+        self._block_forward = None  # compile=True: the compiled block forward, shared by every budget
         self._closed = False
 
     # ---------------------------------------------------------------- capture
@@ -146,6 +159,16 @@ class EncoderGraphManager:
                  {b: round(g.memory_bytes / 2**20, 1) for b, g in sorted(self.graphs.items())})
         return self.graphs
 
+    def _compiled_block_forward(self):
+        """The tower's block forward compiled once (``torch.compile(dynamic=False)``) and shared by every block and
+        budget: identical blocks reuse one compiled graph per shape (two per budget: the last block differs), so
+        compilation traces one block instead of the whole tower. Fixed shapes per budget; inductor fuses the small
+        kernels, then the backend captures the result (its warm-up run compiles). Attention stays one opaque
+        torch.library op inside the compiled graph."""
+        if self._block_forward is None:
+            self._block_forward = torch.compile(self.tower.block_forward(), dynamic=False)
+        return self._block_forward
+
     def _capture_budget(self, budget: int) -> BudgetGraph:
         num_patches = budget * self.merge_area
         grid = [budget_rules.filling_grid(budget, self.tower.spatial_merge_size)]
@@ -154,14 +177,11 @@ class EncoderGraphManager:
         pixels = torch.randn(num_patches, self.tower.patch_row_width, device=self.device, dtype=self.dtype)
         tower = self.tower
 
-        def forward() -> torch.Tensor:
-            out = tower.forward_with_metadata(pixels, static_meta)
-            return torch.stack(out.tensors())
+        block_forward = self._compiled_block_forward() if self.compile else None
 
-        if self.compile:
-            # Fixed shapes per budget: inductor fuses the small kernels, then the backend captures the result
-            # (its warm-up run compiles). Attention stays one opaque torch.library op inside the compiled graph.
-            forward = torch.compile(forward, dynamic=False)
+        def forward() -> torch.Tensor:
+            out = tower.forward_with_metadata(pixels, static_meta, block_forward=block_forward)
+            return torch.stack(out.tensors())
 
         self.backend.synchronize()
         # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so the difference below
@@ -169,7 +189,7 @@ class EncoderGraphManager:
         self.backend.empty_cache()
         before = self.backend.memory_in_use()
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), compile_limits(len(self.budgets)):
             graph = self.backend.capture(forward, self.pool)
         self.backend.synchronize()
         seconds = time.perf_counter() - start

@@ -35,3 +35,26 @@ def test_compiled_replay_equals_eager_with_the_same_stats_and_fallback_rules():
     assert s["eager_reasons"] == {"over budget": 1, "video": 1}
     assert s["hits"] == 4 and s["misses"] == 2
     m.close()
+
+
+def test_compiled_mode_compiles_one_block_per_shape_for_every_budget_without_hitting_the_recompile_limit():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(1)
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=6).eval()
+    budgets = [1, 2, 4, 8, 16]  # 2 compiled block graphs each: 10, more than dynamo's default limit of 8
+    torch._dynamo.reset()
+    counters.clear()
+    m = EncoderGraphManager(tower, budgets=budgets, max_images_per_graph=1, graph_backend="cpu", compile=True)
+    m.capture()
+    assert sorted(m.graphs) == budgets and m.stats()["capture_failures"] == {}
+    # regional compilation: a 6-block tower traces one middle block and the last block per budget, not 6 blocks
+    assert counters["stats"]["unique_graphs"] == 2 * len(budgets)
+    for budget, grid in zip(budgets, [[(1, 2, 2)], [(1, 2, 4)], [(1, 4, 4)], [(1, 4, 8)], [(1, 8, 8)]], strict=True):
+        pixels = torch.randn(budget * 4, tower.patch_row_width)
+        got = m.encode(pixels, grid)[0]
+        want = tower.forward(pixels, grid)
+        for x, y in zip(got.tensors(), want.tensors(), strict=True):
+            torch.testing.assert_close(x, y)
+    assert m.stats()["replays_per_budget"] == dict.fromkeys(budgets, 1)
+    m.close()

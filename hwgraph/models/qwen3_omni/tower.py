@@ -169,12 +169,16 @@ class Qwen3OmniVisionTower(nn.Module):
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows but grids {list(metadata.grid_thw)} "
                              f"need {metadata.num_rows} patch rows")
 
-    def forward_with_metadata(self, pixel_values: torch.Tensor, metadata: VisionMetadata) -> VisionOutput:
+    def forward_with_metadata(self, pixel_values: torch.Tensor, metadata: VisionMetadata,
+                              block_forward=None) -> VisionOutput:
         """Device work only. ``pixel_values`` ``[R, patch_row_width]`` in merge order; returns ``[R / merge**2,
         out_hidden]`` rows (padding rows included, with unspecified values, when the metadata is padded). Host
         metadata is copied to the pixels' device first (asynchronously); for graph capture pass metadata already on
-        the device."""
+        the device. ``block_forward``: what runs each block, called as ``VisionBlock.forward_fused`` is (the
+        default), e.g. that function compiled once and shared by every block (``EncoderGraphManager(compile=True)``).
+        """
         self.check_pixels(pixel_values, metadata)
+        run_block = self.block_forward() if block_forward is None else block_forward
         metadata = metadata.to(pixel_values.device)
         if self._attention is None:
             self.set_attention()
@@ -189,12 +193,18 @@ class Qwen3OmniVisionTower(nn.Module):
         normed = blocks[0].norm1(x) if blocks else None
         for layer, block in enumerate(blocks):
             next_norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else None
-            x, normed = block.forward_fused(x, normed, next_norm, cos, sin, metadata.cu_seqlens, metadata.max_seqlen,
-                                            attend)
+            x, normed = run_block(block, x, normed, next_norm, cos, sin, metadata.cu_seqlens, metadata.max_seqlen,
+                                  attend)
             merger = self.deepstack_after.get(layer)
             if merger is not None:
                 deepstack.append(self.merger_list[merger](x))
         return VisionOutput(self.merger(x), tuple(deepstack))
+
+    @staticmethod
+    def block_forward():
+        """The function ``forward_with_metadata`` runs for each block by default (``VisionBlock.forward_fused``),
+        for callers that wrap it, e.g. compile it once for all blocks."""
+        return VisionBlock.forward_fused
 
     def position_embeddings(self, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Bilinear blend of the learned position table: ``[4, R]`` indices and weights -> ``[R, hidden]``
