@@ -55,9 +55,11 @@ def check(tower, got, pix, grid):
             assert relative_error(gt, wt) < 1e-2
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
 @pytest.mark.parametrize("kernel", kernels())
-def test_bf16_replay_equals_eager_for_every_kernel(tower, kernel):
-    with EncoderGraphManager(tower, budgets=[64, 128, 256], max_images_per_graph=4, attention=kernel) as m:
+def test_bf16_replay_equals_eager_for_every_kernel(tower, kernel, compiled):
+    with EncoderGraphManager(tower, budgets=[64, 128, 256], max_images_per_graph=4, attention=kernel,
+                             compile=compiled) as m:
         m.capture()
         assert m.backend.name == "cuda" and sorted(m.graphs) == [64, 128, 256], m.stats()["capture_failures"]
         groups = [[(1, 14, 14)], [(1, 14, 14), (1, 14, 14)], [(1, 14, 28)], [(1, 32, 32)], [(1, 16, 16)] * 4,
@@ -74,6 +76,8 @@ def test_bf16_replay_equals_eager_for_every_kernel(tower, kernel):
         s = m.stats()
         assert s["replays_per_budget"] == {64: 2, 128: 2, 256: 3}
         assert s["eager_reasons"] == {"over budget": 1, "video": 1}
+        with m.backend.sync_guard():  # the replay path reads nothing back, compiled or not
+            m.encode(pixels([(1, 14, 14)], 99), [(1, 14, 14)])
 
 
 def test_replay_path_reads_nothing_back_from_the_device(tower):
