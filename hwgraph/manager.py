@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,13 @@ class ManagerStats:
 
     def as_dict(self) -> dict:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+
+
+def own_code_copy(fn):
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object: with a copy, this
+    manager's compilations neither reuse nor count against those of other managers (another attention kernel or
+    tower in the same process), so ``compile_limits`` can size the recompile limit to this manager alone."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 @contextlib.contextmanager
@@ -166,7 +174,7 @@ class EncoderGraphManager:
         kernels, then the backend captures the result (its warm-up run compiles). Attention stays one opaque
         torch.library op inside the compiled graph."""
         if self._block_forward is None:
-            self._block_forward = torch.compile(self.tower.block_forward(), dynamic=False)
+            self._block_forward = torch.compile(own_code_copy(self.tower.block_forward()), dynamic=False)
         return self._block_forward
 
     def _capture_budget(self, budget: int) -> BudgetGraph:
