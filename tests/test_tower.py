@@ -433,3 +433,15 @@ def test_from_pretrained_lists_missing_unexpected_and_misshapen_tensors(tmp_path
         from_pretrained(write_checkpoint(tmp_path / "d", state, {"model_type": "qwen3_omni_moe_text"}))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         from_pretrained(tmp_path / "nothing-here")
+
+
+def test_metadata_is_cached_per_grid_and_usable_outside_the_inference_mode_it_was_built_in():
+    tower = Qwen3OmniVisionTower.from_preset("tiny")
+    grid = [(1, 4, 8), (2, 4, 4)]
+    with torch.inference_mode():
+        first = tower.prepare_metadata(grid)
+    assert tower.prepare_metadata(torch.tensor(grid)) is first  # one cache entry per grid, whatever its form
+    assert not any(t.is_inference() for t in first.tensors().values())
+    pixels = pixels_for(tower, grid).requires_grad_()
+    tower.forward(pixels, grid).embeds.sum().backward()  # autograd may save the cached metadata's tensors
+    assert pixels.grad is not None and pixels.grad.abs().sum() > 0
