@@ -82,7 +82,7 @@ class BenchConfig:
     calibrate: bool = False
     profile: bool = False
     reference: bool = True  # also time transformers' encoder
-    compile: bool = False  # torch.compile each budget's forward before capturing it
+    compile: bool = False  # torch.compile the block forward (once per shape) before capturing each budget
     seed: int = 0
     budgets: list[int] = field(default_factory=list)  # empty: covering_budgets(groups)
 
@@ -364,5 +364,6 @@ def register_cli(sub) -> None:
     p.add_argument("--calibrate", action="store_true", help="also calibrate budgets (keep those where replay wins)")
     p.add_argument("--profile", action="store_true", help="also sum device kernel time per call with torch.profiler")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers reference encoder")
-    p.add_argument("--compile", action="store_true", help="torch.compile each budget's forward before capture")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the block forward (once per block shape) before capturing each budget")
     p.set_defaults(func=cmd_bench)
