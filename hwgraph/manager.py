@@ -24,8 +24,8 @@ from hwgraph.timing import median_ms
 
 log = logging.getLogger(__name__)
 
-# Relative L2 error a verified capture may show against eager: rounding only. A stale or wrong replay is O(1).
 PADDED_CACHE_SIZE = 64  # padded, pinned host metadata kept for this many recent (grid, budget) pairs
+# Relative L2 error a verified capture may show against eager: rounding only. A stale or wrong replay is O(1).
 VERIFY_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
