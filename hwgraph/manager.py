@@ -62,6 +62,8 @@ class ManagerStats:
     capture_bytes_per_budget: dict = field(default_factory=dict)
     capture_seconds_per_budget: dict = field(default_factory=dict)
     capture_failures: dict = field(default_factory=dict)  # budget -> reason
+    compile_skipped: str | None = None  # compile=True on a backend without inductor: why it captured uncompiled
+    compile_failures: dict = field(default_factory=dict)  # budget -> why its compiled capture fell back to plain
     calibration: dict = field(default_factory=dict)  # budget -> {"eager_ms", "replay_ms", "kept"}
 
     def as_dict(self) -> dict:
@@ -92,7 +94,9 @@ class EncoderGraphManager:
     smallest); ``None`` doubles from 64 up to 256, or with ``calibrate=True`` up to ``max_budget`` and then keeps
     only the budgets whose replay beats eager on this device. ``compile=True`` compiles the tower's block forward
     with ``torch.compile(dynamic=False)`` (one compilation per block shape, shared by the blocks) before capturing
-    each budget (startup cost: see ``stats()['capture_seconds_per_budget']``).
+    each budget (startup cost: see ``stats()['capture_seconds_per_budget']``); where the backend cannot compile
+    (``compile_support()``, e.g. NPU) or a budget's compiled capture fails, that capture is plain, and
+    ``stats()`` says why (``compile_skipped``, ``compile_failures``).
     """
 
     def __init__(self, tower, device=None, dtype=None, budgets=None, max_images_per_graph=None,
@@ -149,11 +153,13 @@ class EncoderGraphManager:
                 self._stats.capture_failures[b] = refusal
             return self.graphs
         self.pool = self.pool or self.backend.new_pool()
+        compiled = self.compile and self._compile_supported()
         for budget in sorted(self.budgets, reverse=True):
             if budget in self.graphs:
                 continue
             try:
-                self.graphs[budget] = self._capture_budget(budget)
+                self.graphs[budget] = self._capture_budget_compiled(budget) if compiled else \
+                    self._capture_budget(budget)
             except Exception as exc:  # a failed capture is a logged fallback, never a wrong answer
                 reason = f"{type(exc).__name__}: {exc}"
                 self._stats.capture_failures[budget] = reason
@@ -167,6 +173,27 @@ class EncoderGraphManager:
                  {b: round(g.memory_bytes / 2**20, 1) for b, g in sorted(self.graphs.items())})
         return self.graphs
 
+    def _compile_supported(self) -> bool:
+        """compile=True on a backend where inductor cannot run: plain capture, with the reason logged and kept."""
+        support = self.backend.compile_support()
+        if not support.ok:
+            self._stats.compile_skipped = support.describe()
+            log.warning("compile=True on %s: %s; capturing without torch.compile", self.backend.name,
+                        support.describe())
+        return support.ok
+
+    def _capture_budget_compiled(self, budget: int) -> BudgetGraph:
+        """A compiled capture; if compiling or capturing it fails, the plain capture of that budget, logged."""
+        try:
+            return self._capture_budget(budget, compiled=True)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            self._stats.compile_failures[budget] = reason
+            log.warning("compiled capture of budget %d failed on %s/%s, capturing it without torch.compile: %s",
+                        budget, self.backend.name, self.tower.attention_kernel, reason)
+            self.backend.synchronize()
+            return self._capture_budget(budget)
+
     def _compiled_block_forward(self):
         """The tower's block forward compiled once (``torch.compile(dynamic=False)``) and shared by every block and
         budget: identical blocks reuse one compiled graph per shape (two per budget: the last block differs), so
@@ -177,7 +204,7 @@ class EncoderGraphManager:
             self._block_forward = torch.compile(own_code_copy(self.tower.block_forward()), dynamic=False)
         return self._block_forward
 
-    def _capture_budget(self, budget: int) -> BudgetGraph:
+    def _capture_budget(self, budget: int, compiled: bool = False) -> BudgetGraph:
         num_patches = budget * self.merge_area
         grid = [budget_rules.filling_grid(budget, self.tower.spatial_merge_size)]
         host = self.tower.prepare_metadata(grid)
@@ -185,7 +212,7 @@ class EncoderGraphManager:
         pixels = torch.randn(num_patches, self.tower.patch_row_width, device=self.device, dtype=self.dtype)
         tower = self.tower
 
-        block_forward = self._compiled_block_forward() if self.compile else None
+        block_forward = self._compiled_block_forward() if compiled else None
 
         def forward() -> torch.Tensor:
             out = tower.forward_with_metadata(pixels, static_meta, block_forward=block_forward)

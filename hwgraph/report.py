@@ -56,9 +56,18 @@ def dispatch_table(result: dict) -> str:
         s = data["stats"]
         rows.append([kernel, s["calls"], s["hits"], s["misses"], s["eager_groups"], s["padding_tokens"],
                      ", ".join(f"{b}: {n}" for b, n in sorted(s["replays_per_budget"].items())) or None,
-                     "; ".join(f"{b}: {why}" for b, why in s["capture_failures"].items()) or None])
+                     "; ".join(f"{b}: {why}" for b, why in s["capture_failures"].items()) or None,
+                     compile_note(s)])
     return md_table(["attention", "calls", "hits (images)", "misses (images)", "eager groups", "padding tokens",
-                     "replays per budget", "capture failures"], rows)
+                     "replays per budget", "capture failures", "captured uncompiled"], rows)
+
+
+def compile_note(stats: dict) -> str | None:
+    """Why compiled mode captured budgets without torch.compile (the backend cannot compile, or it failed)."""
+    if stats.get("compile_skipped"):
+        return f"all: {stats['compile_skipped']}"
+    failures = stats.get("compile_failures") or {}
+    return "; ".join(f"{b}: {why}" for b, why in failures.items()) or None
 
 
 def profile_table(result: dict) -> str | None:

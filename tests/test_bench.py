@@ -85,3 +85,20 @@ def test_bench_command_prints_markdown_and_writes_json(tmp_path, capsys):
 def test_bench_command_rejects_a_bad_group_spec(capsys):
     assert cli.main(["bench", "--groups", "1x"]) == 2
     assert "bad group" in capsys.readouterr().err
+
+
+def test_dispatch_table_says_why_budgets_were_captured_uncompiled():
+    from hwgraph.report import dispatch_table
+
+    stats = {"calls": 1, "hits": 1, "misses": 0, "eager_groups": 0, "padding_tokens": 0,
+             "replays_per_budget": {64: 1}, "capture_failures": {}}
+    result = {"per_kernel": {
+        "A": {"stats": {**stats, "compile_skipped": "inductor generates no NPU code", "compile_failures": {}}},
+        "B": {"stats": {**stats, "compile_skipped": None, "compile_failures": {64: "RuntimeError: boom"}}},
+        "C": {"stats": {**stats, "compile_skipped": None, "compile_failures": {}}},
+    }}
+    lines = dispatch_table(result).splitlines()
+    assert lines[0].endswith("| captured uncompiled |")
+    assert lines[2].endswith("| all: inductor generates no NPU code |")
+    assert lines[3].endswith("| 64: RuntimeError: boom |")
+    assert lines[4].endswith("| - |")

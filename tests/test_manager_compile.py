@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import shutil
+import logging
 
 import pytest
 import torch
 
+from hwgraph.capability import Capability
+from hwgraph.graphs.base import inductor_support
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
-                                reason="inductor on CPU needs a C compiler (gcc/cc)")
+INDUCTOR = inductor_support(torch.device("cpu"))
+needs_inductor = pytest.mark.skipif(not INDUCTOR.ok, reason=INDUCTOR.describe())
 
 
+@needs_inductor
 def test_compiled_replay_equals_eager_with_the_same_stats_and_fallback_rules():
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
@@ -43,6 +46,7 @@ def my_sdpa(q, k, v, cu_seqlens, max_seqlen, scale):
     return sdpa_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
+@needs_inductor
 def test_compiled_mode_compiles_one_block_per_shape_for_every_budget_without_hitting_the_recompile_limit():
     from torch._dynamo.utils import counters
 
@@ -67,3 +71,61 @@ def test_compiled_mode_compiles_one_block_per_shape_for_every_budget_without_hit
             torch.testing.assert_close(x, y)
     assert m.stats()["replays_per_budget"] == dict.fromkeys(budgets, 1)
     m.close()
+
+
+def check_against_eager(tower, m, grids):
+    for seed, grid in enumerate(grids):
+        g = torch.Generator().manual_seed(seed)
+        pixels = torch.randn(sum(t * h * w for t, h, w in grid), tower.patch_row_width, generator=g)
+        got = m.encode(pixels, grid)
+        want = tower.forward(pixels, grid).split([t * h * w // 4 for t, h, w in grid])
+        for a, b in zip(got, want, strict=True):
+            for x, y in zip(a.tensors(), b.tensors(), strict=True):
+                torch.testing.assert_close(x, y)
+
+
+def test_compiled_mode_on_a_backend_without_inductor_captures_plain_and_says_why(monkeypatch, caplog):
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[0]).eval()
+    m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=2, graph_backend="cpu", compile=True)
+    monkeypatch.setattr(m.backend, "compile_support", lambda: Capability.unavailable("no inductor for this device"))
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("torch.compile called"))
+    with caplog.at_level(logging.WARNING, logger="hwgraph.manager"):
+        m.capture()
+    assert sorted(m.graphs) == [8, 16] and m.stats()["capture_failures"] == {}
+    assert m.stats()["compile_skipped"] == "no inductor for this device"
+    assert "capturing without torch.compile" in caplog.text and "no inductor for this device" in caplog.text
+    check_against_eager(tower, m, [[(1, 4, 8)], [(1, 4, 4), (1, 4, 8)]])
+    assert m.stats()["replays_per_budget"] == {8: 1, 16: 1}
+
+
+def test_a_failed_compiled_capture_falls_back_to_a_plain_capture_not_to_eager(monkeypatch, caplog):
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[0]).eval()
+    m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=2, graph_backend="cpu", compile=True)
+    monkeypatch.setattr(m.backend, "compile_support", Capability.available)
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("inductor exploded")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with caplog.at_level(logging.WARNING, logger="hwgraph.manager"):
+        m.capture()
+    s = m.stats()
+    assert sorted(m.graphs) == [8, 16] and s["capture_failures"] == {} and s["compile_skipped"] is None
+    assert set(s["compile_failures"]) == {8, 16}
+    assert all("inductor exploded" in reason for reason in s["compile_failures"].values())
+    assert "capturing it without torch.compile" in caplog.text
+    check_against_eager(tower, m, [[(1, 4, 8)], [(1, 8, 8)]])
+    assert m.stats()["eager_groups"] == 0
+
+
+def test_inductor_support_names_what_is_missing(monkeypatch):
+    import shutil
+
+    assert "generates no code for meta devices" in inductor_support(torch.device("meta")).describe()
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    assert "needs a C++ compiler" in inductor_support(torch.device("cpu")).describe()
+    monkeypatch.setenv("CXX", "/opt/cc/bin/g++")
+    assert inductor_support(torch.device("cpu")).ok

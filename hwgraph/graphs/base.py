@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
-from hwgraph.capability import Capability
+from hwgraph.capability import Capability, require_module
 
 Outputs = Any  # a tensor, or a tuple/list of tensors, as returned by the captured callable
 
@@ -81,9 +83,27 @@ class GraphBackend(ABC):
         math libraries' per-stream workspaces. No-op where there is no cache."""
         return None
 
+    def compile_support(self) -> Capability:
+        """Whether ``EncoderGraphManager(compile=True)`` may compile forwards with ``torch.compile`` (inductor)
+        before this backend captures them; the reasons say why not (the manager then captures uncompiled)."""
+        return inductor_support(self.device)
+
     @abstractmethod
     def sync_guard(self) -> contextlib.AbstractContextManager:
         """A context inside which any device-to-host synchronisation raises."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device}, mode={self.mode!r})"
+
+
+def inductor_support(device: torch.device) -> Capability:
+    """Whether inductor generates code for ``device``: Triton on CUDA and ROCm GPUs, C++ on the CPU."""
+    if device.type == "cuda":  # CUDA and ROCm builds of torch both name their GPUs "cuda"
+        return require_module("triton", "torch.compile's inductor on GPUs")
+    if device.type == "cpu":
+        found = [name for name in ("c++", "g++", "clang++") if shutil.which(name)]
+        if os.environ.get("CXX") or found:
+            return Capability.available()
+        return Capability.unavailable("torch.compile's inductor on CPU needs a C++ compiler (c++, g++ or clang++ on "
+                                      "PATH, or CXX); none was found")
+    return Capability.unavailable(f"torch.compile's inductor generates no code for {device.type} devices")

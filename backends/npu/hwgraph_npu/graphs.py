@@ -111,6 +111,18 @@ class NpuGraphBackend(TorchCudaGraphBackend):
     def new_graph(self):
         return self.runtime().NPUGraph()
 
+    def compile_support(self) -> Capability:
+        """Inductor generates no NPU code; on Ascend the compiler is torchair, which graph mode 'torchair' applies
+        to every capture. So the manager's compiled mode captures uncompiled here, and says which mode compiles."""
+        if self.mode == "torchair":
+            return Capability.unavailable("npu graph mode 'torchair' already compiles every capture with torchair's "
+                                          "NPU backend; no inductor pass is added")
+        torchair = self.mode_capability("torchair")
+        hint = ("use npu graph mode 'torchair' to compile with it" if torchair.ok
+                else f"graph mode 'torchair' would compile with it, but {torchair.describe()}")
+        return Capability.unavailable(f"torch.compile's inductor generates no NPU code; torchair is the NPU compiler: "
+                                      f"{hint}")
+
     def capture(self, fn, pool=None) -> CapturedGraph:
         if self.mode == "torchair":
             return self.compile_torchair(fn)

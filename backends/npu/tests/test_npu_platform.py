@@ -312,3 +312,13 @@ def test_torchair_mode_compiles_in_reduce_overhead_mode_and_replays_into_static_
     graph.release()
     with pytest.raises(RuntimeError, match="released"):
         graph.replay()
+
+
+def test_compiled_mode_is_declined_with_the_mode_that_compiles_on_npu(npu, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchair", None)
+    reason = NpuGraphBackend(mode="aclgraph").compile_support().describe()
+    assert "inductor generates no NPU code" in reason and "needs the torchair package" in reason
+    fake_torchair(monkeypatch)
+    reason = NpuGraphBackend(mode="aclgraph").compile_support().describe()
+    assert "use npu graph mode 'torchair' to compile with it" in reason
+    assert "already compiles every capture" in NpuGraphBackend(mode="torchair").compile_support().describe()
