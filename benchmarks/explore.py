@@ -48,6 +48,8 @@ def main():
     ap.add_argument("--capture-only", action="store_true", help="capture and report startup cost, then stop")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain (uncompiled) replay")
     ap.add_argument("--cpu-profile", action="store_true", help="host time per operator of one eager forward")
+    ap.add_argument("--trace", metavar="DIR", help="write a Chrome trace (host and device) of one eager forward "
+                    "per token count to DIR, to see where the host waits or the device idles")
     args = ap.parse_args()
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to("cuda", torch.bfloat16).eval()
@@ -95,6 +97,13 @@ def main():
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 eager()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+        if args.trace:
+            eager()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                eager()
+                torch.cuda.synchronize()
+            prof.export_chrome_trace(f"{args.trace}/eager-{tokens}.json")
         if args.breakdown:
             print(f" eager breakdown at {tokens} tokens:")
             breakdown(eager)
