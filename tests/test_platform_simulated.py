@@ -10,20 +10,7 @@ import types
 import torch
 
 from hwgraph.platform import detect
-
-
-class DeviceProperties:
-    def __init__(self, name: str, major: int, minor: int, gcnArchName: str = ""):  # noqa: N803 (torch's spelling)
-        self.name, self.major, self.minor, self.gcnArchName = name, major, minor, gcnArchName
-
-
-def simulate_gpu(monkeypatch, *, cuda: str | None = None, hip: str | None = None, count: int = 1,
-                 props: DeviceProperties | None = None) -> None:
-    monkeypatch.setattr(torch.version, "cuda", cuda)
-    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
 
 
 def simulate_npu(monkeypatch, count: int = 1) -> None:

@@ -12,20 +12,7 @@ from hwgraph_cuda.platform import attention_kernels, gate, probe
 
 from hwgraph.platform import PlatformInfo, detect
 from hwgraph.registry import SelectionError, choose_backend, create_backend
-
-
-class DeviceProperties:
-    def __init__(self, name: str, major: int, minor: int, gcnArchName: str = ""):  # noqa: N803 (torch's spelling)
-        self.name, self.major, self.minor, self.gcnArchName = name, major, minor, gcnArchName
-
-
-def simulate_gpu(monkeypatch, *, cuda=None, hip=None, count=1, props=None) -> None:
-    monkeypatch.setattr(torch.version, "cuda", cuda)
-    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
-
+from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
 
 H200 = DeviceProperties("NVIDIA H200", 9, 0)
 
