@@ -62,6 +62,18 @@ class BackendSpec:
         return load_object(self.class_path)
 
 
+def plugin_attention(module: str, *names: str) -> tuple:
+    """The attention kernels (``KernelSpec`` objects) ``names`` of a plugin's ``module``, for its probe; empty, and
+    logged (debug when the module is absent, warning when it fails to import), so the backend still loads."""
+    try:
+        loaded = importlib.import_module(module)
+        return tuple(getattr(loaded, name) for name in names)
+    except (ImportError, AttributeError) as exc:
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name == module
+        (log.debug if missing else log.warning)("%s brings no attention kernels: %s", module.split(".")[0], exc)
+        return ()
+
+
 def cpu_probe() -> BackendSpec:
     return BackendSpec(
         name="cpu",

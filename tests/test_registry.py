@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 from importlib.metadata import EntryPoint
@@ -159,3 +160,16 @@ def test_a_gate_that_crashes_is_a_reason(monkeypatch):
 def test_create_backend_constructs_the_cpu_backend_on_cpu():
     backend = create_backend(platform=platform_of("cpu"))
     assert backend.name == "cpu" and backend.mode == "emulated"
+
+
+def test_plugin_attention_returns_the_named_kernels_or_nothing_with_a_logged_reason(monkeypatch, caplog):
+    module = types.ModuleType("hwgraph_fake.attention")
+    module.KERNEL = object()
+    monkeypatch.setitem(sys.modules, "hwgraph_fake.attention", module)
+    assert registry.plugin_attention("hwgraph_fake.attention", "KERNEL") == (module.KERNEL,)
+    with caplog.at_level(logging.DEBUG, logger="hwgraph.registry"):
+        assert registry.plugin_attention("hwgraph_fake.attention", "MISSING") == ()  # a broken plugin module: a warning
+        monkeypatch.setitem(sys.modules, "hwgraph_fake.attention", None)  # an absent one: debug only
+        assert registry.plugin_attention("hwgraph_fake.attention", "KERNEL") == ()
+    levels = [r.levelname for r in caplog.records if "hwgraph_fake brings no attention kernels" in r.getMessage()]
+    assert levels == ["WARNING", "DEBUG"]

@@ -6,16 +6,12 @@ Cheap and side-effect free: importing this module imports torch and hwgraph only
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import torch_build, torch_version_capability
 from hwgraph.platform import PlatformInfo
-from hwgraph.registry import BackendSpec
-
-log = logging.getLogger(__name__)
+from hwgraph.registry import BackendSpec, plugin_attention
 
 
 def not_cuda_reason(platform: PlatformInfo) -> str:
@@ -38,13 +34,7 @@ def gate(platform: PlatformInfo) -> Capability:
 
 def attention_kernels() -> tuple:
     """The plugin's attention kernels; empty while ``hwgraph_cuda.attention`` is absent or fails to import."""
-    try:
-        from hwgraph_cuda.attention import FLASH_ATTN
-    except ImportError as exc:
-        missing = isinstance(exc, ModuleNotFoundError) and exc.name == "hwgraph_cuda.attention"
-        (log.debug if missing else log.warning)("hwgraph_cuda brings no attention kernels: %s", exc)
-        return ()
-    return (FLASH_ATTN,)
+    return plugin_attention("hwgraph_cuda.attention", "FLASH_ATTN")
 
 
 def probe() -> BackendSpec:

@@ -6,16 +6,12 @@ torch_npu (through ``hwgraph.platform``) only when selection asks for it, and an
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from hwgraph.capability import Capability, require_module
 from hwgraph.graphs.torch_cuda import torch_version_capability
 from hwgraph.platform import PlatformInfo, npu_module
-from hwgraph.registry import BackendSpec
-
-log = logging.getLogger(__name__)
+from hwgraph.registry import BackendSpec, plugin_attention
 
 MODES = ("aclgraph", "torchair")
 
@@ -39,13 +35,7 @@ def gate(platform: PlatformInfo) -> Capability:
 
 def attention_kernels() -> tuple:
     """The plugin's attention kernels; empty while ``hwgraph_npu.attention`` is absent or fails to import."""
-    try:
-        from hwgraph_npu.attention import NPU
-    except ImportError as exc:
-        missing = isinstance(exc, ModuleNotFoundError) and exc.name == "hwgraph_npu.attention"
-        (log.debug if missing else log.warning)("hwgraph_npu brings no attention kernels: %s", exc)
-        return ()
-    return (NPU,)
+    return plugin_attention("hwgraph_npu.attention", "NPU")
 
 
 def probe() -> BackendSpec:

@@ -6,16 +6,12 @@ on every machine, so nothing here touches a device or imports aiter.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from hwgraph.capability import Capability, gfx_name
 from hwgraph.graphs.torch_cuda import torch_build, torch_version_capability
 from hwgraph.platform import PlatformInfo
-from hwgraph.registry import BackendSpec
-
-log = logging.getLogger(__name__)
+from hwgraph.registry import BackendSpec, plugin_attention
 
 #: Architectures that ROCm builds of torch target and HIP graph capture runs on (CDNA 2-4, RDNA 2-4).
 SUPPORTED_ARCHS = frozenset({
@@ -60,13 +56,7 @@ def gate(platform: PlatformInfo) -> Capability:
 
 def attention_kernels() -> tuple:
     """The plugin's attention kernels; empty while ``hwgraph_rocm.attention`` is absent or fails to import."""
-    try:
-        from hwgraph_rocm.attention import ROCM_AITER_FA
-    except ImportError as exc:
-        missing = isinstance(exc, ModuleNotFoundError) and exc.name == "hwgraph_rocm.attention"
-        (log.debug if missing else log.warning)("hwgraph_rocm brings no attention kernels: %s", exc)
-        return ()
-    return (ROCM_AITER_FA,)
+    return plugin_attention("hwgraph_rocm.attention", "ROCM_AITER_FA")
 
 
 def probe() -> BackendSpec:
