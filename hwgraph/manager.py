@@ -255,16 +255,11 @@ class EncoderGraphManager:
                                f"(tolerance {VERIFY_TOLERANCE.get(self.dtype, 1e-4)} for {self.dtype})")
 
     # ---------------------------------------------------------------- dispatch
-    def select_graph(self, grid: list[tuple[int, int, int]], tokens: int) -> tuple[BudgetGraph | None, str]:
+    def select_graph(self, grid: tuple[tuple[int, int, int], ...], tokens: int) -> tuple[BudgetGraph | None, str]:
         """The smallest captured graph holding every image, or None and why the group goes eager."""
-        if any(t != 1 for t, _, _ in grid):
-            return None, "video"
-        if len(grid) > self.max_images:
-            return None, "too many images"
-        for budget in sorted(self.graphs):
-            if budget >= tokens:
-                return self.graphs[budget], "replay"
-        return None, "over budget" if self.graphs else "no graphs"
+        budget, why = budget_rules.single_replay_budget(self.graphs, len(grid), tokens, self.max_images,
+                                                        video=any(t != 1 for t, _, _ in grid))
+        return (None if budget is None else self.graphs[budget]), why
 
     def encode(self, pixel_values: torch.Tensor, grid_thw) -> list:
         """Encode one step's images; returns one ``VisionOutput`` per image, in the caller's order.
@@ -275,7 +270,7 @@ class EncoderGraphManager:
         if self._closed:
             raise RuntimeError("encode() after close()")
         host = self.tower.prepare_metadata(grid_thw)
-        grid = [tuple(int(x) for x in row) for row in host.grid_thw]
+        grid = host.grid_thw  # normalised: a tuple of (t, h, w) int triples
         self.tower.check_pixels(pixel_values, host)
         tokens = int(host.num_tokens)
         entry, why = self.select_graph(grid, tokens)
@@ -322,7 +317,7 @@ class EncoderGraphManager:
         repeated image size costs no host work beyond the pixel copy."""
         patches = pixel_values.shape[0]
         entry.pixels[:patches].copy_(pixel_values, non_blocking=True)
-        grid = tuple(host.grid_thw)
+        grid = host.grid_thw
         if entry.filled_grid == grid:
             return
         key = (grid, entry.budget)

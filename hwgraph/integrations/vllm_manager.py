@@ -15,6 +15,7 @@ import torch
 from vllm.v1.worker.encoder_cudagraph import BudgetGraphMetadata, EncoderCudaGraphManager
 from vllm.v1.worker.encoder_cudagraph_defs import EncoderItemSpec
 
+from hwgraph.budgets import single_replay_budget
 from hwgraph.integrations.vllm import Qwen3OmniEncoderCudaGraphAdapter, log  # noqa: F401
 from hwgraph.platform import platform_for
 from hwgraph.registry import create_backend
@@ -114,16 +115,9 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
         """The single-replay rule for one group (host values only)."""
         if not item_specs:
             return ReplayDecision(None, "empty")
-        if modality != "image" or (frames and max(frames) > 1):
-            return ReplayDecision(None, "video")
-        if len(item_specs) > self.max_batch_size:
-            return ReplayDecision(None, "too many images")
-        budgets = self.captured_budgets()
-        if not budgets:
-            return ReplayDecision(None, "no graphs")
-        tokens = sum(spec.output_tokens for spec in item_specs)
-        fitting = [b for b in budgets if b >= tokens]
-        return ReplayDecision(fitting[0], "replay") if fitting else ReplayDecision(None, "over budget")
+        return ReplayDecision(*single_replay_budget(
+            self.captured_budgets(), len(item_specs), sum(spec.output_tokens for spec in item_specs),
+            self.max_batch_size, video=modality != "image" or bool(frames and max(frames) > 1)))
 
     def _execute_local(self, mm_kwargs: dict[str, Any]) -> list[torch.Tensor]:
         # Called by upstream's execute() for the whole step, or for this rank's share under DP.
