@@ -6,19 +6,25 @@ runs as one eager call. Graphs are captured through hwgraph's backend registry, 
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from hwgraph.integrations.vllm_version import VLLM_VERSION  # noqa: F401  (the version gate, before vLLM's internals)
+
+# isort: split
 from vllm.v1.worker.encoder_cudagraph import BudgetGraphMetadata, EncoderCudaGraphManager
 from vllm.v1.worker.encoder_cudagraph_defs import EncoderItemSpec
 
 from hwgraph.budgets import single_replay_budget
-from hwgraph.integrations.vllm import Qwen3OmniEncoderCudaGraphAdapter, log  # noqa: F401
 from hwgraph.platform import platform_for
 from hwgraph.registry import create_backend
+
+log = logging.getLogger("hwgraph.integrations.vllm")
 
 
 @dataclass(frozen=True)

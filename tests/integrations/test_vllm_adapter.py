@@ -409,6 +409,12 @@ def test_an_unsupported_version_can_be_tried_on_purpose(monkeypatch, caplog):
     assert hv.VLLM_VERSION.release[:2] == (0, 33)
 
 
+def test_the_manager_module_imports_on_its_own_and_is_the_one_the_integration_reexports():
+    code = ("import hwgraph.integrations.vllm_manager as m, hwgraph.integrations.vllm as v; "
+            "assert v.SingleReplayEncoderCudaGraphManager is m.SingleReplayEncoderCudaGraphManager")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
 def test_importing_hwgraph_never_imports_vllm():
     code = ("import sys, hwgraph, hwgraph.integrations, hwgraph.manager, hwgraph.models.qwen3_omni; "
             "hwgraph.EncoderGraphManager; assert 'vllm' not in sys.modules, sorted(m for m in sys.modules "
