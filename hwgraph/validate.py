@@ -44,11 +44,9 @@ def device_for_backend(name: str) -> torch.device:
     return torch.device(DEVICE_TYPE[platform.kind] if platform.kind in kinds else "cpu")
 
 
-def failing_checks(conformance: dict) -> list[dict]:
-    return [r for r in conformance["results"] if r["outcome"] in ("failed", "error")]
-
-
 def verdict(conformance: dict) -> tuple[bool, str]:
+    from hwgraph.testing.results import failing_checks
+
     counts = conformance["counts"]
     failing = failing_checks(conformance)
     if failing:
@@ -81,7 +79,7 @@ def cmd_validate(args) -> int:
     from hwgraph.cli import info_data
     from hwgraph.plot import latency_plot
     from hwgraph.progress import Progress
-    from hwgraph.testing.results import run_conformance
+    from hwgraph.testing.results import failing_checks, run_conformance
     from hwgraph.validation_report import validation_markdown
     from hwgraph.versions import environment
 

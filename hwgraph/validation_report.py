@@ -4,6 +4,7 @@ conformance results, the latency table, graph memory per budget and dispatch cou
 from __future__ import annotations
 
 from hwgraph.report import dispatch_table, latency_table, md_table, memory_table
+from hwgraph.testing.results import failing_checks
 
 
 def yes(flag: bool) -> str:
@@ -88,7 +89,7 @@ def bench_section(report: dict) -> str:
 def validation_markdown(report: dict) -> str:
     head = (f"# hwgraph validation report\n\n**{report['verdict']}** - graph backend {report['backend']}, preset "
             f"{report['preset']}, {report['seconds']} s.")
-    failing = [r for r in report["conformance"]["results"] if r["outcome"] in ("failed", "error")]
+    failing = failing_checks(report["conformance"])
     if failing:
         head += "\n\nFailing checks:\n\n" + "\n".join(f"- `{r['check']}`: {r['message']}" for r in failing)
     return "\n\n".join([head, platform_section(report), choices_section(report), conformance_section(report),

@@ -71,6 +71,11 @@ class ResultCollector:
         return out
 
 
+def failing_checks(conformance: dict) -> list[dict]:
+    """The results of ``run_conformance`` that failed or errored."""
+    return [r for r in conformance["results"] if r["outcome"] in ("failed", "error")]
+
+
 def suite_module(backend: str, preset: str, kernels: list[str] | None, dtype: str | None) -> str:
     lines = ['"""Written by hwgraph validate: the shipped conformance suite against one backend."""', "",
              "from hwgraph.testing.suite import *  # noqa: F401,F403", "",
