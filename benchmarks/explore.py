@@ -39,15 +39,66 @@ def breakdown(fn, top=14):
         print(f"  {us / 1e3:8.3f} ms {n:5d}x  {name[:110]}")
 
 
+def host_summary(fn, samples=30):
+    """Host wall time of ``fn`` (returning before the device finishes), its CUDA runtime calls and top operators."""
+    import warnings
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        walls.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    walls.sort()
+    print(f"  host wall of one eager call (no sync): median {walls[len(walls) // 2]:.3f} ms, "
+          f"min {walls[0]:.3f}, max {walls[-1]:.3f}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    print(f"  device-to-host syncs in one eager call: {len(syncs)} {syncs[:3]}")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    runtime = collections.defaultdict(lambda: [0.0, 0])
+    kernels, first, last = 0.0, None, None
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            kernels += e.time_range.elapsed_us()
+            first = e.time_range.start if first is None else min(first, e.time_range.start)
+            last = e.time_range.end if last is None else max(last, e.time_range.end)
+        elif e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudaDeviceSynchronize"):
+            runtime[e.name][0] += e.time_range.elapsed_us()
+            runtime[e.name][1] += 1
+    span = (last - first) / 1e3 if first is not None else 0.0
+    print(f"  device: {kernels / 1e3:.3f} ms of kernels in a {span:.3f} ms span (profiled)")
+    for name, (us, n) in sorted(runtime.items(), key=lambda kv: -kv[1][0])[:8]:
+        print(f"  runtime {us / 1e3:8.3f} ms {n:5d}x  {name}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[49, 256, 1024])
     ap.add_argument("--kernel", default="FLASH_ATTN")
+    ap.add_argument("--images", type=int, default=1, help="split each token count into this many equal images")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--capture-only", action="store_true", help="capture and report startup cost, then stop")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain (uncompiled) replay")
     ap.add_argument("--cpu-profile", action="store_true", help="host time per operator of one eager forward")
+    ap.add_argument("--host", action="store_true", help="where one eager forward's host time goes: its wall time "
+                    "without a sync, CUDA runtime calls, top operators by self time, device busy time, and any "
+                    "device-to-host synchronisation (torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--trace", metavar="DIR", help="write a Chrome trace (host and device) of one eager forward "
                     "per token count to DIR, to see where the host waits or the device idles")
     args = ap.parse_args()
@@ -73,7 +124,7 @@ def main():
 
     encoder = reference_encoder(tower, attn_implementation="sdpa")
     for tokens in args.tokens:
-        grid = [filling_grid(tokens, 2)]
+        grid = [filling_grid(tokens // args.images, 2)] * args.images
         pixels = torch.randn(tokens * 4, 1536, device="cuda", dtype=torch.bfloat16)
         with torch.inference_mode():
             want = tower.forward(pixels, grid)
@@ -83,7 +134,8 @@ def main():
                 return tower.forward(pixels, grid)
 
         ref = measure(lambda p=pixels, g=grid: run_reference(encoder, p, g), "cuda")
-        line = [f"{tokens:5d} tokens: transformers {ref.median:7.3f} (p95 {ref.p95:.3f}) | eager "
+        line = [f"{args.images}x{tokens // args.images} tokens: transformers {ref.median:7.3f} (p95 {ref.p95:.3f}) "
+                f"| eager "
                 f"{measure(eager, 'cuda').median:7.3f}"]
         for name, m in managers.items():
             got = m.encode(pixels, grid)[0]
@@ -97,6 +149,8 @@ def main():
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 eager()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+        if args.host:
+            host_summary(eager)
         if args.trace:
             eager()
             torch.cuda.synchronize()
