@@ -1,8 +1,10 @@
 """``hwgraph bench``: transformers eager, hwgraph eager and hwgraph replay side by side, per image group, in one run.
 
-Every latency is measured in this process with ``hwgraph.timing.measure`` (device events on CUDA/ROCm, wall clock
-elsewhere): median and p95 of ``samples`` calls after ``warmup`` calls. Speedups are ratios of medians from the
-same run. A group ``NxT`` is N single-frame images of T merged tokens each, encoded as one call.
+Every latency is measured in this process with ``hwgraph.timing.measure_interleaved`` (device events on CUDA/ROCm,
+wall clock elsewhere): median and p95 of ``samples`` calls after ``warmup`` calls. For each group and kernel, the
+transformers encoder, the hwgraph eager tower and the replay are sampled in turn (one call of each per round), so
+the ratios compare calls made under the same host conditions; speedups are ratios of those medians. A group
+``NxT`` is N single-frame images of T merged tokens each, encoded as one call.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hwgraph import budgets as budget_rules
-from hwgraph.timing import measure
+from hwgraph.timing import measure_interleaved
 
 log = logging.getLogger(__name__)
 
@@ -143,18 +145,13 @@ def group_inputs(tower, groups: list[Group], seed: int) -> dict:
     return out
 
 
-def time_reference(tower, groups, inputs, cfg: BenchConfig, progress) -> dict:
-    """transformers' encoder with the tower's weights (``attn_implementation="sdpa"``), per group."""
+def reference_calls(tower, groups, inputs) -> dict:
+    """Per group, a call of transformers' encoder with the tower's weights (``attn_implementation="sdpa"``)."""
     from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
 
     encoder = reference_encoder(tower, attn_implementation="sdpa")
-    out = {}
-    for group in groups:
-        pixels, grid = inputs[group.label]
-        out[group.label] = measure(lambda p=pixels, g=grid: run_reference(encoder, p, g), cfg.device, cfg.warmup,
-                                   cfg.samples).as_dict()
-        progress.advance(note=f"transformers {group.label}")
-    return out
+    return {group.label: (lambda p=inputs[group.label][0], g=inputs[group.label][1]: run_reference(encoder, p, g))
+            for group in groups}
 
 
 def warm_device(device: torch.device, seconds: float = 2.0) -> None:
@@ -180,8 +177,10 @@ def empty_cache(device: torch.device) -> None:
         fn()
 
 
-def time_kernel(tower, kernel: str, groups, inputs, cfg: BenchConfig, progress, calibrate: bool = False) -> dict:
-    """hwgraph eager and replay of every group with one attention kernel (one manager, budgets covering all)."""
+def time_kernel(tower, kernel: str, groups, inputs, cfg: BenchConfig, progress, calibrate: bool = False,
+                reference: dict | None = None) -> dict:
+    """hwgraph eager and replay of every group with one attention kernel (one manager, budgets covering all),
+    each group's samples interleaved with the transformers call in ``reference`` (group label -> callable)."""
     from hwgraph.manager import EncoderGraphManager
 
     budgets = cfg.budgets or covering_budgets(groups)
@@ -198,7 +197,8 @@ def time_kernel(tower, kernel: str, groups, inputs, cfg: BenchConfig, progress, 
             pixels, grid = inputs[group.label]
             entry, why = manager.select_graph(grid, group.total)
             # Calibrated budgets: time what a caller gets, replay or the eager fallback the calibration left.
-            rows[group.label] = row = time_group(tower, manager, pixels, grid, entry is not None or calibrate, cfg)
+            rows[group.label] = row = time_group(tower, manager, pixels, grid, entry is not None or calibrate, cfg,
+                                                 (reference or {}).get(group.label))
             row["budget"] = entry.budget if entry is not None else None
             row["replay_note"] = "replay" if entry is not None else f"eager: {why}"
             progress.advance(note=f"{kernel} {group.label}")
@@ -210,8 +210,9 @@ def time_kernel(tower, kernel: str, groups, inputs, cfg: BenchConfig, progress, 
         manager.close()
 
 
-def time_group(tower, manager, pixels, grid, replays: bool, cfg: BenchConfig) -> dict:
-    """Eager and (when a graph holds the group) replay latency of one group; kernel time with ``cfg.profile``."""
+def time_group(tower, manager, pixels, grid, replays: bool, cfg: BenchConfig, reference=None) -> dict:
+    """Eager, (when a graph holds the group) replay and (given ``reference``) transformers latency of one group,
+    sampled in turn; kernel time with ``cfg.profile``."""
     from hwgraph.profiling import kernel_time
 
     def eager():
@@ -220,8 +221,10 @@ def time_group(tower, manager, pixels, grid, replays: bool, cfg: BenchConfig) ->
     def replay():
         return manager.encode(pixels, grid)
 
-    row = {"eager": measure(eager, cfg.device, cfg.warmup, cfg.samples).as_dict(),
-           "replay": measure(replay, cfg.device, cfg.warmup, cfg.samples).as_dict() if replays else None}
+    calls = {"eager": eager} | ({"replay": replay} if replays else {}) | ({"transformers": reference} if reference
+                                                                         else {})
+    timed = measure_interleaved(calls, cfg.device, cfg.warmup, cfg.samples)
+    row = {name: timed[name].as_dict() if name in timed else None for name in ("transformers", "eager", "replay")}
     if cfg.profile:
         row["profile"] = {"eager": kernel_time(eager, cfg.device).as_dict(),
                           "replay": kernel_time(replay, cfg.device).as_dict() if replays else None}
@@ -246,13 +249,13 @@ def profile_ratios(row: dict) -> dict:
     return out
 
 
-def flatten_rows(groups, reference: dict, per_kernel: list[dict]) -> list[dict]:
+def flatten_rows(groups, per_kernel: list[dict]) -> list[dict]:
     """One row per (group, kernel) with latencies and the speedups measured in this run."""
     rows = []
     for group in groups:
-        tf = reference.get(group.label)
         for result in per_kernel:
             r = result["rows"][group.label]
+            tf = r["transformers"]
             rows.append({
                 "group": group.label, "images": group.count, "tokens": group.total, "kernel": result["kernel"],
                 "transformers": tf, "eager": r["eager"], "replay": r["replay"], "budget": r["budget"],
@@ -274,17 +277,19 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     kernels, kernel_table = kernel_choices(tower, cfg.kernels)
     groups = cfg.groups
     inputs = group_inputs(tower, groups, cfg.seed + 1000)
-    steps = len(groups) * (len(kernels) + int(cfg.reference) + int(cfg.calibrate))
+    steps = len(groups) * (len(kernels) + int(cfg.calibrate))
     progress = progress or Progress("bench")
     progress.set_total(steps)
     with progress:
         warm_device(cfg.device)
-        reference = time_reference(tower, groups, inputs, cfg, progress) if cfg.reference else {}
-        empty_cache(cfg.device)  # the reference encoder's weights are garbage now
-        per_kernel = [time_kernel(tower, k, groups, inputs, cfg, progress) for k in kernels]
+        reference = reference_calls(tower, groups, inputs) if cfg.reference else None
+        per_kernel = [time_kernel(tower, k, groups, inputs, cfg, progress, reference=reference) for k in kernels]
         calibrated = None
         if cfg.calibrate and kernels:
-            calibrated = time_kernel(tower, kernels[0], groups, inputs, cfg, progress, calibrate=True)
+            calibrated = time_kernel(tower, kernels[0], groups, inputs, cfg, progress, calibrate=True,
+                                     reference=reference)
+        del reference
+        empty_cache(cfg.device)  # the reference encoder's weights are garbage now
     result = {
         "environment": environment(),
         "preset": cfg.preset, "device": str(cfg.device), "dtype": str(cfg.dtype).removeprefix("torch."),
@@ -293,7 +298,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         "budgets": cfg.budgets or covering_budgets(groups),
         "graph_backend": per_kernel[0]["backend"] if per_kernel else cfg.graph_backend,
         "graph_backend_accelerates": per_kernel[0]["accelerates"] if per_kernel else None,
-        "kernels": kernel_table, "rows": flatten_rows(groups, reference, per_kernel),
+        "kernels": kernel_table, "rows": flatten_rows(groups, per_kernel),
+        "interleaved": True,
         "per_kernel": {r["kernel"]: {k: r[k] for k in ("budgets", "graph_memory_bytes", "stats")}
                        for r in per_kernel},
         "calibration": None,
@@ -305,7 +311,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             "rows": [{"group": g.label, "replay": calibrated["rows"][g.label]["replay"],
                       "budget": calibrated["rows"][g.label]["budget"],
                       "replay_note": calibrated["rows"][g.label]["replay_note"],
-                      "replay_vs_transformers": ratio(reference.get(g.label), calibrated["rows"][g.label]["replay"])}
+                      "replay_vs_transformers": ratio(calibrated["rows"][g.label]["transformers"],
+                                                      calibrated["rows"][g.label]["replay"])}
                      for g in groups]}
     return result
 

@@ -100,13 +100,17 @@ def calibration_section(cal: dict | None) -> str | None:
     return f"### Calibrated budgets ({cal['kernel']}): kept {kept}\n\n{found}\n\n{rows}"
 
 
+INTERLEAVED = " (in each row transformers, eager and replay are sampled in turn, one call of each per round)"
+
+
 def heading(result: dict) -> str:
     p = result["environment"]["platform"]
     where = p["device_name"] if result["device"] != "cpu" else "cpu"
     return (f"## hwgraph bench: {result['preset']}, {result['dtype']}, {result['device']} ({where}), "
             f"graph backend {result['graph_backend']}\n\n"
             f"{result['timer']}, {result['warmup']} warm-ups, {result['samples']} samples per cell; latency in ms "
-            f"as median / p95; speedups are ratios of medians measured in this run. Budgets: "
+            f"as median / p95; speedups are ratios of medians measured in this run"
+            f"{INTERLEAVED if result.get('interleaved') else ''}. Budgets: "
             f"{', '.join(str(b) for b in result['budgets'])}"
             f"{' (each captured after torch.compile)' if result.get('compile') else ''}. torch {p['torch_version']}, "
             f"transformers "

@@ -29,25 +29,39 @@ class Latency:
 
 def measure(fn: Callable[[], object], device: torch.device, warmup: int = 10, samples: int = 30) -> Latency:
     """Time ``fn`` ``samples`` times after ``warmup`` calls; each sample is one call, synchronised."""
+    return measure_interleaved({"fn": fn}, device, warmup, samples)["fn"]
+
+
+def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int = 10,
+                        samples: int = 30) -> dict[str, Latency]:
+    """Time several callables side by side: ``warmup`` calls of each, then ``samples`` rounds of one timed call of
+    each in turn. A host that speeds up or slows down during the run (the H200's shared host swings the same eager
+    forward by 2x between minutes) then moves every callable's samples alike, so ratios of their medians hold."""
     device = torch.device(device)
-    for _ in range(warmup):
-        fn()
-    out = []
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    synchronize(device)
+    out = {name: [] for name in fns}
+    for _ in range(samples):
+        for name, fn in fns.items():
+            out[name].append(one_sample(fn, device))
+    return {name: Latency(tuple(values)) for name, values in out.items()}
+
+
+def one_sample(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one synchronised call: device events on CUDA and ROCm, wall clock elsewhere."""
     if device.type == "cuda":  # CUDA and ROCm builds both answer here
-        for _ in range(samples):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end))
-    else:
-        for _ in range(samples):
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            out.append((time.perf_counter() - start) * 1e3)
-    return Latency(tuple(out))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3
 
 
 def synchronize(device: torch.device) -> None:

@@ -92,7 +92,7 @@ def test_triton_attn_cases_pass_under_the_interpreter():
 
 
 @interpreted
-@pytest.mark.parametrize("head_dim", [72, 128])
+@pytest.mark.parametrize("head_dim", [20, 72, 96, 128])  # one padded part, 64+16 (8 used), 64+32, one exact part
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(2))
 def test_interpreted_triton_matches_reference_on_random_packed_batches(seed, dtype, head_dim):
@@ -144,6 +144,13 @@ def test_interpreted_triton_reads_no_device_memory_on_the_host():
     assert_matches_reference(out, batch)
 
 
+@pytest.mark.parametrize(("head_dim", "split"), [(8, (16, 0)), (20, (32, 0)), (64, (64, 0)), (72, (64, 16)),
+                                                (80, (64, 16)), (96, (64, 32)), (128, (128, 0)), (200, (256, 0))])
+def test_triton_attn_splits_the_head_into_two_power_of_two_parts_when_narrower(head_dim, split):
+    triton_kernel = pytest.importorskip("hwgraph.attention.triton_kernel")
+    assert triton_kernel.head_split(head_dim) == split
+
+
 def test_triton_attn_launch_grid_depends_only_on_host_values(monkeypatch):
     """The launch is sized by max_seqlen, heads and the number of sequences: no device value reaches the host."""
     triton_kernel = pytest.importorskip("hwgraph.attention.triton_kernel")
@@ -159,7 +166,7 @@ def test_triton_attn_launch_grid_depends_only_on_host_values(monkeypatch):
         triton_varlen(*batch.args())
     (grid, meta), = launches
     assert grid == (512 // meta["BLOCK_M"], 3, 5)  # 4 sequence slots (2 real, 2 empty) + 1 padding slot
-    assert meta["HEAD_DIM"] == 72 and meta["BLOCK_D"] == 128
+    assert (meta["HEAD_DIM"], meta["D_A"], meta["D_B"], meta["HAS_B"]) == (72, 64, 16, True)  # 64 + 8 of 16
 
 
 # ---------------------------------------------------------------- graph discipline, host reads, custom ops

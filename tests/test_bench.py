@@ -102,3 +102,13 @@ def test_dispatch_table_says_why_budgets_were_captured_uncompiled():
     assert lines[2].endswith("| all: inductor generates no NPU code |")
     assert lines[3].endswith("| 64: RuntimeError: boom |")
     assert lines[4].endswith("| - |")
+
+
+def test_interleaved_timing_takes_one_call_of_each_callable_per_round():
+    from hwgraph.timing import measure_interleaved
+
+    calls = []
+    timed = measure_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, "cpu",
+                                warmup=2, samples=3)
+    assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3  # warm-ups per callable, then rounds of one each
+    assert set(timed) == {"a", "b"} and all(len(lat.samples_ms) == 3 for lat in timed.values())

@@ -21,20 +21,82 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
+def load_tile(ptrs, mask, USE_MASK: tl.constexpr):
+    if USE_MASK:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def attend_key_block(q_a, q_b, m_i, l_i, acc_a, acc_b, K, V, start, kv_start, seqlen, head, qk_scale_log2,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
+                     HAS_B: tl.constexpr, MASKED: tl.constexpr, MASK_A: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One online-softmax step over keys ``kv_start ..`` of the sequence: returns the updated ``(m, l, acc_a,
+    acc_b)``. ``MASKED``: the sequence's last, partial key block, whose columns past the end are masked; the full
+    blocks before it load without masks. ``MASK_A``: mask part a's loads (set with ``MASKED`` and when part a is
+    wider than the head)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_a = tl.arange(0, D_A)
+    offs_b = D_A + tl.arange(0, D_B)
+    a_mask = offs_a < HEAD_DIM
+    b_mask = offs_b < HEAD_DIM
+    cols = kv_start + offs_n
+    col_mask = cols < seqlen
+    kv_rows = (start + cols).to(tl.int64)
+    k_ptr = K + kv_rows[:, None] * stride_kt + head * stride_kh
+    v_ptr = V + kv_rows[:, None] * stride_vt + head * stride_vh
+    if MASKED:
+        ka_mask = col_mask[:, None] & a_mask[None, :]
+        kb_mask = col_mask[:, None] & b_mask[None, :]
+    else:
+        ka_mask = a_mask[None, :]
+        kb_mask = b_mask[None, :]
+    k_a = load_tile(k_ptr + offs_a[None, :], ka_mask, MASK_A)
+    # "ieee": fp32 inputs keep full fp32 products (not TF32); fp16/bf16 ignore it and still use the tensor cores;
+    # and it is the one precision every Triton target accepts (AMD has tf32 only on gfx942).
+    s = tl.dot(q_a, tl.trans(k_a.to(DOT_DTYPE)), input_precision="ieee")
+    if HAS_B:
+        k_b = tl.load(k_ptr + offs_b[None, :], mask=kb_mask, other=0.0)
+        s += tl.dot(q_b, tl.trans(k_b.to(DOT_DTYPE)), input_precision="ieee")
+    s = s * qk_scale_log2
+    if MASKED:
+        s = tl.where(col_mask[None, :], s, float("-inf"))
+    # Every block has at least one valid key, so m_new is finite and exp2 never sees -inf - -inf.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(DOT_DTYPE)
+    v_a = load_tile(v_ptr + offs_a[None, :], ka_mask, MASK_A)
+    acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a.to(DOT_DTYPE), input_precision="ieee")
+    if HAS_B:
+        v_b = tl.load(v_ptr + offs_b[None, :], mask=kb_mask, other=0.0)
+        acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b.to(DOT_DTYPE), input_precision="ieee")
+    return m_new, l_i, acc_a, acc_b
+
+
+@triton.jit
 def varlen_attention_kernel(
     Q, K, V, Out, CU_SEQLENS,
     tokens, num_seqs, qk_scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
+    HAS_B: tl.constexpr, A_PADDED: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     block_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM  # head_dim is padded up to a power of two; the extra lanes load and store nothing
+    offs_a = tl.arange(0, D_A)
+    # The head is split in two power-of-two parts (72 = 64 + 8 in a 16-wide tile) instead of one padded to the next
+    # power of two (128): the matmuls do 80/72 of the needed work, not 128/72. Without HAS_B the part-b tiles
+    # are never loaded or stored.
+    offs_b = D_A + tl.arange(0, D_B)
+    a_mask = offs_a < HEAD_DIM
+    b_mask = offs_b < HEAD_DIM
 
     if seq < num_seqs:
         start = tl.load(CU_SEQLENS + seq)
@@ -42,55 +104,71 @@ def varlen_attention_kernel(
         rows = block_m * BLOCK_M + offs_m
         row_mask = rows < seqlen
         q_rows = (start + rows).to(tl.int64)
-        q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+        q_ptr = Q + q_rows[:, None] * stride_qt + head * stride_qh
+        q_a = tl.load(q_ptr + offs_a[None, :], mask=row_mask[:, None] & a_mask[None, :], other=0.0).to(DOT_DTYPE)
+        q_b = tl.zeros([BLOCK_M, D_B], DOT_DTYPE)
+        if HAS_B:
+            q_b = tl.load(q_ptr + offs_b[None, :], mask=row_mask[:, None] & b_mask[None, :], other=0.0).to(DOT_DTYPE)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc_a = tl.zeros([BLOCK_M, D_A], tl.float32)
+        acc_b = tl.zeros([BLOCK_M, D_B], tl.float32)
         # A query block wholly past this sequence's end (the grid is sized for max_seqlen) skips the key loop.
         kv_end = tl.where(block_m * BLOCK_M < seqlen, seqlen, 0)
-        for kv_start in range(0, kv_end, BLOCK_N):
-            cols = kv_start + offs_n
-            col_mask = cols < seqlen
-            kv_rows = (start + cols).to(tl.int64)
-            kv_mask = col_mask[:, None] & d_mask[None, :]
-            k = tl.load(K + kv_rows[:, None] * stride_kt + head * stride_kh + offs_d[None, :], mask=kv_mask,
-                        other=0.0).to(DOT_DTYPE)
-            # "ieee": fp32 inputs keep full fp32 products (not TF32); fp16/bf16 ignore it and still use the tensor
-            # cores; and it is the one precision every Triton target accepts (AMD has tf32 only on gfx942).
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
-            s = tl.where(col_mask[None, :], s, float("-inf"))
-            # Every block has at least one valid key, so m_new is finite and exp2 never sees -inf - -inf.
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_rows[:, None] * stride_vt + head * stride_vh + offs_d[None, :], mask=kv_mask,
-                        other=0.0).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
-            m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        full_end = kv_end // BLOCK_N * BLOCK_N
+        for kv_start in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc_a, acc_b = attend_key_block(
+                q_a, q_b, m_i, l_i, acc_a, acc_b, K, V, start, kv_start, seqlen, head, qk_scale_log2,
+                stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, D_A, D_B, HAS_B, False, A_PADDED,
+                DOT_DTYPE)
+        if full_end < kv_end:
+            m_i, l_i, acc_a, acc_b = attend_key_block(
+                q_a, q_b, m_i, l_i, acc_a, acc_b, K, V, start, full_end, seqlen, head, qk_scale_log2,
+                stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, D_A, D_B, HAS_B, True, True,
+                DOT_DTYPE)
+        inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        out_ptr = Out + q_rows[:, None] * stride_ot + head * stride_oh
+        tl.store(out_ptr + offs_a[None, :], (acc_a * inv_l[:, None]).to(Out.dtype.element_ty),
+                 mask=row_mask[:, None] & a_mask[None, :])
+        if HAS_B:
+            tl.store(out_ptr + offs_b[None, :], (acc_b * inv_l[:, None]).to(Out.dtype.element_ty),
+                     mask=row_mask[:, None] & b_mask[None, :])
     else:
         # Padding rows [cu_seqlens[-1], tokens) belong to no sequence: write zeros, shared over the m programs.
         first = tl.load(CU_SEQLENS + num_seqs)
-        zeros = tl.zeros([BLOCK_M, BLOCK_D], Out.dtype.element_ty)
+        zeros_a = tl.zeros([BLOCK_M, D_A], Out.dtype.element_ty)
+        zeros_b = tl.zeros([BLOCK_M, D_B], Out.dtype.element_ty)
         for row_start in range(first + block_m * BLOCK_M, tokens, BLOCK_M * tl.num_programs(0)):
             rows = (row_start + offs_m).to(tl.int64)
-            tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], zeros,
-                     mask=(rows < tokens)[:, None] & d_mask[None, :])
+            out_ptr = Out + rows[:, None] * stride_ot + head * stride_oh
+            row_ok = (rows < tokens)[:, None]
+            tl.store(out_ptr + offs_a[None, :], zeros_a, mask=row_ok & a_mask[None, :])
+            if HAS_B:
+                tl.store(out_ptr + offs_b[None, :], zeros_b, mask=row_ok & b_mask[None, :])
 
 
-def block_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D): tl.dot needs every side >= 16; wide or fp32 tiles shrink to fit shared memory."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    if block_d > 128:
-        return 32, 16 if dtype == torch.float32 else 32, block_d
-    if dtype == torch.float32 and block_d == 128:
-        return 64, 32, block_d
-    return 64, 64, block_d
+def head_split(head_dim: int) -> tuple[int, int]:
+    """(D_A, D_B): the head as a power-of-two part and a second power-of-two part (0: none), each at least 16 wide
+    (tl.dot's minimum), when that is narrower than one part padded to the next power of two: 72 -> (64, 16),
+    96 -> (64, 32), 128 -> (128, 0), 20 -> (32, 0)."""
+    whole = max(16, triton.next_power_of_2(head_dim))
+    if head_dim <= 16 or whole == head_dim:
+        return whole, 0
+    first = whole // 2
+    second = max(16, triton.next_power_of_2(head_dim - first))
+    return (first, second) if first + second < whole else (whole, 0)
+
+
+def block_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, D_A, D_B): tl.dot needs every side >= 16; wide or fp32 tiles shrink to fit shared memory."""
+    d_a, d_b = head_split(head_dim)
+    width = d_a + d_b
+    if width > 128:
+        return 32, 16 if dtype == torch.float32 else 32, d_a, d_b
+    if dtype == torch.float32 and width > 64:
+        return 64, 32, d_a, d_b
+    return 64, 64, d_a, d_b
 
 
 def dot_dtype_for(dtype: torch.dtype):
@@ -121,9 +199,9 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     out = torch.empty_like(q)
     if tokens == 0:
         return out
-    block_m, block_n, block_d = block_sizes(head_dim, q.dtype)
+    block_m, block_n, d_a, d_b = block_sizes(head_dim, q.dtype)
     warps, stages = 4, 2
-    if q.is_cuda and block_d <= 128 and q.dtype != torch.float32:
+    if q.is_cuda and d_a + d_b <= 128 and q.dtype != torch.float32:
         # Measured on the H200 (benchmarks/triton_tiles.py, 16 heads, head_dim 72, bf16): 128x64 tiles with 8 warps
         # take 0.96 ms at 4096 patches against 2.09 ms for 64x64 with 4, and win at 196 and 1024 patches too.
         block_m, block_n, warps = 128, 64, 8
@@ -137,7 +215,8 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         q, k, v, out, cu_seqlens,
         tokens, num_seqs, scale * LOG2_E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, D_A=d_a, D_B=max(d_b, 16), HAS_B=d_b > 0,
+        A_PADDED=d_a > head_dim,
         DOT_DTYPE=dot_dtype,
         num_warps=warps, num_stages=stages,
     )
