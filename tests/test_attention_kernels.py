@@ -166,7 +166,7 @@ def test_triton_attn_launch_grid_depends_only_on_host_values(monkeypatch):
         triton_varlen(*batch.args())
     (grid, meta), = launches
     assert grid == (512 // meta["BLOCK_M"], 3, 5)  # 4 sequence slots (2 real, 2 empty) + 1 padding slot
-    assert (meta["HEAD_DIM"], meta["D_A"], meta["D_B"], meta["HAS_B"]) == (72, 64, 16, True)  # 64 + 8 of 16
+    assert (meta["HEAD_DIM"], meta["D_A"], meta["D_B"], meta["HAS_B"], meta["D_V"]) == (72, 64, 16, True, 128)
 
 
 # ---------------------------------------------------------------- graph discipline, host reads, custom ops

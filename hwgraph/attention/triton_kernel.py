@@ -30,19 +30,22 @@ def load_tile(ptrs, mask, USE_MASK: tl.constexpr):
 
 
 @triton.jit
-def attend_key_block(q_a, q_b, m_i, l_i, acc_a, acc_b, K, V, start, kv_start, seqlen, head, qk_scale_log2,
+def attend_key_block(q_a, q_b, m_i, l_i, acc, K, V, start, kv_start, seqlen, head, qk_scale_log2,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
-                     HAS_B: tl.constexpr, MASKED: tl.constexpr, MASK_A: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One online-softmax step over keys ``kv_start ..`` of the sequence: returns the updated ``(m, l, acc_a,
-    acc_b)``. ``MASKED``: the sequence's last, partial key block, whose columns past the end are masked; the full
-    blocks before it load without masks. ``MASK_A``: mask part a's loads (set with ``MASKED`` and when part a is
-    wider than the head)."""
+                     D_V: tl.constexpr, HAS_B: tl.constexpr, MASKED: tl.constexpr, MASK_A: tl.constexpr,
+                     MASK_V: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One online-softmax step over keys ``kv_start ..`` of the sequence: returns the updated ``(m, l, acc)``.
+    ``MASKED``: the sequence's last, partial key block, whose columns past the end are masked; the full blocks
+    before it load without masks. ``MASK_A`` / ``MASK_V``: mask the loads of k's part a / of v (set with ``MASKED``,
+    and when that tile is wider than the head)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_a = tl.arange(0, D_A)
     offs_b = D_A + tl.arange(0, D_B)
+    offs_v = tl.arange(0, D_V)
     a_mask = offs_a < HEAD_DIM
     b_mask = offs_b < HEAD_DIM
+    v_mask = offs_v < HEAD_DIM
     cols = kv_start + offs_n
     col_mask = cols < seqlen
     kv_rows = (start + cols).to(tl.int64)
@@ -51,9 +54,11 @@ def attend_key_block(q_a, q_b, m_i, l_i, acc_a, acc_b, K, V, start, kv_start, se
     if MASKED:
         ka_mask = col_mask[:, None] & a_mask[None, :]
         kb_mask = col_mask[:, None] & b_mask[None, :]
+        kv_mask = col_mask[:, None] & v_mask[None, :]
     else:
         ka_mask = a_mask[None, :]
         kb_mask = b_mask[None, :]
+        kv_mask = v_mask[None, :]
     k_a = load_tile(k_ptr + offs_a[None, :], ka_mask, MASK_A)
     # "ieee": fp32 inputs keep full fp32 products (not TF32); fp16/bf16 ignore it and still use the tensor cores;
     # and it is the one precision every Triton target accepts (AMD has tf32 only on gfx942).
@@ -70,12 +75,11 @@ def attend_key_block(q_a, q_b, m_i, l_i, acc_a, acc_b, K, V, start, kv_start, se
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(DOT_DTYPE)
-    v_a = load_tile(v_ptr + offs_a[None, :], ka_mask, MASK_A)
-    acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a.to(DOT_DTYPE), input_precision="ieee")
-    if HAS_B:
-        v_b = tl.load(v_ptr + offs_b[None, :], mask=kb_mask, other=0.0)
-        acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b.to(DOT_DTYPE), input_precision="ieee")
-    return m_new, l_i, acc_a, acc_b
+    # p.v in one tile padded to a power of two: splitting it like q.k (two dots sharing p) compiles to wrong
+    # results or an illegal address with Triton 3.6 on the H200 (bf16 and fp16; fp32 is right).
+    v = load_tile(v_ptr + offs_v[None, :], kv_mask, MASK_V)
+    acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision="ieee")
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -84,19 +88,21 @@ def varlen_attention_kernel(
     tokens, num_seqs, qk_scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
-    HAS_B: tl.constexpr, A_PADDED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    D_V: tl.constexpr, HAS_B: tl.constexpr, A_PADDED: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     block_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_a = tl.arange(0, D_A)
-    # The head is split in two power-of-two parts (72 = 64 + 8 in a 16-wide tile) instead of one padded to the next
-    # power of two (128): the matmuls do 80/72 of the needed work, not 128/72. Without HAS_B the part-b tiles
-    # are never loaded or stored.
+    # For q.k the head is split in two power-of-two parts (72 = 64 + 8 in a 16-wide tile) instead of one padded to
+    # the next power of two (128): that matmul does 80/72 of the needed work, not 128/72. Without HAS_B the part-b
+    # tiles are never loaded. p.v and the output use one tile of D_V (the head padded to a power of two).
     offs_b = D_A + tl.arange(0, D_B)
+    offs_v = tl.arange(0, D_V)
     a_mask = offs_a < HEAD_DIM
     b_mask = offs_b < HEAD_DIM
+    v_mask = offs_v < HEAD_DIM
 
     if seq < num_seqs:
         start = tl.load(CU_SEQLENS + seq)
@@ -112,47 +118,39 @@ def varlen_attention_kernel(
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc_a = tl.zeros([BLOCK_M, D_A], tl.float32)
-        acc_b = tl.zeros([BLOCK_M, D_B], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_V], tl.float32)
         # A query block wholly past this sequence's end (the grid is sized for max_seqlen) skips the key loop.
         kv_end = tl.where(block_m * BLOCK_M < seqlen, seqlen, 0)
         full_end = kv_end // BLOCK_N * BLOCK_N
         for kv_start in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc_a, acc_b = attend_key_block(
-                q_a, q_b, m_i, l_i, acc_a, acc_b, K, V, start, kv_start, seqlen, head, qk_scale_log2,
-                stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, D_A, D_B, HAS_B, False, A_PADDED,
-                DOT_DTYPE)
+            m_i, l_i, acc = attend_key_block(
+                q_a, q_b, m_i, l_i, acc, K, V, start, kv_start, seqlen, head, qk_scale_log2,
+                stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, D_A, D_B, D_V, HAS_B, False, A_PADDED,
+                D_V > HEAD_DIM, DOT_DTYPE)
         if full_end < kv_end:
-            m_i, l_i, acc_a, acc_b = attend_key_block(
-                q_a, q_b, m_i, l_i, acc_a, acc_b, K, V, start, full_end, seqlen, head, qk_scale_log2,
-                stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, D_A, D_B, HAS_B, True, True,
-                DOT_DTYPE)
+            m_i, l_i, acc = attend_key_block(
+                q_a, q_b, m_i, l_i, acc, K, V, start, full_end, seqlen, head, qk_scale_log2,
+                stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, D_A, D_B, D_V, HAS_B, True, True,
+                True, DOT_DTYPE)
         inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
         out_ptr = Out + q_rows[:, None] * stride_ot + head * stride_oh
-        tl.store(out_ptr + offs_a[None, :], (acc_a * inv_l[:, None]).to(Out.dtype.element_ty),
-                 mask=row_mask[:, None] & a_mask[None, :])
-        if HAS_B:
-            tl.store(out_ptr + offs_b[None, :], (acc_b * inv_l[:, None]).to(Out.dtype.element_ty),
-                     mask=row_mask[:, None] & b_mask[None, :])
+        tl.store(out_ptr + offs_v[None, :], (acc * inv_l[:, None]).to(Out.dtype.element_ty),
+                 mask=row_mask[:, None] & v_mask[None, :])
     else:
         # Padding rows [cu_seqlens[-1], tokens) belong to no sequence: write zeros, shared over the m programs.
         first = tl.load(CU_SEQLENS + num_seqs)
-        zeros_a = tl.zeros([BLOCK_M, D_A], Out.dtype.element_ty)
-        zeros_b = tl.zeros([BLOCK_M, D_B], Out.dtype.element_ty)
+        zeros = tl.zeros([BLOCK_M, D_V], Out.dtype.element_ty)
         for row_start in range(first + block_m * BLOCK_M, tokens, BLOCK_M * tl.num_programs(0)):
             rows = (row_start + offs_m).to(tl.int64)
-            out_ptr = Out + rows[:, None] * stride_ot + head * stride_oh
-            row_ok = (rows < tokens)[:, None]
-            tl.store(out_ptr + offs_a[None, :], zeros_a, mask=row_ok & a_mask[None, :])
-            if HAS_B:
-                tl.store(out_ptr + offs_b[None, :], zeros_b, mask=row_ok & b_mask[None, :])
+            tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :], zeros,
+                     mask=(rows < tokens)[:, None] & v_mask[None, :])
 
 
 def head_split(head_dim: int) -> tuple[int, int]:
     """(D_A, D_B): the head as a power-of-two part and a second power-of-two part (0: none), each at least 16 wide
     (tl.dot's minimum), when that is narrower than one part padded to the next power of two: 72 -> (64, 16),
     96 -> (64, 32), 128 -> (128, 0), 20 -> (32, 0)."""
-    whole = max(16, triton.next_power_of_2(head_dim))
+    whole = head_width(head_dim)
     if head_dim <= 16 or whole == head_dim:
         return whole, 0
     first = whole // 2
@@ -160,10 +158,15 @@ def head_split(head_dim: int) -> tuple[int, int]:
     return (first, second) if first + second < whole else (whole, 0)
 
 
+def head_width(head_dim: int) -> int:
+    """The head padded to a power of two, at least 16: the width of the v tile, the accumulator and the output."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def block_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, D_A, D_B): tl.dot needs every side >= 16; wide or fp32 tiles shrink to fit shared memory."""
     d_a, d_b = head_split(head_dim)
-    width = d_a + d_b
+    width = head_width(head_dim)
     if width > 128:
         return 32, 16 if dtype == torch.float32 else 32, d_a, d_b
     if dtype == torch.float32 and width > 64:
@@ -201,7 +204,7 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         return out
     block_m, block_n, d_a, d_b = block_sizes(head_dim, q.dtype)
     warps, stages = 4, 2
-    if q.is_cuda and d_a + d_b <= 128 and q.dtype != torch.float32:
+    if q.is_cuda and head_width(head_dim) <= 128 and q.dtype != torch.float32:
         # Measured on the H200 (benchmarks/triton_tiles.py, 16 heads, head_dim 72, bf16): 128x64 tiles with 8 warps
         # take 0.96 ms at 4096 patches against 2.09 ms for 64x64 with 4, and win at 196 and 1024 patches too.
         block_m, block_n, warps = 128, 64, 8
@@ -215,7 +218,8 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         q, k, v, out, cu_seqlens,
         tokens, num_seqs, scale * LOG2_E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, D_A=d_a, D_B=max(d_b, 16), HAS_B=d_b > 0,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, D_A=d_a, D_B=max(d_b, 16), D_V=head_width(head_dim),
+        HAS_B=d_b > 0,
         A_PADDED=d_a > head_dim,
         DOT_DTYPE=dot_dtype,
         num_warps=warps, num_stages=stages,
