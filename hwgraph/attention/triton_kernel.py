@@ -205,9 +205,15 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     block_m, block_n, d_a, d_b = block_sizes(head_dim, q.dtype)
     warps, stages = 4, 2
     if q.is_cuda and head_width(head_dim) <= 128 and q.dtype != torch.float32:
-        # Measured on the H200 (benchmarks/triton_tiles.py, 16 heads, head_dim 72, bf16): 128x64 tiles with 8 warps
-        # take 0.96 ms at 4096 patches against 2.09 ms for 64x64 with 4, and win at 196 and 1024 patches too.
-        block_m, block_n, warps = 128, 64, 8
+        # Measured on the H200 (benchmarks/triton_tiles.py, one sequence, 16 heads, head_dim 72, bf16, ms): at 196
+        # patches 128x64 with 8 warps 0.059 (256x64: 0.093); at 1024 128x128 0.081 (128x64: 0.086); at 4096
+        # 256x64 0.599 (128x128: 0.654, 128x64: 0.878). Only max_seqlen, a host int, picks them.
+        if max_seqlen >= 2048:
+            block_m, block_n, warps = 256, 64, 8
+        elif max_seqlen >= 512:
+            block_m, block_n, warps = 128, 128, 8
+        else:
+            block_m, block_n, warps = 128, 64, 8
     if tiles is not None:  # (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning (benchmarks/triton_tiles.py)
         block_m, block_n, warps, stages = tiles
     num_seqs = cu_seqlens.shape[0] - 1
