@@ -1,38 +1,68 @@
-"""Tile sizes for TRITON_ATTN on this GPU, against FLASH_ATTN, at the tower's shapes (16 heads, head_dim 72, bf16).
+"""Tile sizes for TRITON_ATTN on this GPU, against ATen's flash kernel, at the tower's shapes (16 heads of 72, bf16).
 
-Usage: python benchmarks/triton_tiles.py. Prints median ms (CUDA events, 10 warm-ups, 30 samples) per config for one
-sequence of 196, 1024 and 4096 patches, checking each config against FLASH_ATTN's output.
+Usage: python benchmarks/triton_tiles.py. Each case is a packed batch as the manager builds it: ``cu_seqlens`` with
+5 entries (up to 4 images, empty slots repeat the last boundary), rows past the last sequence as padding, and
+``max_seqlen`` either the longest sequence (eager) or the budget's patch count (a captured graph). Each cell is the
+device time of one call: 20 calls captured in one CUDA graph, replayed (CUDA events, median of 30 after 10
+warm-ups), divided by 20, so host launch cost is left out. Each config is checked against the flash output.
 """
 
 import torch
-from hwgraph_cuda.attention import flash_varlen
+from hwgraph_cuda.attention import aten_flash
 
 from hwgraph.attention.triton_kernel import launch_varlen_attention
 from hwgraph.timing import measure
 
-CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 2),
-           (128, 32, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 2), (256, 64, 8, 2)]
+CONFIGS = [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+           (256, 64, 8, 2)]
+# (label, sequence lengths in patches, max_seqlen, rows): eager calls and the graphs of budgets 256 and 1024.
+CASES = [("1x196 eager", [196], 196, 196), ("1x196 in budget 256", [196], 1024, 1024),
+         ("4x256 in budget 256", [256] * 4, 1024, 1024), ("1x1024 eager", [1024], 1024, 1024),
+         ("4x784 in budget 1024", [784] * 4, 4096, 4096), ("1x4096 eager or budget 1024", [4096], 4096, 4096)]
+CALLS = 20
+HEADS, HEAD_DIM = 16, 72
+
+
+def graph_ms(fn) -> float:
+    """Device ms of one ``fn()``: CALLS calls captured in one CUDA graph, timed by replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    return measure(graph.replay, "cuda").median / CALLS
 
 
 def main():
     torch.manual_seed(0)
-    for tokens in (196, 1024, 4096):
-        q, k, v = (torch.randn(tokens, 16, 72, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        cu = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
-        want = flash_varlen(q, k, v, cu, tokens, 72**-0.5)
-        flash = measure(lambda q=q, k=k, v=v, cu=cu, n=tokens: flash_varlen(q, k, v, cu, n, 72**-0.5), "cuda").median
-        flops = 4 * tokens * tokens * 16 * 72 / 1e9  # q.k and p.v, 16 heads of 72: GFLOP, so GFLOP / ms = TFLOP/s
-        row = [f"{tokens:5d} patches ({flops:.1f} GFLOP): FLASH {flash:.3f} ({flops / flash:.0f} TFLOP/s)"]
+    scale = HEAD_DIM**-0.5
+    for label, seqlens, max_seqlen, rows in CASES:
+        q, k, v = (torch.randn(rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        bounds = [0]
+        for n in seqlens:
+            bounds.append(bounds[-1] + n)
+        bounds += [bounds[-1]] * (5 - len(bounds))
+        cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
+        real = bounds[-1]
+        want = aten_flash(q, k, v, cu, max_seqlen, scale)[:real]
+        flash = graph_ms(lambda q=q, k=k, v=v, cu=cu, m=max_seqlen: aten_flash(q, k, v, cu, m, scale))
+        gflop = sum(4 * n * n * HEADS * HEAD_DIM for n in seqlens) / 1e9
+        row = [f"{label} ({gflop:.1f} GFLOP): flash {flash:.4f} ms ({gflop / flash:.0f} TFLOP/s)"]
         for cfg in CONFIGS:
             try:
-                got = launch_varlen_attention(q, k, v, cu, tokens, 72**-0.5, tiles=cfg)
+                got = launch_varlen_attention(q, k, v, cu, max_seqlen, scale, tiles=cfg)[:real]
                 err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-                ms = measure(lambda c=cfg, q=q, k=k, v=v, cu=cu, n=tokens:
-                             launch_varlen_attention(q, k, v, cu, n, 72**-0.5, tiles=c), "cuda").median
-                row.append(f"{cfg}: {ms:.3f} ({flops / ms:.0f} TFLOP/s, err {err:.1e})")
+                ms = graph_ms(lambda c=cfg, q=q, k=k, v=v, cu=cu, m=max_seqlen:
+                              launch_varlen_attention(q, k, v, cu, m, scale, tiles=c))
+                row.append(f"{cfg}: {ms:.4f} ({gflop / ms:.0f} TFLOP/s, err {err:.1e})")
             except Exception as exc:  # a config that does not fit shared memory is reported, not fatal
                 row.append(f"{cfg}: failed {type(exc).__name__}")
-        print(" | ".join(row))
+        print(" | ".join(row), flush=True)
 
 
 if __name__ == "__main__":
