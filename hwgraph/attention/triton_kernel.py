@@ -205,15 +205,12 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     block_m, block_n, d_a, d_b = block_sizes(head_dim, q.dtype)
     warps, stages = 4, 2
     if q.is_cuda and head_width(head_dim) <= 128 and q.dtype != torch.float32:
-        # Measured on the H200 (benchmarks/triton_tiles.py, one sequence, 16 heads, head_dim 72, bf16, ms): at 196
-        # patches 128x64 with 8 warps 0.059 (256x64: 0.093); at 1024 128x128 0.081 (128x64: 0.086); at 4096
-        # 256x64 0.599 (128x128: 0.654, 128x64: 0.878). Only max_seqlen, a host int, picks them.
-        if max_seqlen >= 2048:
-            block_m, block_n, warps = 256, 64, 8
-        elif max_seqlen >= 512:
-            block_m, block_n, warps = 128, 128, 8
-        else:
-            block_m, block_n, warps = 128, 64, 8
+        # Device time per call on the H200 (benchmarks/triton_tiles.py: 20 calls in a CUDA graph, 16 heads of 72,
+        # bf16, ms): 128x64 tiles with 8 warps are best or within 8% for every batch up to max_seqlen 1024 (196
+        # patches 0.0154, 4x256 0.0313, 1x1024 0.0544 against 0.0501 for 128x128), and 128x128 is best for one
+        # 4096-patch image (0.613 against 0.754; 4x784 in that budget: 0.206 against 0.187). Only max_seqlen, a
+        # host int, picks them.
+        block_m, block_n, warps = (128, 128, 8) if max_seqlen >= 2048 else (128, 64, 8)
     if tiles is not None:  # (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning (benchmarks/triton_tiles.py)
         block_m, block_n, warps, stages = tiles
     num_seqs = cu_seqlens.shape[0] - 1
