@@ -31,21 +31,15 @@ def load_tile(ptrs, mask, USE_MASK: tl.constexpr):
 
 @triton.jit
 def attend_key_block(q_a, q_b, m_i, l_i, acc, K, V, start, kv_start, seqlen, head, qk_scale_log2,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kt, stride_kh, stride_vt, stride_vh, offs_a, offs_b, offs_v, a_mask, b_mask, v_mask,
                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
                      D_V: tl.constexpr, HAS_B: tl.constexpr, MASKED: tl.constexpr, MASK_A: tl.constexpr,
                      MASK_V: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """One online-softmax step over keys ``kv_start ..`` of the sequence: returns the updated ``(m, l, acc)``.
     ``MASKED``: the sequence's last, partial key block, whose columns past the end are masked; the full blocks
     before it load without masks. ``MASK_A`` / ``MASK_V``: mask the loads of k's part a / of v (set with ``MASKED``,
-    and when that tile is wider than the head)."""
+    and when that tile is wider than the head). The head offsets and their masks come from the caller."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_a = tl.arange(0, D_A)
-    offs_b = D_A + tl.arange(0, D_B)
-    offs_v = tl.arange(0, D_V)
-    a_mask = offs_a < HEAD_DIM
-    b_mask = offs_b < HEAD_DIM
-    v_mask = offs_v < HEAD_DIM
     cols = kv_start + offs_n
     col_mask = cols < seqlen
     kv_rows = (start + cols).to(tl.int64)
@@ -125,13 +119,13 @@ def varlen_attention_kernel(
         for kv_start in range(0, full_end, BLOCK_N):
             m_i, l_i, acc = attend_key_block(
                 q_a, q_b, m_i, l_i, acc, K, V, start, kv_start, seqlen, head, qk_scale_log2,
-                stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, D_A, D_B, D_V, HAS_B, False, A_PADDED,
-                D_V > HEAD_DIM, DOT_DTYPE)
+                stride_kt, stride_kh, stride_vt, stride_vh, offs_a, offs_b, offs_v, a_mask, b_mask, v_mask,
+                HEAD_DIM, BLOCK_N, D_A, D_B, D_V, HAS_B, False, A_PADDED, D_V > HEAD_DIM, DOT_DTYPE)
         if full_end < kv_end:
             m_i, l_i, acc = attend_key_block(
                 q_a, q_b, m_i, l_i, acc, K, V, start, full_end, seqlen, head, qk_scale_log2,
-                stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, D_A, D_B, D_V, HAS_B, True, True,
-                True, DOT_DTYPE)
+                stride_kt, stride_kh, stride_vt, stride_vh, offs_a, offs_b, offs_v, a_mask, b_mask, v_mask,
+                HEAD_DIM, BLOCK_N, D_A, D_B, D_V, HAS_B, True, True, True, DOT_DTYPE)
         inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
         out_ptr = Out + q_rows[:, None] * stride_ot + head * stride_oh
         tl.store(out_ptr + offs_v[None, :], (acc * inv_l[:, None]).to(Out.dtype.element_ty),
