@@ -3,7 +3,7 @@ conformance results, the latency table, graph memory per budget and dispatch cou
 
 from __future__ import annotations
 
-from hwgraph.report import dispatch_table, latency_table, md_table, memory_table
+from hwgraph.report import INTERLEAVED, dispatch_table, latency_table, md_table, memory_table
 from hwgraph.testing.results import failing_checks
 
 
@@ -80,7 +80,8 @@ def bench_section(report: dict) -> str:
         f" The {bench['graph_backend']} backend emulates replay eagerly: no speed-up is expected from it.")
     return "\n\n".join([
         f"## Latency\n\n{bench['timer']}, {bench['warmup']} warm-ups, {bench['samples']} samples per cell; ms as "
-        f"median / p95; speedups are ratios of medians from this run.{note}",
+        f"median / p95; speedups are ratios of medians from this run"
+        f"{INTERLEAVED if bench.get('interleaved') else ''}.{note}",
         latency_table(bench), figure,
         "## Graph memory per budget (MiB)\n\n" + memory_table(bench),
         "## Dispatch: hits, misses, eager fallbacks\n\n" + dispatch_table(bench)])
