@@ -378,6 +378,20 @@ def test_npu_adapter_takes_host_boundaries_and_pads_head_dim_to_128(fake_torch_n
     assert fake_torch_npu.calls == [{"ends": [9, 13, 19], "head_dim": 128}]
 
 
+def test_npu_padding_unspecified_variant_skips_only_the_zeroing(fake_torch_npu):
+    from hwgraph_npu.attention import host_cu_seqlens, npu_varlen
+
+    batch = random_packed_batch([9, 4], heads=2, head_dim=72, zero_length=1, padding_rows=6, dtype=torch.float32)
+    with CpuGraphBackend().sync_guard(), host_cu_seqlens([0, 9, 13, 13]):
+        public = npu_varlen(*batch.args())
+        raw = npu_varlen.padding_unspecified(*batch.args())
+    assert torch.equal(public[:13], raw[:13])
+    assert torch.equal(public[13:], torch.zeros_like(public[13:]))
+    # The kernel attends the 6 padding rows among themselves (one trailing sequence): the variant leaves that.
+    want = varlen_reference(batch.q[13:], batch.k[13:], batch.v[13:], [0, 6], batch.scale)
+    torch.testing.assert_close(raw[13:], want.to(raw.dtype))
+
+
 def test_npu_adapter_without_host_boundaries_reads_cu_seqlens_back(fake_torch_npu):
     from hwgraph_npu.attention import npu_varlen
 

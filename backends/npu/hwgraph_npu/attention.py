@@ -5,7 +5,8 @@ equal to the token count), while the common signature passes ``cu_seqlens`` on t
 host boundaries (the tower's metadata does) hand them over with ``host_cu_seqlens(...)``; only without them does
 the kernel read ``cu_seqlens`` back to the host, a device sync that is logged once. Under NPU graph capture
 ("aclgraph") the captured call keeps its lists, so the graph backend rewrites them before each replay from
-``sequence_ends`` (see VENDOR_APIS.md); rows past ``cu_seqlens[-1]`` are zeroed on the device either way.
+``sequence_ends`` (see VENDOR_APIS.md); rows past ``cu_seqlens[-1]`` are zeroed on the device either way (except
+through ``npu_varlen.padding_unspecified``, which the tower uses).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import check_varlen_inputs, zero_padding_rows
+from hwgraph.attention.varlen_inputs import check_varlen_inputs, eager_or_op, zero_padding_rows
 from hwgraph.capability import Capability, require_module
 from hwgraph.platform import PlatformInfo
 
@@ -100,9 +101,10 @@ def warn_host_read() -> None:
 
 
 def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                  seq_ends: list[int]) -> torch.Tensor:
-    """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows zero; ``seq_ends`` from
-    ``sequence_ends``."""
+                  seq_ends: list[int], zero_padding: bool = True) -> torch.Tensor:
+    """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out; ``seq_ends`` from ``sequence_ends``.
+    Padding rows (the trailing sequence the kernel is given) are zeroed when ``zero_padding``, else left as the
+    kernel computed them (``npu_varlen.padding_unspecified``)."""
     import torch_npu
 
     tokens, heads, head_dim = q.shape
@@ -114,26 +116,44 @@ def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         **{scale_keyword(): scale})
     if isinstance(out, (tuple, list)):  # (attention_out, softmax_lse)
         out = out[0]
-    return zero_padding_rows(out[..., :head_dim], cu_seqlens)
+    out = out[..., :head_dim]
+    return zero_padding_rows(out, cu_seqlens) if zero_padding else out
 
 
-@torch.library.custom_op("hwgraph::npu_varlen", mutates_args=())
-def npu_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                  max_seqlen: int, scale: float, seq_ends: list[int]) -> torch.Tensor:
-    return npu_attention(q, k, v, cu_seqlens, scale, seq_ends)
+def npu_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+             scale: float, seq_ends: list[int], zero_padding: bool = True) -> torch.Tensor:
+    return npu_attention(q, k, v, cu_seqlens, scale, seq_ends, zero_padding)
+
+
+npu_varlen_op = torch.library.custom_op("hwgraph::npu_varlen", npu_body, mutates_args=())
 
 
 @npu_varlen_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale, seq_ends):
+def _(q, k, v, cu_seqlens, max_seqlen, scale, seq_ends, zero_padding=True):
     return torch.empty_like(q)
 
 
 def npu_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                max_seqlen: int, scale: float) -> torch.Tensor:
-    """Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on an NPU, ``cu_seqlens`` int32 ``[n + 1]``.
+    """Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on an NPU, ``cu_seqlens`` int32 ``[n + 1]``; rows
+    past ``cu_seqlens[-1]`` come back zero.
 
     Host boundaries come from ``host_cu_seqlens(...)``; without it this reads ``cu_seqlens`` to the host.
     """
+    return checked_call(q, k, v, cu_seqlens, max_seqlen, scale, zero_padding=True)
+
+
+def npu_varlen_padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                                   max_seqlen: int, scale: float) -> torch.Tensor:
+    """``npu_varlen`` without zeroing the padding rows (what the tower uses: its padding rows never mix into real
+    ones; see ``hwgraph.attention.varlen_inputs.register_varlen_kernel``)."""
+    return checked_call(q, k, v, cu_seqlens, max_seqlen, scale, zero_padding=False)
+
+
+npu_varlen.padding_unspecified = npu_varlen_padding_unspecified
+
+
+def checked_call(q, k, v, cu_seqlens, max_seqlen, scale, zero_padding: bool) -> torch.Tensor:
     check_varlen_inputs("NPU", q, k, v, cu_seqlens, max_seqlen, scale)
     tokens = q.shape[0]
     host = _host_cu_seqlens.get()
@@ -142,7 +162,8 @@ def npu_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
         warn_host_read()
         host = tuple(cu_seqlens.tolist())
     check_host_cu_seqlens(host, cu_seqlens, tokens)
-    return npu_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale), sequence_ends(host, tokens))
+    args = (q, k, v, cu_seqlens, max_seqlen, float(scale), sequence_ends(host, tokens), zero_padding)
+    return eager_or_op(npu_varlen_op, npu_body)(*args)
 
 
 NPU = KernelSpec(
