@@ -198,7 +198,8 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         return out
     block_m, block_n, d_a, d_b = block_sizes(head_dim, q.dtype)
     warps, stages = 4, 2
-    if q.is_cuda and head_width(head_dim) <= 128 and q.dtype != torch.float32:
+    if q.is_cuda and not torch.version.hip and head_width(head_dim) <= 128 and q.dtype != torch.float32:
+        # NVIDIA only: ROCm keeps block_sizes' 64x64 tiles, which fit the 64 KB of LDS of its GPUs (these do not).
         # Device time per call on the H200 (benchmarks/triton_tiles.py: 20 calls in a CUDA graph, 16 heads of 72,
         # bf16, ms): 128x64 tiles with 8 warps are best or within 8% for every batch up to max_seqlen 1024 (196
         # patches 0.0154, 4x256 0.0313, 1x1024 0.0544 against 0.0501 for 128x128), and 128x128 is best for one
