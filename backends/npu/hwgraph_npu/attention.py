@@ -100,11 +100,10 @@ def warn_host_read() -> None:
                 "with hwgraph_npu.attention.host_cu_seqlens(...) to avoid it")
 
 
-def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                  seq_ends: list[int], zero_padding: bool = True) -> torch.Tensor:
+def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                  scale: float, seq_ends: list[int]) -> torch.Tensor:
     """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out; ``seq_ends`` from ``sequence_ends``.
-    Padding rows (the trailing sequence the kernel is given) are zeroed when ``zero_padding``, else left as the
-    kernel computed them (``npu_varlen.padding_unspecified``)."""
+    Padding rows (the trailing sequence the kernel is given) come back as the kernel computed them."""
     import torch_npu
 
     tokens, heads, head_dim = q.shape
@@ -116,20 +115,14 @@ def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         **{scale_keyword(): scale})
     if isinstance(out, (tuple, list)):  # (attention_out, softmax_lse)
         out = out[0]
-    out = out[..., :head_dim]
-    return zero_padding_rows(out, cu_seqlens) if zero_padding else out
+    return out[..., :head_dim]
 
 
-def npu_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-             scale: float, seq_ends: list[int], zero_padding: bool = True) -> torch.Tensor:
-    return npu_attention(q, k, v, cu_seqlens, scale, seq_ends, zero_padding)
-
-
-npu_varlen_op = torch.library.custom_op("hwgraph::npu_varlen", npu_body, mutates_args=())
+npu_varlen_op = torch.library.custom_op("hwgraph::npu_varlen", npu_attention, mutates_args=())
 
 
 @npu_varlen_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale, seq_ends, zero_padding=True):
+def _(q, k, v, cu_seqlens, max_seqlen, scale, seq_ends):
     return torch.empty_like(q)
 
 
@@ -140,20 +133,13 @@ def npu_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: to
 
     Host boundaries come from ``host_cu_seqlens(...)``; without it this reads ``cu_seqlens`` to the host.
     """
-    return checked_call(q, k, v, cu_seqlens, max_seqlen, scale, zero_padding=True)
+    return zero_padding_rows(npu_varlen_padding_unspecified(q, k, v, cu_seqlens, max_seqlen, scale), cu_seqlens)
 
 
 def npu_varlen_padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                                    max_seqlen: int, scale: float) -> torch.Tensor:
     """``npu_varlen`` without zeroing the padding rows (what the tower uses: its padding rows never mix into real
-    ones; see ``hwgraph.attention.varlen_inputs.register_varlen_kernel``)."""
-    return checked_call(q, k, v, cu_seqlens, max_seqlen, scale, zero_padding=False)
-
-
-npu_varlen.padding_unspecified = npu_varlen_padding_unspecified
-
-
-def checked_call(q, k, v, cu_seqlens, max_seqlen, scale, zero_padding: bool) -> torch.Tensor:
+    ones; the same split as ``hwgraph.attention.varlen_inputs.register_varlen_kernel``'s)."""
     check_varlen_inputs("NPU", q, k, v, cu_seqlens, max_seqlen, scale)
     tokens = q.shape[0]
     host = _host_cu_seqlens.get()
@@ -162,8 +148,11 @@ def checked_call(q, k, v, cu_seqlens, max_seqlen, scale, zero_padding: bool) -> 
         warn_host_read()
         host = tuple(cu_seqlens.tolist())
     check_host_cu_seqlens(host, cu_seqlens, tokens)
-    args = (q, k, v, cu_seqlens, max_seqlen, float(scale), sequence_ends(host, tokens), zero_padding)
-    return eager_or_op(npu_varlen_op, npu_body)(*args)
+    args = (q, k, v, cu_seqlens, max_seqlen, float(scale), sequence_ends(host, tokens))
+    return eager_or_op(npu_varlen_op, npu_attention)(*args)
+
+
+npu_varlen.padding_unspecified = npu_varlen_padding_unspecified
 
 
 NPU = KernelSpec(
