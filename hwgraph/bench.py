@@ -221,8 +221,11 @@ def time_group(tower, manager, pixels, grid, replays: bool, cfg: BenchConfig, re
     def replay():
         return manager.encode(pixels, grid)
 
-    calls = {"eager": eager} | ({"replay": replay} if replays else {}) | ({"transformers": reference} if reference
-                                                                         else {})
+    calls = {"eager": eager}
+    if replays:
+        calls["replay"] = replay
+    if reference is not None:
+        calls["transformers"] = reference
     timed = measure_interleaved(calls, cfg.device, cfg.warmup, cfg.samples)
     row = {name: timed[name].as_dict() if name in timed else None for name in ("transformers", "eager", "replay")}
     if cfg.profile:
