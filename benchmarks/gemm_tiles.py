@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hwgraph.timing import measure
+from hwgraph.timing import graphed_ms
 
 
 @triton.jit
@@ -127,17 +127,6 @@ def configs():
     yield from ((128, 128, 64, 1, 8, 3), (64, 128, 64, 1, 4, 4), (128, 256, 64, 1, 8, 3), (256, 128, 64, 1, 8, 3))
 
 
-def graphed_us(fn, calls: int = 20) -> float:
-    """Device microseconds per call: ``calls`` calls captured in one CUDA graph, so host launch cost drops out."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return measure(graph.replay, "cuda", warmup=3, samples=10).median * 1e3 / calls
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[196, 1024, 4096])
@@ -159,7 +148,7 @@ def main():
                 cublas = lambda x=x, w=w, b=b: torch._addmm_activation(b, x, w.t(), use_gelu=True)  # noqa: E731
             else:
                 cublas = lambda x=x, w=w, b=b: F.linear(x, w, b)  # noqa: E731
-            base = graphed_us(cublas)
+            base = graphed_ms(cublas, warmup=3, samples=10) * 1e3  # µs
             results = []
             for tiles in configs():
                 if tiles[3] > 1 and inner // tiles[3] < tiles[2]:
@@ -168,7 +157,7 @@ def main():
                     got = linear_launch(x, w, b, gelu, tiles)
                     err = ((got.float() - want).norm() / want.norm()).item()
                     call = functools.partial(linear_launch, x, w, b, gelu, tiles)
-                    results.append((graphed_us(call), tiles, err))
+                    results.append((graphed_ms(call, warmup=3, samples=10) * 1e3, tiles, err))
                 except Exception as exc:  # out of shared memory for big tiles
                     results.append((float("inf"), tiles, repr(exc)[:60]))
             results.sort(key=lambda r: r[0])

@@ -11,7 +11,7 @@ import torch
 from hwgraph_cuda.attention import aten_flash
 
 from hwgraph.attention.triton_kernel import launch_varlen_attention
-from hwgraph.timing import measure
+from hwgraph.timing import graphed_ms
 
 CONFIGS = [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
            (256, 64, 8, 2)]
@@ -19,23 +19,7 @@ CONFIGS = [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 2), (128, 64, 8, 2), (12
 CASES = [("1x196 eager", [196], 196, 196), ("1x196 in budget 256", [196], 1024, 1024),
          ("4x256 in budget 256", [256] * 4, 1024, 1024), ("1x1024 eager", [1024], 1024, 1024),
          ("4x784 in budget 1024", [784] * 4, 4096, 4096), ("1x4096 eager or budget 1024", [4096], 4096, 4096)]
-CALLS = 20
 HEADS, HEAD_DIM = 16, 72
-
-
-def graph_ms(fn) -> float:
-    """Device ms of one ``fn()``: CALLS calls captured in one CUDA graph, timed by replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    return measure(graph.replay, "cuda").median / CALLS
 
 
 def main():
@@ -50,14 +34,14 @@ def main():
         cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
         real = bounds[-1]
         want = aten_flash(q, k, v, cu, max_seqlen, scale)[:real]
-        flash = graph_ms(lambda q=q, k=k, v=v, cu=cu, m=max_seqlen: aten_flash(q, k, v, cu, m, scale))
+        flash = graphed_ms(lambda q=q, k=k, v=v, cu=cu, m=max_seqlen: aten_flash(q, k, v, cu, m, scale))
         gflop = sum(4 * n * n * HEADS * HEAD_DIM for n in seqlens) / 1e9
         row = [f"{label} ({gflop:.1f} GFLOP): flash {flash:.4f} ms ({gflop / flash:.0f} TFLOP/s)"]
         for cfg in CONFIGS:
             try:
                 got = launch_varlen_attention(q, k, v, cu, max_seqlen, scale, tiles=cfg)[:real]
                 err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-                ms = graph_ms(lambda c=cfg, q=q, k=k, v=v, cu=cu, m=max_seqlen:
+                ms = graphed_ms(lambda c=cfg, q=q, k=k, v=v, cu=cu, m=max_seqlen:
                               launch_varlen_attention(q, k, v, cu, m, scale, tiles=c))
                 row.append(f"{cfg}: {ms:.4f} ({gflop / ms:.0f} TFLOP/s, err {err:.1e})")
             except Exception as exc:  # a config that does not fit shared memory is reported, not fatal

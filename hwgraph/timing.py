@@ -64,6 +64,22 @@ def one_sample(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def graphed_ms(fn: Callable[[], object], calls: int = 20, warmup: int = 10, samples: int = 30) -> float:
+    """Device milliseconds of one ``fn()`` on CUDA: ``calls`` calls captured in one CUDA graph and timed by replay
+    (``measure``), divided by ``calls``, so host launch cost drops out. For component benchmarks."""
+    stream = torch.cuda.Stream()  # warm up off the default stream, as capture wants
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return measure(graph.replay, "cuda", warmup, samples).median / calls
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for ``device``'s queued work (no-op on CPU); wall-clock timing needs it off CUDA (NPU, ...)."""
     sync = getattr(getattr(torch, device.type, None), "synchronize", None)
