@@ -44,6 +44,29 @@ def validate_budgets(budgets, max_images_per_graph: int) -> list[int]:
     return values
 
 
+def default_slot_counts(max_images: int) -> list[int]:
+    """Sequence-slot counts captured per budget for a slot-bound kernel: powers of two below ``max_images``, and
+    ``max_images``; a group then replays with at most twice the slots it fills."""
+    out, n = [], 1
+    while n < max_images:
+        out.append(n)
+        n *= 2
+    return out + [max_images]
+
+
+def validate_slot_counts(slot_counts, max_images: int) -> list[int]:
+    """Sorted slot counts, ``max_images`` included (a graph must hold every group it accepts); ``ValueError``
+    naming the rule and the values on a violation."""
+    values = list(slot_counts)
+    bad = [n for n in values if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_images]
+    if bad:
+        raise ValueError(f"slot_counts must be ints in 1..max_images_per_graph ({max_images}), got {bad}")
+    dups = sorted({n for n in values if values.count(n) > 1})
+    if dups:
+        raise ValueError(f"slot_counts must not repeat, got duplicates {dups} in {values}")
+    return sorted(set(values) | {max_images})
+
+
 def filling_grid(tokens: int, merge: int) -> tuple[int, int, int]:
     """A single-frame patch grid ``(1, h, w)`` with exactly ``tokens`` merged tokens, as square as possible."""
     a = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)

@@ -37,17 +37,27 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @dataclass
 class BudgetGraph:
-    """One captured budget: its static inputs, its graph, and its output buffer ``[1 + deepstack, budget, out]``."""
+    """One captured budget: its static inputs and its graphs, one per sequence-slot count, all reading the same
+    static buffers (a graph with fewer slots sees a prefix of ``cu_seqlens``). Each graph's ``outputs`` is its
+    output buffer ``[1 + deepstack, budget, out]``."""
 
     budget: int
     num_patches: int
     pixels: torch.Tensor
-    metadata: object  # the tower's device metadata whose tensors are the graph's static inputs
-    graph: CapturedGraph
-    output: torch.Tensor
+    metadata: object  # the tower's device metadata, padded to every slot: the graphs' static inputs
+    graphs: dict[int, CapturedGraph]  # slot count -> graph, ascending
     memory_bytes: int
     capture_seconds: float
     filled_grid: tuple | None = None  # the grid whose metadata the static buffers hold now (None: unknown)
+
+    def graph_for(self, num_seqs: int) -> tuple[int, CapturedGraph]:
+        """The graph with the fewest slots holding ``num_seqs`` sequences, and its slot count."""
+        slots = min(n for n in self.graphs if n >= num_seqs)
+        return slots, self.graphs[slots]
+
+    def release(self) -> None:
+        for graph in self.graphs.values():
+            graph.release()
 
 
 @dataclass
@@ -59,6 +69,7 @@ class ManagerStats:
     eager_reasons: dict = field(default_factory=dict)  # why groups went eager -> count
     padding_tokens: int = 0  # budget tokens replayed that held no image
     replays_per_budget: dict = field(default_factory=dict)
+    replays_per_slots: dict = field(default_factory=dict)  # slot count of the graph replayed -> replays
     capture_bytes_per_budget: dict = field(default_factory=dict)
     capture_seconds_per_budget: dict = field(default_factory=dict)
     capture_failures: dict = field(default_factory=dict)  # budget -> reason
@@ -97,11 +108,17 @@ class EncoderGraphManager:
     each budget (startup cost: see ``stats()['capture_seconds_per_budget']``); where the backend cannot compile
     (``compile_support()``, e.g. NPU) or a budget's compiled capture fails, that capture is plain, and
     ``stats()`` says why (``compile_skipped``, ``compile_failures``).
+
+    ``slot_counts``: with a kernel whose cost grows with empty ``cu_seqlens`` slots (``KernelSpec.slot_bound``:
+    FLASH_ATTN, TRITON_ATTN, ROCM_AITER_FA), each budget is captured once per slot count, all graphs sharing its
+    static buffers, and a group replays the one with the fewest slots holding its images. ``None``: powers of two
+    below ``max_images_per_graph`` and that number for such kernels, else ``max_images_per_graph`` alone; explicit
+    counts must lie in 1..``max_images_per_graph``, which is always added.
     """
 
     def __init__(self, tower, device=None, dtype=None, budgets=None, max_images_per_graph=None,
                  graph_backend=None, attention=None, calibrate=False, max_budget=None, verify=True,
-                 log_every=1000, compile=False):
+                 log_every=1000, compile=False, slot_counts=None):
         first = next(tower.parameters())
         self.tower = tower
         self.device = torch.device(device) if device is not None else first.device
@@ -120,6 +137,10 @@ class EncoderGraphManager:
             max_images_per_graph = min(budget_rules.DEFAULT_MAX_IMAGES, min(budgets) if budgets else 1)
         self.budgets = budget_rules.validate_budgets(budgets, max_images_per_graph)
         self.max_images = max_images_per_graph
+        if slot_counts is None:
+            slot_counts = budget_rules.default_slot_counts(max_images_per_graph) \
+                if self.tower.attention_spec.slot_bound else [max_images_per_graph]
+        self.slot_counts = budget_rules.validate_slot_counts(slot_counts, max_images_per_graph)
         self.verify = verify
         self.compile = compile
         self.log_every = log_every
@@ -168,8 +189,8 @@ class EncoderGraphManager:
                 self.backend.synchronize()
         if self.calibrate_on_capture:
             self.calibrate()
-        log.info("captured budgets %s on %s/%s; memory per budget (MiB): %s", sorted(self.graphs),
-                 self.backend.name, self.tower.attention_kernel,
+        log.info("captured budgets %s (slot counts %s) on %s/%s; memory per budget (MiB): %s", sorted(self.graphs),
+                 self.slot_counts, self.backend.name, self.tower.attention_kernel,
                  {b: round(g.memory_bytes / 2**20, 1) for b, g in sorted(self.graphs.items())})
         return self.graphs
 
@@ -196,7 +217,8 @@ class EncoderGraphManager:
 
     def _compiled_block_forward(self):
         """The tower's block forward compiled once (``torch.compile(dynamic=False)``) and shared by every block and
-        budget: identical blocks reuse one compiled graph per shape (two per budget: the last block differs), so
+        budget: identical blocks reuse one compiled graph per shape (two per budget and slot count: the last block
+        differs), so
         compilation traces one block instead of the whole tower. Fixed shapes per budget; inductor fuses the small
         kernels, then the backend captures the result (its warm-up run compiles). Attention stays one opaque
         torch.library op inside the compiled graph."""
@@ -205,50 +227,56 @@ class EncoderGraphManager:
         return self._block_forward
 
     def _capture_budget(self, budget: int, compiled: bool = False) -> BudgetGraph:
+        """Capture ``budget`` once per slot count, most slots first, every graph reading the same static buffers;
+        a failed or wrong graph releases the budget's others and raises."""
         num_patches = budget * self.merge_area
         grid = [budget_rules.filling_grid(budget, self.tower.spatial_merge_size)]
         host = self.tower.prepare_metadata(grid)
         static_meta = host.padded(num_patches, self.max_images).to(self.device)
         pixels = torch.randn(num_patches, self.tower.patch_row_width, device=self.device, dtype=self.dtype)
         tower = self.tower
-
         block_forward = self._compiled_block_forward() if compiled else None
-
-        def forward() -> torch.Tensor:
-            out = tower.forward_with_metadata(pixels, static_meta, block_forward=block_forward)
-            return torch.stack(out.tensors())
+        entry = BudgetGraph(budget, num_patches, pixels, static_meta, {}, 0, 0.0)
 
         self.backend.synchronize()
         # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so the difference below
-        # is what this graph holds, not cached blocks released on the way in.
+        # is what this budget's graphs hold, not cached blocks released on the way in.
         self.backend.empty_cache()
         before = self.backend.memory_in_use()
         start = time.perf_counter()
-        with torch.inference_mode(), compile_limits(len(self.budgets)):
-            graph = self.backend.capture(forward, self.pool)
+        try:
+            for slots in sorted(self.slot_counts, reverse=True):
+                meta = static_meta if slots == self.max_images else static_meta.first_seqs(slots)
+
+                def forward(meta=meta) -> torch.Tensor:
+                    out = tower.forward_with_metadata(pixels, meta, block_forward=block_forward)
+                    return torch.stack(out.tensors())
+
+                with torch.inference_mode(), compile_limits(len(self.budgets) * len(self.slot_counts)):
+                    graph = self.backend.capture(forward, self.pool)
+                entry.graphs[slots] = graph
+                if self.verify:
+                    self._verify(entry, graph, host, grid)
+        except Exception:
+            entry.release()
+            raise
         self.backend.synchronize()
-        seconds = time.perf_counter() - start
-        used = self.backend.memory_in_use() - before
-        entry = BudgetGraph(budget, num_patches, pixels, static_meta, graph, graph.outputs, used, seconds)
-        if self.verify:
-            try:
-                self._verify(entry, host, grid)
-            except Exception:
-                graph.release()
-                raise
-        self._stats.capture_bytes_per_budget[budget] = used
-        self._stats.capture_seconds_per_budget[budget] = seconds
+        entry.graphs = dict(sorted(entry.graphs.items()))
+        entry.capture_seconds = time.perf_counter() - start
+        entry.memory_bytes = self.backend.memory_in_use() - before
+        self._stats.capture_bytes_per_budget[budget] = entry.memory_bytes
+        self._stats.capture_seconds_per_budget[budget] = entry.capture_seconds
         return entry
 
-    def _verify(self, entry: BudgetGraph, host, grid) -> None:
+    def _verify(self, entry: BudgetGraph, graph: CapturedGraph, host, grid) -> None:
         """Replay once on fresh inputs and compare with eager: a capture that replays wrongly is refused."""
         pixels = torch.randn_like(entry.pixels)
         self._fill(entry, pixels, host)
-        entry.graph.replay()
+        graph.replay()
         with torch.inference_mode():
             eager = self.tower.forward(pixels, grid)
         want = torch.stack(eager.tensors())
-        got = entry.output[:, : want.shape[1]]
+        got = graph.outputs[:, : want.shape[1]]
         error = relative_error(got, want)
         if not error <= VERIFY_TOLERANCE.get(self.dtype, 1e-4):
             raise CaptureError(f"replay differs from eager after capture: relative error {error:.3g} "
@@ -292,14 +320,16 @@ class EncoderGraphManager:
         return out.split(list(host.token_counts))
 
     def _replay(self, entry: BudgetGraph, pixel_values, host, tokens: int, count: int) -> list:
+        slots, graph = entry.graph_for(host.num_seqs)
         self._fill(entry, pixel_values, host)
-        entry.graph.replay()
+        graph.replay()
         # One copy out of the graph's buffer: the next replay overwrites it, and rows past `tokens` are padding.
-        group = entry.output[:, :tokens].clone()
+        group = graph.outputs[:, :tokens].clone()
         self._stats.hits += count
         self._stats.replays += 1
         self._stats.padding_tokens += entry.budget - tokens
         self._stats.replays_per_budget[entry.budget] = self._stats.replays_per_budget.get(entry.budget, 0) + 1
+        self._stats.replays_per_slots[slots] = self._stats.replays_per_slots.get(slots, 0) + 1
         return self.tower.output_type(group[0], tuple(group[1:])).split(list(host.token_counts))
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -353,7 +383,7 @@ class EncoderGraphManager:
 
             def replay(entry=entry, pixels=pixels, host=host):
                 self._fill(entry, pixels, host)
-                entry.graph.replay()
+                entry.graph_for(host.num_seqs)[1].replay()
 
             eager_ms = self.time_ms(eager, warmup, samples)
             replay_ms = self.time_ms(replay, warmup, samples)
@@ -361,7 +391,7 @@ class EncoderGraphManager:
         kept = [b for b, f in findings.items() if f["kept"]]
         for budget, f in findings.items():
             if not f["kept"]:
-                self.graphs.pop(budget).graph.release()
+                self.graphs.pop(budget).release()
         self.budgets = sorted(kept) or self.budgets
         self._stats.calibration = findings
         log.info("calibration on %s/%s: %s; cap %s", self.backend.name, self.tower.attention_kernel,
@@ -372,7 +402,7 @@ class EncoderGraphManager:
     # ---------------------------------------------------------------- bookkeeping
     def stats(self) -> dict:
         out = self._stats.as_dict()
-        out.update(budgets=sorted(self.graphs), graph_backend=self.backend.name,
+        out.update(budgets=sorted(self.graphs), slot_counts=list(self.slot_counts), graph_backend=self.backend.name,
                    attention=self.tower.attention_kernel, calls=self._calls,
                    images=self._stats.hits + self._stats.misses)
         return out
@@ -380,7 +410,7 @@ class EncoderGraphManager:
     def close(self) -> None:
         """Release every graph, its static buffers and the pool."""
         for entry in self.graphs.values():
-            entry.graph.release()
+            entry.release()
         self.graphs.clear()
         self._padded.clear()
         self.pool = None

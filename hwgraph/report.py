@@ -56,10 +56,13 @@ def dispatch_table(result: dict) -> str:
         s = data["stats"]
         rows.append([kernel, s["calls"], s["hits"], s["misses"], s["eager_groups"], s["padding_tokens"],
                      ", ".join(f"{b}: {n}" for b, n in sorted(s["replays_per_budget"].items())) or None,
+                     ", ".join(f"{k}: {n}" for k, n in sorted(s.get("replays_per_slots", {}).items(),
+                                                              key=lambda kv: int(kv[0]))) or None,
                      "; ".join(f"{b}: {why}" for b, why in s["capture_failures"].items()) or None,
                      compile_note(s)])
     return md_table(["attention", "calls", "hits (images)", "misses (images)", "eager groups", "padding tokens",
-                     "replays per budget", "capture failures", "captured uncompiled"], rows)
+                     "replays per budget", "replays per slot count", "capture failures", "captured uncompiled"],
+                    rows)
 
 
 def compile_note(stats: dict) -> str | None:

@@ -243,9 +243,66 @@ def test_calibration_keeps_only_budgets_where_replay_wins(tower, monkeypatch):
     assert m.stats()["calibration"][32]["replay_ms"] == 2.0
 
 
+def slot_bound_sdpa(q, k, v, cu_seqlens, max_seqlen, scale):
+    from hwgraph.attention.sdpa import sdpa_varlen
+
+    return sdpa_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+slot_bound_sdpa.slot_bound = True
+
+
+def test_slot_bound_kernel_gets_one_graph_per_slot_count_sharing_the_budgets_buffers(tower):
+    with EncoderGraphManager(tower, budgets=[16, 64], max_images_per_graph=8, graph_backend="cpu",
+                             attention=slot_bound_sdpa) as m:
+        assert m.slot_counts == [1, 2, 4, 8]
+        m.capture()
+        entry = m.graphs[64]
+        assert list(entry.graphs) == [1, 2, 4, 8]
+        assert m.stats()["slot_counts"] == [1, 2, 4, 8]
+        # every graph of the budget reads the same static buffers: one copy of the inputs serves them all
+        assert entry.metadata.cu_seqlens.shape == (9,)
+        one = [(1, 4, 4)]
+        for n, slots in [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (1, 1), (8, 8), (2, 2)]:
+            grid = one * n
+            pixels = pixels_for(tower, grid, 300 + n)
+            assert_outputs_equal(m.encode(pixels, grid), eager_per_image(tower, pixels, grid))
+            assert entry.graph_for(n)[0] == slots
+        s = m.stats()
+        assert s["replays_per_slots"] == {1: 2, 2: 2, 4: 2, 8: 2}
+        assert s["replays_per_budget"] == {16: 6, 64: 2}  # up to 4 images of 4 tokens fit the 16-token budget
+
+
+def test_slot_counts_default_to_the_max_for_kernels_that_are_not_slot_bound_and_are_validated(tower):
+    assert EncoderGraphManager(tower, budgets=[16], max_images_per_graph=8, graph_backend="cpu",
+                               attention="TORCH_SDPA").slot_counts == [8]
+    assert EncoderGraphManager(tower, budgets=[16], max_images_per_graph=6, graph_backend="cpu",
+                               attention=slot_bound_sdpa).slot_counts == [1, 2, 4, 6]
+    assert EncoderGraphManager(tower, budgets=[16], max_images_per_graph=4, graph_backend="cpu",
+                               slot_counts=[2]).slot_counts == [2, 4]
+    for counts, match in [([0], r"slot_counts must be ints in 1..max_images_per_graph \(4\), got \[0\]"),
+                          ([5], r"got \[5\]"), ([2, 2], r"must not repeat, got duplicates \[2\]"),
+                          ([1.5], r"got \[1.5\]")]:
+        with pytest.raises(ValueError, match=match):
+            EncoderGraphManager(tower, budgets=[16], max_images_per_graph=4, graph_backend="cpu",
+                                slot_counts=counts)
+
+
+def test_first_seqs_is_a_prefix_view_of_the_padded_metadata(tower):
+    meta = tower.prepare_metadata([(1, 4, 4), (1, 2, 4)]).padded(64, 4)
+    view = meta.first_seqs(2)
+    assert view.cu_seqlens.tolist() == [0, 16, 24]
+    assert view.cu_seqlens.data_ptr() == meta.cu_seqlens.data_ptr() and view.pos_indices is meta.pos_indices
+    meta.cu_seqlens[1] = 15
+    assert view.cu_seqlens[1] == 15  # a view: writes to the static buffer show through
+    with pytest.raises(ValueError, match=r"num_seqs must be in 1..4 \(the slots of this metadata\), got 5"):
+        meta.first_seqs(5)
+
+
 def test_seeded_soak_every_output_equals_eager_and_stats_add_up(tower):
     rng = random.Random(1234)
-    m = EncoderGraphManager(tower, budgets=BUDGETS, max_images_per_graph=4, graph_backend="cpu")
+    # graphs with 1, 2 and 4 sequence slots per budget: groups move between them and between budgets
+    m = EncoderGraphManager(tower, budgets=BUDGETS, max_images_per_graph=4, graph_backend="cpu", slot_counts=[1, 2])
     m.capture()
     images = 0
     for call in range(1000):
@@ -260,7 +317,8 @@ def test_seeded_soak_every_output_equals_eager_and_stats_add_up(tower):
     s = m.stats()
     assert s["calls"] == 1000 and s["hits"] + s["misses"] == images == s["images"]
     assert s["replays"] + s["eager_groups"] == 1000
-    assert sum(s["replays_per_budget"].values()) == s["replays"]
+    assert sum(s["replays_per_budget"].values()) == s["replays"] == sum(s["replays_per_slots"].values())
+    assert sorted(s["replays_per_slots"]) == [1, 2, 4]
     assert sum(s["eager_reasons"].values()) == s["eager_groups"]
     assert s["replays"] > 100 and s["eager_groups"] > 100  # both paths exercised
     m.close()

@@ -32,6 +32,11 @@ class KernelSpec:
     gate: Callable[[PlatformInfo], Capability]
     priority: int = 0  # higher is preferred when chosen automatically
     description: str = ""
+    # The kernel launches blocks for every cu_seqlens slot, empty ones included, so a graph captured with room for
+    # more sequences than a call has runs slower (ATen's flash kernel: grid (query blocks, slots, heads), whose
+    # empty-slot blocks pack the real ones two to an SM). The manager then captures each budget once per slot
+    # count (``EncoderGraphManager(slot_counts=...)``) and replays the one with the fewest slots that fit.
+    slot_bound: bool = False
 
     def capability(self, platform: PlatformInfo, dtype: torch.dtype | None = None,
                    head_dim: int | None = None) -> Capability:

@@ -58,5 +58,6 @@ TRITON_ATTN = KernelSpec(
     graph_safe=True,
     gate=triton_gate,
     priority=20,
+    slot_bound=True,
     description="hwgraph's Triton varlen flash attention (online softmax); CPU only under TRITON_INTERPRET=1",
 )

@@ -124,5 +124,6 @@ FLASH_ATTN = KernelSpec(
     graph_safe=True,
     gate=flash_gate,
     priority=30,
+    slot_bound=True,
     description="flash_attn.flash_attn_varlen_func if installed, else torch.nn.attention.varlen.varlen_attn",
 )

@@ -75,6 +75,9 @@ def test_bf16_replay_equals_eager_for_every_kernel(tower, kernel, compiled):
                 assert torch.equal(o.embeds, c)
         s = m.stats()
         assert s["replays_per_budget"] == {64: 2, 128: 2, 256: 3}
+        # slot-bound kernels (FLASH_ATTN, TRITON_ATTN) replay the graph with the fewest sequence slots that fit
+        slot_bound = m.tower.attention_spec.slot_bound
+        assert s["replays_per_slots"] == ({1: 5, 2: 1, 4: 1} if slot_bound else {4: 7})
         assert s["eager_reasons"] == {"over budget": 1, "video": 1}
         with m.backend.sync_guard():  # the replay path reads nothing back, compiled or not
             m.encode(pixels([(1, 14, 14)], 99), [(1, 14, 14)])

@@ -54,5 +54,6 @@ ROCM_AITER_FA = KernelSpec(
     graph_safe=True,
     gate=aiter_gate,
     priority=30,
+    slot_bound=True,  # a batch dimension in its grid like ATen's flash (assumed: not measured on ROCm here)
     description="aiter.flash_attn_varlen_func (CK/ASM flash attention) on gfx942/gfx950",
 )

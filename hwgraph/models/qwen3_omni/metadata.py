@@ -151,6 +151,14 @@ class VisionMetadata:
             max_seqlen=max_seqlen,
         )
 
+    def first_seqs(self, num_seqs: int) -> VisionMetadata:
+        """This metadata limited to its first ``num_seqs`` sequence slots: the same tensors, with ``cu_seqlens`` a
+        prefix view of this one's. A graph captured on it reads the same static buffers as one captured on self and
+        is right for any contents with at most ``num_seqs`` sequences (the padding repeats the last offset)."""
+        if not 1 <= num_seqs <= self.num_seqs:
+            raise ValueError(f"num_seqs must be in 1..{self.num_seqs} (the slots of this metadata), got {num_seqs}")
+        return dataclasses.replace(self, cu_seqlens=self.cu_seqlens[: num_seqs + 1])
+
     def copy_from(self, src: VisionMetadata) -> VisionMetadata:
         """Overwrite these (static, e.g. device) tensors in place with ``src``'s; shapes and ``max_seqlen`` must
         match, since a captured graph keeps both. Host fields follow ``src``. Returns self."""

@@ -27,11 +27,13 @@ AUTO = "auto"
 
 
 def callable_spec(fn: VarlenAttention) -> KernelSpec:
-    """A spec for a kernel passed in as a plain callable; graph-safe unless it says ``fn.graph_safe = False``."""
+    """A spec for a kernel passed in as a plain callable; graph-safe unless it says ``fn.graph_safe = False``,
+    slot-bound (``KernelSpec.slot_bound``) if it says ``fn.slot_bound = True``."""
     return KernelSpec(
         name=getattr(fn, "__name__", type(fn).__name__), impl_path="", kinds=KINDS,
         dtypes=(torch.float32, torch.bfloat16, torch.float16), head_dims=(1, 1 << 16),
         graph_safe=bool(getattr(fn, "graph_safe", True)), gate=lambda platform: Capability.available(),
+        slot_bound=bool(getattr(fn, "slot_bound", False)),
         description="a callable given to the tower",
     )
 
