@@ -187,18 +187,25 @@ def time_kernel(tower, kernel: str, groups, inputs, cfg: BenchConfig, progress, 
     if calibrate and not cfg.budgets:  # look for the cap up to the manager's calibration limit
         budgets = budget_rules.auto_budgets(max(budget_rules.CALIBRATION_CAP, max(budgets)))
     max_images = min(max(g.count for g in groups), min(budgets))
-    manager = EncoderGraphManager(tower, device=cfg.device, dtype=cfg.dtype, budgets=budgets,
-                                  max_images_per_graph=max_images, graph_backend=cfg.graph_backend,
-                                  attention=kernel, calibrate=calibrate, max_budget=max(budgets), compile=cfg.compile)
+    def new_manager(compile: bool):
+        return EncoderGraphManager(tower, device=cfg.device, dtype=cfg.dtype, budgets=budgets,
+                                   max_images_per_graph=max_images, graph_backend=cfg.graph_backend,
+                                   attention=kernel, calibrate=calibrate, max_budget=max(budgets), compile=compile)
+
+    manager = new_manager(cfg.compile)
+    # compiled replay is timed side by side with plain replay, from a second manager captured without compile
+    plain = new_manager(False) if cfg.compile and not calibrate else None
     try:
         manager.capture()
+        if plain is not None:
+            plain.capture()
         rows = {}
         for group in groups:
             pixels, grid = inputs[group.label]
             entry, why = manager.select_graph(grid, group.total)
             # Calibrated budgets: time what a caller gets, replay or the eager fallback the calibration left.
             rows[group.label] = row = time_group(tower, manager, pixels, grid, entry is not None or calibrate, cfg,
-                                                 (reference or {}).get(group.label))
+                                                 (reference or {}).get(group.label), plain)
             row["budget"] = entry.budget if entry is not None else None
             row["replay_note"] = "replay" if entry is not None else f"eager: {why}"
             progress.advance(note=f"{kernel} {group.label}")
@@ -208,11 +215,14 @@ def time_kernel(tower, kernel: str, groups, inputs, cfg: BenchConfig, progress, 
                 "graph_memory_bytes": dict(sorted(stats["capture_bytes_per_budget"].items()))}
     finally:
         manager.close()
+        if plain is not None:
+            plain.close()
 
 
-def time_group(tower, manager, pixels, grid, replays: bool, cfg: BenchConfig, reference=None) -> dict:
+def time_group(tower, manager, pixels, grid, replays: bool, cfg: BenchConfig, reference=None, plain=None) -> dict:
     """Eager, (when a graph holds the group) replay and (given ``reference``) transformers latency of one group,
-    sampled in turn; kernel time with ``cfg.profile``."""
+    sampled in turn, and with ``plain`` (a manager captured without compile, when ``manager`` compiled) its replay
+    too; kernel time with ``cfg.profile``."""
     from hwgraph.profiling import kernel_time
 
     def eager():
@@ -224,10 +234,13 @@ def time_group(tower, manager, pixels, grid, replays: bool, cfg: BenchConfig, re
     calls = {"eager": eager}
     if replays:
         calls["replay"] = replay
+        if plain is not None:
+            calls["plain_replay"] = lambda: plain.encode(pixels, grid)
     if reference is not None:
         calls["transformers"] = reference
     timed = measure_interleaved(calls, cfg.device, cfg.warmup, cfg.samples)
-    row = {name: timed[name].as_dict() if name in timed else None for name in ("transformers", "eager", "replay")}
+    row = {name: timed[name].as_dict() if name in timed else None
+           for name in ("transformers", "eager", "replay", "plain_replay")}
     if cfg.profile:
         row["profile"] = {"eager": kernel_time(eager, cfg.device).as_dict(),
                           "replay": kernel_time(replay, cfg.device).as_dict() if replays else None}
@@ -262,10 +275,12 @@ def flatten_rows(groups, per_kernel: list[dict]) -> list[dict]:
             rows.append({
                 "group": group.label, "images": group.count, "tokens": group.total, "kernel": result["kernel"],
                 "transformers": tf, "eager": r["eager"], "replay": r["replay"], "budget": r["budget"],
+                "plain_replay": r.get("plain_replay"),
                 "replay_note": r["replay_note"],
                 "speedup": {"eager_vs_transformers": ratio(tf, r["eager"]),
                             "replay_vs_transformers": ratio(tf, r["replay"]),
-                            "replay_vs_eager": ratio(r["eager"], r["replay"])},
+                            "replay_vs_eager": ratio(r["eager"], r["replay"]),
+                            "replay_vs_plain_replay": ratio(r.get("plain_replay"), r["replay"])},
                 "profile": profile_ratios(r),
             })
     return rows

@@ -23,15 +23,22 @@ def x(value: float | None) -> str | None:
 
 
 def latency_table(result: dict) -> str:
+    """One row per group and kernel; with ``--compile`` the replay is compiled and plain replay has its column."""
+    plain = any(r.get("plain_replay") for r in result["rows"])
     rows = []
     for r in result["rows"]:
         replay = ms(r["replay"])
         replay = f"{replay} (budget {r['budget']})" if replay else r["replay_note"]
         s = r["speedup"]
-        rows.append([r["group"], r["tokens"], r["kernel"], ms(r["transformers"]), ms(r["eager"]), replay,
-                     x(s["eager_vs_transformers"]), x(s["replay_vs_transformers"]), x(s["replay_vs_eager"])])
-    return md_table(["group", "tokens", "attention", "transformers eager", "hwgraph eager", "hwgraph replay",
-                     "eager vs transformers", "replay vs transformers", "replay vs eager"], rows)
+        rows.append([r["group"], r["tokens"], r["kernel"], ms(r["transformers"]), ms(r["eager"]),
+                     *([ms(r.get("plain_replay"))] if plain else []), replay,
+                     x(s["eager_vs_transformers"]), x(s["replay_vs_transformers"]), x(s["replay_vs_eager"]),
+                     *([x(s.get("replay_vs_plain_replay"))] if plain else [])])
+    replay_name = "hwgraph compiled replay" if plain else "hwgraph replay"
+    return md_table(["group", "tokens", "attention", "transformers eager", "hwgraph eager",
+                     *(["hwgraph plain replay"] if plain else []), replay_name,
+                     "eager vs transformers", "replay vs transformers", "replay vs eager",
+                     *(["compiled vs plain replay"] if plain else [])], rows)
 
 
 def mib(nbytes: int) -> str:
@@ -104,6 +111,8 @@ def calibration_section(cal: dict | None) -> str | None:
 
 
 INTERLEAVED = " (in each row transformers, eager and replay are sampled in turn, one call of each per round)"
+INTERLEAVED_COMPILED = (" (in each row transformers, eager, plain replay and compiled replay are sampled in turn, one "
+                        "call of each per round)")
 
 
 def heading(result: dict) -> str:
@@ -113,7 +122,7 @@ def heading(result: dict) -> str:
             f"graph backend {result['graph_backend']}\n\n"
             f"{result['timer']}, {result['warmup']} warm-ups, {result['samples']} samples per cell; latency in ms "
             f"as median / p95; speedups are ratios of medians measured in this run"
-            f"{INTERLEAVED if result.get('interleaved') else ''}. Budgets: "
+            f"{interleaved_note(result)}. Budgets: "
             f"{', '.join(str(b) for b in result['budgets'])}"
             f"{' (each captured after torch.compile)' if result.get('compile') else ''}. torch {p['torch_version']}, "
             f"transformers "
@@ -121,6 +130,12 @@ def heading(result: dict) -> str:
             + ("" if result.get("graph_backend_accelerates") is not False else
                f" The {result['graph_backend']} graph backend emulates replay eagerly (exact graph semantics, no "
                f"speed-up): its replay columns show the emulation's cost, not a device graph's."))
+
+
+def interleaved_note(result: dict) -> str:
+    if not result.get("interleaved"):
+        return ""
+    return INTERLEAVED_COMPILED if any(r.get("plain_replay") for r in result["rows"]) else INTERLEAVED
 
 
 def bench_markdown(result: dict) -> str:

@@ -10,6 +10,7 @@ import torch
 from hwgraph import cli
 from hwgraph.bench import BenchConfig, Group, covering_budgets, parse_groups, run_bench
 from hwgraph.profiling import kernel_time
+from hwgraph.report import bench_markdown
 
 
 def test_group_specs_parse_into_counts_and_tokens():
@@ -56,6 +57,7 @@ def test_bench_times_transformers_eager_and_replay_per_group_with_ratios(result)
         for column in ("transformers", "eager", "replay"):
             assert r[column]["samples"] == 2 and 0 < r[column]["median_ms"] <= r[column]["p95_ms"]
         assert r["speedup"]["replay_vs_eager"] == pytest.approx(r["eager"]["median_ms"] / r["replay"]["median_ms"])
+        assert r["plain_replay"] is None  # only a compiled bench times plain replay beside it
         assert r["profile"]["eager_kernel_ms"] > 0 and r["profile"]["replay_kernel_ms"] > 0
     assert rows[("1x4", "TORCH_SDPA")]["budget"] == 8 and rows[("2x4", "TORCH_SDPA")]["budget"] == 8
 
@@ -64,6 +66,8 @@ def test_bench_reports_graph_memory_dispatch_calibration_and_every_kernel(result
     per = result["per_kernel"]["TORCH_SDPA"]
     assert sorted(per["graph_memory_bytes"]) == [8, 16] and all(v > 0 for v in per["graph_memory_bytes"].values())
     assert per["stats"]["hits"] > 0 and per["stats"]["misses"] == 0
+    assert per["stats"]["replays_per_slots"] == {2: per["stats"]["replays"]}  # TORCH_SDPA: one slot count
+    assert "| replays per slot count |" in bench_markdown(result)
     assert set(result["calibration"]["findings"]) == {8, 16}
     assert {k["name"] for k in result["kernels"]} >= {"TORCH_SDPA", "TRITON_ATTN", "FLASH_ATTN"}
     assert all(k["reasons"] for k in result["kernels"] if not k["available"])

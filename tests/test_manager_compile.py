@@ -73,6 +73,35 @@ def test_compiled_mode_compiles_one_block_per_shape_for_every_budget_without_hit
     m.close()
 
 
+@needs_inductor
+def test_compiled_mode_compiles_each_budget_once_for_all_its_slot_counts():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(2)
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=6).eval()
+    my_sdpa.slot_bound = True
+    try:
+        counters.clear()
+        m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=4, graph_backend="cpu", compile=True,
+                                attention=my_sdpa)
+        m.capture()
+    finally:
+        del my_sdpa.slot_bound
+    assert m.slot_counts == [1, 2, 4] and all(list(e.graphs) == [1, 2, 4] for e in m.graphs.values())
+    assert m.stats()["capture_failures"] == {} and m.stats()["compile_failures"] == {}
+    # cu_seqlens' length is dynamic: a middle and a last block per budget, not per budget and slot count
+    assert counters["stats"]["unique_graphs"] == 2 * 2
+    for n in (1, 2, 3, 4):
+        grid = [(1, 2, 4)] * n
+        pixels = torch.randn(8 * n, tower.patch_row_width)
+        want = tower.forward(pixels, grid).split([2] * n)
+        for got, w in zip(m.encode(pixels, grid), want, strict=True):
+            for x, y in zip(got.tensors(), w.tensors(), strict=True):
+                torch.testing.assert_close(x, y)
+    assert m.stats()["replays_per_slots"] == {1: 1, 2: 1, 4: 2}
+    m.close()
+
+
 def check_against_eager(tower, m, grids):
     for seed, grid in enumerate(grids):
         g = torch.Generator().manual_seed(seed)
@@ -129,3 +158,23 @@ def test_inductor_support_names_what_is_missing(monkeypatch):
     assert "needs a C++ compiler" in inductor_support(torch.device("cpu")).describe()
     monkeypatch.setenv("CXX", "/opt/cc/bin/g++")
     assert inductor_support(torch.device("cpu")).ok
+
+
+@needs_inductor
+def test_compiled_bench_times_plain_replay_side_by_side_and_reports_both():
+    from hwgraph.bench import BenchConfig, parse_groups, run_bench
+    from hwgraph.report import bench_markdown
+
+    cfg = BenchConfig(preset="tiny", groups=parse_groups("1x4,2x4"), device=torch.device("cpu"),
+                      dtype=torch.float32, graph_backend="cpu", warmup=1, samples=2, budgets=[8], compile=True,
+                      kernels=["TORCH_SDPA"])
+    result = run_bench(cfg)
+    for r in result["rows"]:
+        for column in ("transformers", "eager", "plain_replay", "replay"):
+            assert r[column]["samples"] == 2 and r[column]["median_ms"] > 0
+        assert r["speedup"]["replay_vs_plain_replay"] == pytest.approx(
+            r["plain_replay"]["median_ms"] / r["replay"]["median_ms"])
+    text = bench_markdown(result)
+    assert ("| transformers eager | hwgraph eager | hwgraph plain replay | hwgraph compiled replay |" in text
+            and text.count("| compiled vs plain replay |") == 1)
+    assert "plain replay and compiled replay are sampled in turn" in text
