@@ -7,15 +7,14 @@ go eager. Outputs handed back are copies: a later replay never overwrites them a
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-import types
 from dataclasses import dataclass, field
 
 import torch
 
 from hwgraph import budgets as budget_rules
+from hwgraph.compile_mode import compile_block_forward, compile_limits
 from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend
 from hwgraph.hostmem import pinned_copy
 from hwgraph.platform import platform_for
@@ -79,23 +78,6 @@ class ManagerStats:
 
     def as_dict(self) -> dict:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
-
-
-def own_code_copy(fn):
-    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object: with a copy, this
-    manager's compilations neither reuse nor count against those of other managers (another attention kernel or
-    tower in the same process), so ``compile_limits`` can size the recompile limit to this manager alone."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-@contextlib.contextmanager
-def compile_limits(num_budgets: int):
-    """Room for every budget's compiled graphs (two per budget) under dynamo's recompile limit, and a hard error
-    instead of a silent eager fallback if it is hit anyway (the capture then fails and is logged)."""
-    wanted = {"recompile_limit": max(8, 2 * num_budgets + 2), "fail_on_recompile_limit_hit": True}
-    config = torch._dynamo.config
-    with config.patch({k: v for k, v in wanted.items() if hasattr(config, k)}):
-        yield
 
 
 class EncoderGraphManager:
@@ -218,12 +200,11 @@ class EncoderGraphManager:
     def _compiled_block_forward(self):
         """The tower's block forward compiled once (``torch.compile(dynamic=False)``) and shared by every block and
         budget: identical blocks reuse one compiled graph per shape (two per budget: the last block differs; the
-        slot count is a dynamic dimension), so
-        compilation traces one block instead of the whole tower. Fixed shapes per budget; inductor fuses the small
-        kernels, then the backend captures the result (its warm-up run compiles). Attention stays one opaque
-        torch.library op inside the compiled graph."""
+        slot count is a dynamic dimension), so compilation traces one block instead of the whole tower. Fixed
+        shapes per budget; inductor fuses the small kernels, then the backend captures the result (its warm-up run
+        compiles). Attention stays one opaque torch.library op inside the compiled graph."""
         if self._block_forward is None:
-            self._block_forward = torch.compile(own_code_copy(self.tower.block_forward()), dynamic=False)
+            self._block_forward = compile_block_forward(self.tower.block_forward())
         return self._block_forward
 
     def _capture_budget(self, budget: int, compiled: bool = False) -> BudgetGraph:
