@@ -76,7 +76,9 @@ def attend_key_block(q_a, q_b, m_i, l_i, acc, K, V, start, kv_start, seqlen, hea
     return m_new, l_i, acc
 
 
-@triton.jit
+# num_seqs is the slot count of a graph (1, 2, 4, ...): unspecialised, so a graph with one slot does not compile a
+# kernel of its own for the value 1.
+@triton.jit(do_not_specialize=["num_seqs"])
 def varlen_attention_kernel(
     Q, K, V, Out, CU_SEQLENS,
     tokens, num_seqs, qk_scale_log2,

@@ -83,6 +83,20 @@ def test_bf16_replay_equals_eager_for_every_kernel(tower, kernel, compiled):
             m.encode(pixels([(1, 14, 14)], 99), [(1, 14, 14)])
 
 
+def test_graph_memory_per_budget_counts_the_graphs_not_the_capture_check(tower):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    found = {}
+    for verify in (False, True):  # the check runs eager forwards, whose blocks stay in the allocator's cache
+        with EncoderGraphManager(tower, budgets=[64, 256], max_images_per_graph=4, verify=verify) as m:
+            m.capture()
+            found[verify] = m.stats()["capture_bytes_per_budget"]
+            assert list(m.graphs[256].graphs) == [1, 2, 4]  # FLASH_ATTN, the automatic choice, is slot-bound
+    assert found[True].keys() == found[False].keys() == {64, 256}
+    for budget, nbytes in found[False].items():  # allocator rounding at most; the check's forwards are ~100 MiB
+        assert abs(found[True][budget] - nbytes) <= 4 << 20, found
+
+
 def test_replay_path_reads_nothing_back_from_the_device(tower):
     with EncoderGraphManager(tower, budgets=[64, 128], max_images_per_graph=2) as m:
         m.capture()
