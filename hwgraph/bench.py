@@ -187,6 +187,7 @@ def time_kernel(tower, kernel: str, groups, inputs, cfg: BenchConfig, progress, 
     if calibrate and not cfg.budgets:  # look for the cap up to the manager's calibration limit
         budgets = budget_rules.auto_budgets(max(budget_rules.CALIBRATION_CAP, max(budgets)))
     max_images = min(max(g.count for g in groups), min(budgets))
+
     def new_manager(compile: bool):
         return EncoderGraphManager(tower, device=cfg.device, dtype=cfg.dtype, budgets=budgets,
                                    max_images_per_graph=max_images, graph_backend=cfg.graph_backend,

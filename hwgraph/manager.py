@@ -226,18 +226,18 @@ class EncoderGraphManager:
         before = self.backend.memory_in_use()
         start = time.perf_counter()
         try:
-            for slots in sorted(self.slot_counts, reverse=True):
-                meta = static_meta if slots == self.max_images else static_meta.first_seqs(slots)
-                if compiled:
-                    # Only the attention op (opaque to inductor) reads cu_seqlens' length: one compiled block per
-                    # budget serves every slot count, instead of a recompilation per count.
-                    torch._dynamo.mark_dynamic(meta.cu_seqlens, 0)
+            with torch.inference_mode(), compile_limits(len(self.budgets)):
+                for slots in sorted(self.slot_counts, reverse=True):
+                    meta = static_meta.first_seqs(slots)
+                    if compiled:
+                        # Only the attention op (opaque to inductor) reads cu_seqlens' length: one compiled block
+                        # per budget serves every slot count, instead of a recompilation per count.
+                        torch._dynamo.mark_dynamic(meta.cu_seqlens, 0)
 
-                def forward(meta=meta) -> torch.Tensor:
-                    out = tower.forward_with_metadata(pixels, meta, block_forward=block_forward)
-                    return torch.stack(out.tensors())
+                    def forward(meta=meta) -> torch.Tensor:
+                        out = tower.forward_with_metadata(pixels, meta, block_forward=block_forward)
+                        return torch.stack(out.tensors())
 
-                with torch.inference_mode(), compile_limits(len(self.budgets)):
                     entry.graphs[slots] = self.backend.capture(forward, self.pool)
             self.backend.synchronize()
             entry.graphs = dict(sorted(entry.graphs.items()))

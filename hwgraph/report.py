@@ -24,7 +24,7 @@ def x(value: float | None) -> str | None:
 
 def latency_table(result: dict) -> str:
     """One row per group and kernel; with ``--compile`` the replay is compiled and plain replay has its column."""
-    plain = any(r.get("plain_replay") for r in result["rows"])
+    plain = has_plain_replay(result)
     rows = []
     for r in result["rows"]:
         replay = ms(r["replay"])
@@ -132,10 +132,15 @@ def heading(result: dict) -> str:
                f"speed-up): its replay columns show the emulation's cost, not a device graph's."))
 
 
+def has_plain_replay(result: dict) -> bool:
+    """A compiled bench: plain replay was timed beside the compiled one."""
+    return any(r.get("plain_replay") for r in result["rows"])
+
+
 def interleaved_note(result: dict) -> str:
     if not result.get("interleaved"):
         return ""
-    return INTERLEAVED_COMPILED if any(r.get("plain_replay") for r in result["rows"]) else INTERLEAVED
+    return INTERLEAVED_COMPILED if has_plain_replay(result) else INTERLEAVED
 
 
 def bench_markdown(result: dict) -> str:

@@ -79,14 +79,15 @@ def test_compiled_mode_compiles_each_budget_once_for_all_its_slot_counts():
 
     torch.manual_seed(2)
     tower = Qwen3OmniVisionTower.from_preset("tiny", depth=6).eval()
-    my_sdpa.slot_bound = True
-    try:
-        counters.clear()
-        m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=4, graph_backend="cpu", compile=True,
-                                attention=my_sdpa)
-        m.capture()
-    finally:
-        del my_sdpa.slot_bound
+
+    def slot_bound_sdpa(q, k, v, cu_seqlens, max_seqlen, scale):
+        return my_sdpa(q, k, v, cu_seqlens, max_seqlen, scale)
+
+    slot_bound_sdpa.slot_bound = True
+    counters.clear()
+    m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=4, graph_backend="cpu", compile=True,
+                            attention=slot_bound_sdpa)
+    m.capture()
     assert m.slot_counts == [1, 2, 4] and all(list(e.graphs) == [1, 2, 4] for e in m.graphs.values())
     assert m.stats()["capture_failures"] == {} and m.stats()["compile_failures"] == {}
     # cu_seqlens' length is dynamic: a middle and a last block per budget, not per budget and slot count
