@@ -126,6 +126,29 @@ def test_interpreted_triton_reads_strided_qkv_views():
 
 
 @interpreted
+@pytest.mark.parametrize("head_dim", [24, 64, 72, 128])  # 72: k in boxes of 64 + 16, the last 8 lanes read as zeros
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [None, (32, 32, 4, 3)], ids=["hopper-tiles", "small-tiles"])
+def test_interpreted_triton_tma_kernel_matches_reference(tiles, dtype, head_dim):
+    """The Hopper kernel (k and v through TMA descriptors), forced under the interpreter: several sequences, block
+    edges, a zero-length slot, garbage padding rows, a budget-sized max_seqlen and the tower's strided qkv views."""
+    from hwgraph.attention.triton_kernel import launch_varlen_attention
+
+    batch = random_packed_batch([1, 64, 33, 129], heads=2, head_dim=head_dim, zero_length=1, padding_rows=40,
+                                max_seqlen=256, dtype=dtype, seed=head_dim)
+    qkv = torch.stack([batch.q, batch.k, batch.v], dim=1)  # [T, 3, H, D]
+    out = launch_varlen_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], batch.cu_seqlens, batch.max_seqlen,
+                                  batch.scale, tiles=tiles, use_tma=True)
+    assert_matches_reference(out, batch)
+
+
+def test_triton_attn_takes_the_tma_kernel_only_on_nvidia_hopper_with_aligned_k_and_v():
+    triton_kernel = pytest.importorskip("hwgraph.attention.triton_kernel")
+    batch = random_packed_batch([5], heads=2, head_dim=72, dtype=torch.bfloat16)
+    assert not triton_kernel.uses_tma(batch.q, batch.k, batch.v)  # CPU tensors
+
+
+@interpreted
 def test_interpreted_triton_op_passes_opcheck():
     batch = random_packed_batch([5, 7], heads=2, head_dim=72, zero_length=1, padding_rows=3)
     torch.library.opcheck(triton_varlen_op, batch.args())

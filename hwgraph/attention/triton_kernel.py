@@ -9,6 +9,12 @@ Grid: ``(cdiv(max_seqlen, BLOCK_M), heads, num_seqs + 1)``. Program ``(m, h, s)`
 sequence's end do nothing. The extra last slot ``s == num_seqs`` zeroes the rows past ``cu_seqlens[-1]``. Only
 ``max_seqlen`` (a host int) and tensor shapes size the grid, so a captured launch stays valid for any
 ``cu_seqlens`` whose sequences fit in ``max_seqlen``.
+
+Two kernels share that grid. ``varlen_attention_kernel`` loads k and v through pointers and runs everywhere Triton
+does (ROCm, the interpreter, fp32, any strides). On Hopper (CUDA, compute capability 9.0 or newer), for fp16 and
+bf16 with TMA-aligned k and v, ``varlen_attention_tma_kernel`` loads them through TMA descriptors instead: on the
+H200 it takes 0.258 ms against 0.611 for the pointer kernel and 0.353 for ATen's flash kernel on one sequence of
+4096 patches, 16 heads of 72 (``benchmarks/attention_hd72.py``, ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -16,6 +22,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+try:  # host-side TMA descriptors (Triton 3.4 and newer)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 LOG2_E = 1.4426950408889634
 
@@ -133,13 +144,100 @@ def varlen_attention_kernel(
         tl.store(out_ptr + offs_v[None, :], (acc * inv_l[:, None]).to(Out.dtype.element_ty),
                  mask=row_mask[:, None] & v_mask[None, :])
     else:
-        # Padding rows [cu_seqlens[-1], tokens) belong to no sequence: write zeros, shared over the m programs.
-        first = tl.load(CU_SEQLENS + num_seqs)
-        zeros = tl.zeros([BLOCK_M, D_V], Out.dtype.element_ty)
-        for row_start in range(first + block_m * BLOCK_M, tokens, BLOCK_M * tl.num_programs(0)):
-            rows = (row_start + offs_m).to(tl.int64)
-            tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :], zeros,
-                     mask=(rows < tokens)[:, None] & v_mask[None, :])
+        zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_M,
+                          D_V)
+
+
+@triton.jit
+def zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, D_V: tl.constexpr):
+    """The extra grid slot: rows [cu_seqlens[-1], tokens) belong to no sequence; write zeros, shared over the m
+    programs."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_v = tl.arange(0, D_V)
+    first = tl.load(CU_SEQLENS + num_seqs)
+    zeros = tl.zeros([BLOCK_M, D_V], Out.dtype.element_ty)
+    for row_start in range(first + block_m * BLOCK_M, tokens, BLOCK_M * tl.num_programs(0)):
+        rows = (row_start + offs_m).to(tl.int64)
+        tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :], zeros,
+                 mask=(rows < tokens)[:, None] & (offs_v < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def attend_key_block_tma(q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, head, row, valid, qk_scale_log2,
+                         BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
+                         HAS_B: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One online-softmax step over the key rows ``row ..`` (absolute) through TMA: returns ``(m, l, acc)``.
+
+    The descriptors cover ``[heads, tokens, head_dim]``; lanes past head_dim and rows past the last token read as
+    zeros. ``MASKED``: the sequence's last, partial block, whose rows past its end (the next sequence's, or padding)
+    are masked out of s and zeroed in v; full blocks use no masks, so their tiles go from TMA to the tensor cores
+    untouched. The second q.k part and p.v accumulate into their dots."""
+    k_a = ka_desc.load([head, row, 0]).reshape(BLOCK_N, D_A).to(DOT_DTYPE)
+    s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
+    if HAS_B:
+        k_b = kb_desc.load([head, row, D_A]).reshape(BLOCK_N, D_B).to(DOT_DTYPE)
+        s = tl.dot(q_b, tl.trans(k_b), s, input_precision="ieee")
+    if MASKED:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
+    p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = v_desc.load([head, row, 0]).reshape(BLOCK_N, D_V)
+    if MASKED:
+        v = tl.where(valid[:, None], v, 0.0)
+    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def varlen_attention_tma_kernel(
+    Q, ka_desc, kb_desc, v_desc, Out, CU_SEQLENS,
+    tokens, num_seqs, qk_scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
+    D_V: tl.constexpr, HAS_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """``varlen_attention_kernel`` with k and v read through TMA descriptors (same grid, same padding slot)."""
+    block_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    if seq < num_seqs:
+        start = tl.load(CU_SEQLENS + seq)
+        seqlen = tl.load(CU_SEQLENS + seq + 1) - start
+        if block_m * BLOCK_M < seqlen:
+            offs_n = tl.arange(0, BLOCK_N)
+            offs_a = tl.arange(0, D_A)
+            offs_b = D_A + tl.arange(0, D_B)
+            offs_v = tl.arange(0, D_V)
+            rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < seqlen
+            q_ptr = Q + (start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh
+            q_a = tl.load(q_ptr + offs_a[None, :], mask=row_mask[:, None] & (offs_a < HEAD_DIM)[None, :],
+                          other=0.0).to(DOT_DTYPE)
+            q_b = tl.zeros([BLOCK_M, D_B], DOT_DTYPE)
+            if HAS_B:
+                q_b = tl.load(q_ptr + offs_b[None, :], mask=row_mask[:, None] & (offs_b < HEAD_DIM)[None, :],
+                              other=0.0).to(DOT_DTYPE)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D_V], tl.float32)
+            full_end = seqlen // BLOCK_N * BLOCK_N
+            for kv_start in range(0, full_end, BLOCK_N):
+                m_i, l_i, acc = attend_key_block_tma(
+                    q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, head, start + kv_start, offs_n,
+                    qk_scale_log2, BLOCK_N, D_A, D_B, D_V, HAS_B, False, DOT_DTYPE)
+            if full_end < seqlen:
+                m_i, l_i, acc = attend_key_block_tma(
+                    q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, head, start + full_end,
+                    full_end + offs_n < seqlen, qk_scale_log2, BLOCK_N, D_A, D_B, D_V, HAS_B, True, DOT_DTYPE)
+            out_ptr = Out + (start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh
+            tl.store(out_ptr + offs_v[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),
+                     mask=row_mask[:, None] & (offs_v < HEAD_DIM)[None, :])
+    else:
+        zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_M,
+                          D_V)
 
 
 def head_split(head_dim: int) -> tuple[int, int]:
@@ -186,10 +284,42 @@ def is_interpreted() -> bool:
     return not isinstance(varlen_attention_kernel, triton.runtime.JITFunction)
 
 
+def uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a call takes the TMA kernel: NVIDIA Hopper or newer, fp16/bf16, and k and v addressable by TMA
+    descriptors (16-byte aligned base and strides, unit stride on the head dim)."""
+    if not q.is_cuda or torch.version.hip or q.dtype not in (torch.float16, torch.bfloat16) or is_interpreted():
+        return False
+    if head_width(q.shape[-1]) > 128:  # the wider tiles do not fit shared memory with 3 stages
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] < 9 or TensorDescriptor is None:
+        return False
+    size = q.element_size()
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
+               and (t.stride(1) * size) % 16 == 0 for t in (k, v))
+
+
+def head_descriptor(t: torch.Tensor, block_n: int, width: int):
+    """A TMA descriptor over ``t`` ``[T, H, D]`` seen as ``[H, T, D]``, box ``[1, block_n, width]``: a program reads
+    its own head's rows, and lanes past D and rows past T come back as zeros."""
+    tokens, heads, head_dim = t.shape
+    return TensorDescriptor(t, [heads, tokens, head_dim], [t.stride(1), t.stride(0), 1], [1, block_n, width])
+
+
+def tma_tiles(max_seqlen: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the TMA kernel. Device time per call on the H200 (16 heads of
+    72, bf16, ms; ``benchmarks/attention_hd72.py --tma``): 128x128 tiles with 3 stages are best for one sequence
+    of 4096 (0.258 against 0.285 for 128x64), of 3600 in 4096 rows (0.239 / 0.257) and of 1024 (0.0218 / 0.0229);
+    128x64 for 4x784 in 4096 rows (0.0812 / 0.0840) and 196 in 256 rows (0.0116 / 0.0125). 4 stages of 128x128 do
+    not fit shared memory. Only max_seqlen, a host int, picks them."""
+    return (128, 128, 8, 3) if max_seqlen >= 1024 else (128, 64, 8, 3)
+
+
 def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None
-                            ) -> torch.Tensor:
-    """Run the kernel: ``q, k, v`` ``[T, H, D]`` with unit stride on D -> a new ``[T, H, D]`` in q's dtype."""
+                            max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None,
+                            use_tma: bool | None = None) -> torch.Tensor:
+    """Run the kernel: ``q, k, v`` ``[T, H, D]`` with unit stride on D -> a new ``[T, H, D]`` in q's dtype.
+    ``use_tma``: None picks the TMA kernel where ``uses_tma`` allows it; True forces it (tests run it under the
+    interpreter), False the pointer kernel."""
     if q.device.type == "cpu" and not is_interpreted():
         raise RuntimeError("TRITON_ATTN on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported in this process")
@@ -200,25 +330,41 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         return out
     block_m, block_n, d_a, d_b = block_sizes(head_dim, q.dtype)
     warps, stages = 4, 2
-    if q.is_cuda and not torch.version.hip and head_width(head_dim) <= 128 and q.dtype != torch.float32:
-        # NVIDIA only: ROCm keeps block_sizes' 64x64 tiles, which fit the 64 KB of LDS of its GPUs (these do not).
-        # Device time per call on the H200 (benchmarks/triton_tiles.py: 20 calls in a CUDA graph, 16 heads of 72,
-        # bf16, ms): 128x64 tiles with 8 warps are best or within 8% for every batch up to max_seqlen 1024 (196
-        # patches 0.0154, 4x256 0.0313, 1x1024 0.0544 against 0.0501 for 128x128), and 128x128 is best for one
-        # 4096-patch image (0.613 against 0.754; 4x784 in that budget: 0.206 against 0.187). Only max_seqlen, a
-        # host int, picks them.
+    tma = uses_tma(q, k, v) if use_tma is None else use_tma
+    if tma:
+        block_m, block_n, warps, stages = tma_tiles(max_seqlen)
+    elif q.is_cuda and not torch.version.hip and head_width(head_dim) <= 128 and q.dtype != torch.float32:
+        # NVIDIA before Hopper, or k/v that TMA cannot address. ROCm keeps block_sizes' 64x64 tiles, which fit the
+        # 64 KB of LDS of its GPUs (these do not). Device time per call on the H200 (benchmarks/triton_tiles.py: 20
+        # calls in a CUDA graph, 16 heads of 72, bf16, ms): 128x64 tiles with 8 warps are best or within 8% for
+        # every batch up to max_seqlen 1024 (196 patches 0.0154, 4x256 0.0313, 1x1024 0.0544 against 0.0501 for
+        # 128x128), and 128x128 is best for one 4096-patch image (0.613 against 0.754; 4x784 in that budget: 0.206
+        # against 0.187). Only max_seqlen, a host int, picks them.
         block_m, block_n, warps = (128, 128, 8) if max_seqlen >= 2048 else (128, 64, 8)
     if tiles is not None:  # (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning (benchmarks/triton_tiles.py)
         block_m, block_n, warps, stages = tiles
     num_seqs = cu_seqlens.shape[0] - 1
     dot_dtype = dot_dtype_for(q.dtype)
+    d_v = head_width(head_dim)
+    if tma:
+        kb_width = max(d_b, 16)
+        grid = (max(1, triton.cdiv(max_seqlen, block_m)), heads, num_seqs + 1)
+        varlen_attention_tma_kernel[grid](
+            q, head_descriptor(k, block_n, d_a), head_descriptor(k, block_n, kb_width),
+            head_descriptor(v, block_n, d_v), out, cu_seqlens,
+            tokens, num_seqs, scale * LOG2_E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, D_A=d_a, D_B=kb_width, D_V=d_v, HAS_B=d_b > 0,
+            DOT_DTYPE=dot_dtype, num_warps=warps, num_stages=stages,
+        )
+        return out
     # At least one m program, so the padding slot runs even when every sequence is empty.
     grid = (max(1, triton.cdiv(max_seqlen, block_m)), heads, num_seqs + 1)
     varlen_attention_kernel[grid](
         q, k, v, out, cu_seqlens,
         tokens, num_seqs, scale * LOG2_E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, D_A=d_a, D_B=max(d_b, 16), D_V=head_width(head_dim),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, D_A=d_a, D_B=max(d_b, 16), D_V=d_v,
         HAS_B=d_b > 0,
         A_PADDED=d_a > head_dim,
         DOT_DTYPE=dot_dtype,

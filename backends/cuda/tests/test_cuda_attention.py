@@ -82,3 +82,22 @@ def test_kernel_replays_in_a_cuda_graph_with_new_cu_seqlens(kernel):
         graph.replay()
         torch.cuda.synchronize()
         assert_matches_reference(out, batch)
+
+
+@pytest.mark.parametrize("max_seqlen", [256, 4096])  # the two tile choices of the TMA kernel
+def test_triton_attn_takes_the_tma_kernel_on_hopper_and_both_kernels_match_the_reference(max_seqlen):
+    """On Hopper TRITON_ATTN reads k and v through TMA descriptors; on the tower's strided qkv views it must take
+    that kernel, and it and the pointer kernel both match the reference (block edges, empty slots, padding)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip(f"the TMA kernel needs compute capability 9.0, this GPU has {torch.cuda.get_device_capability()}")
+    from hwgraph.attention.triton_kernel import launch_varlen_attention, uses_tma
+
+    lengths = [max_seqlen - 1, 1] if max_seqlen == 256 else [4096 - 200, 129, 64, 7]
+    batch = random_packed_batch(lengths, HEADS, HEAD_DIM, zero_length=2, padding_rows=33, max_seqlen=max_seqlen,
+                                dtype=torch.bfloat16, device="cuda")
+    qkv = torch.stack([batch.q, batch.k, batch.v], dim=1)  # [T, 3, H, D], as the tower's projection leaves them
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    assert uses_tma(q, k, v)
+    for use_tma in (True, False):
+        out = launch_varlen_attention(q, k, v, batch.cu_seqlens, max_seqlen, batch.scale, use_tma=use_tma)
+        assert_matches_reference(out, batch)
