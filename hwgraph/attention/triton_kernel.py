@@ -164,19 +164,21 @@ def zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_o
 
 
 @triton.jit
-def attend_key_block_tma(q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, head, row, valid, qk_scale_log2,
+def attend_key_block_tma(q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, row, col, valid, qk_scale_log2,
                          BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
                          HAS_B: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """One online-softmax step over the key rows ``row ..`` (absolute) through TMA: returns ``(m, l, acc)``.
 
-    The descriptors cover ``[heads, tokens, head_dim]``; lanes past head_dim and rows past the last token read as
-    zeros. ``MASKED``: the sequence's last, partial block, whose rows past its end (the next sequence's, or padding)
-    are masked out of s and zeroed in v; full blocks use no masks, so their tiles go from TMA to the tensor cores
+    The descriptors cover ``[tokens, heads * head_dim]``, and a box starts at the head's first lane ``col``: its
+    lanes past the head belong to the next head (zeros past the last head and past the last token). q's lanes past
+    the head are zero, so the next head's k lanes add nothing to s, and p.v's extra lanes are never stored.
+    ``MASKED``: the sequence's last, partial block, whose rows past its end (the next sequence's, or padding) are
+    masked out of s and zeroed in v; full blocks use no masks, so their tiles go from TMA to the tensor cores
     untouched. The second q.k part and p.v accumulate into their dots."""
-    k_a = ka_desc.load([head, row, 0]).reshape(BLOCK_N, D_A).to(DOT_DTYPE)
+    k_a = ka_desc.load([row, col]).to(DOT_DTYPE)
     s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
     if HAS_B:
-        k_b = kb_desc.load([head, row, D_A]).reshape(BLOCK_N, D_B).to(DOT_DTYPE)
+        k_b = kb_desc.load([row, col + D_A]).to(DOT_DTYPE)
         s = tl.dot(q_b, tl.trans(k_b), s, input_precision="ieee")
     if MASKED:
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -184,7 +186,7 @@ def attend_key_block_tma(q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, head
     p = tl.exp2(s * qk_scale_log2 - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = v_desc.load([head, row, 0]).reshape(BLOCK_N, D_V)
+    v = v_desc.load([row, col])
     if MASKED:
         v = tl.where(valid[:, None], v, 0.0)
     acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision="ieee")
@@ -226,11 +228,11 @@ def varlen_attention_tma_kernel(
             full_end = seqlen // BLOCK_N * BLOCK_N
             for kv_start in range(0, full_end, BLOCK_N):
                 m_i, l_i, acc = attend_key_block_tma(
-                    q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, head, start + kv_start, offs_n,
+                    q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, start + kv_start, head * HEAD_DIM, offs_n,
                     qk_scale_log2, BLOCK_N, D_A, D_B, D_V, HAS_B, False, DOT_DTYPE)
             if full_end < seqlen:
                 m_i, l_i, acc = attend_key_block_tma(
-                    q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, head, start + full_end,
+                    q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, start + full_end, head * HEAD_DIM,
                     full_end + offs_n < seqlen, qk_scale_log2, BLOCK_N, D_A, D_B, D_V, HAS_B, True, DOT_DTYPE)
             out_ptr = Out + (start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh
             tl.store(out_ptr + offs_v[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),
@@ -286,7 +288,7 @@ def is_interpreted() -> bool:
 
 def uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a call takes the TMA kernel: NVIDIA Hopper or newer, fp16/bf16, and k and v addressable by TMA
-    descriptors (16-byte aligned base and strides, unit stride on the head dim)."""
+    descriptors (16-byte aligned base and token stride, heads adjacent: one row of ``heads * head_dim`` lanes)."""
     if not q.is_cuda or torch.version.hip or q.dtype not in (torch.float16, torch.bfloat16) or is_interpreted():
         return False
     if head_width(q.shape[-1]) > 128:  # the wider tiles do not fit shared memory with 3 stages
@@ -294,15 +296,16 @@ def uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if torch.cuda.get_device_capability(q.device)[0] < 9 or TensorDescriptor is None:
         return False
     size = q.element_size()
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
-               and (t.stride(1) * size) % 16 == 0 for t in (k, v))
+    return all(t.stride(-1) == 1 and t.stride(1) == t.shape[-1] and t.data_ptr() % 16 == 0
+               and (t.stride(0) * size) % 16 == 0 for t in (k, v))
 
 
 def head_descriptor(t: torch.Tensor, block_n: int, width: int):
-    """A TMA descriptor over ``t`` ``[T, H, D]`` seen as ``[H, T, D]``, box ``[1, block_n, width]``: a program reads
-    its own head's rows, and lanes past D and rows past T come back as zeros."""
+    """A TMA descriptor over ``t`` ``[T, H, D]`` seen as ``[T, H * D]`` (heads adjacent), box ``[block_n, width]``.
+    A 3-d ``[H, T, D]`` view, whose boxes end at the head, ran 6% slower on the H200 (0.272 against 0.256 ms at
+    4096 patches): the kernel reshaped each ``[1, n, width]`` box."""
     tokens, heads, head_dim = t.shape
-    return TensorDescriptor(t, [heads, tokens, head_dim], [t.stride(1), t.stride(0), 1], [1, block_n, width])
+    return TensorDescriptor(t, [tokens, heads * head_dim], [t.stride(0), 1], [block_n, width])
 
 
 def tma_tiles(max_seqlen: int) -> tuple[int, int, int, int]:
