@@ -201,45 +201,47 @@ def varlen_attention_tma_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
     D_V: tl.constexpr, HAS_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """``varlen_attention_kernel`` with k and v read through TMA descriptors (same grid, same padding slot)."""
+    """``varlen_attention_kernel`` with k and v read through TMA descriptors (same grid, same padding slot). Early
+    returns rather than nested branches keep the key loop at the top level."""
     block_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
-    if seq < num_seqs:
-        start = tl.load(CU_SEQLENS + seq)
-        seqlen = tl.load(CU_SEQLENS + seq + 1) - start
-        if block_m * BLOCK_M < seqlen:
-            offs_n = tl.arange(0, BLOCK_N)
-            offs_a = tl.arange(0, D_A)
-            offs_b = D_A + tl.arange(0, D_B)
-            offs_v = tl.arange(0, D_V)
-            rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = rows < seqlen
-            q_ptr = Q + (start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh
-            q_a = tl.load(q_ptr + offs_a[None, :], mask=row_mask[:, None] & (offs_a < HEAD_DIM)[None, :],
-                          other=0.0).to(DOT_DTYPE)
-            q_b = tl.zeros([BLOCK_M, D_B], DOT_DTYPE)
-            if HAS_B:
-                q_b = tl.load(q_ptr + offs_b[None, :], mask=row_mask[:, None] & (offs_b < HEAD_DIM)[None, :],
-                              other=0.0).to(DOT_DTYPE)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-            full_end = seqlen // BLOCK_N * BLOCK_N
-            for kv_start in range(0, full_end, BLOCK_N):
-                m_i, l_i, acc = attend_key_block_tma(
-                    q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, start + kv_start, head * HEAD_DIM, offs_n,
-                    qk_scale_log2, BLOCK_N, D_A, D_B, D_V, HAS_B, False, DOT_DTYPE)
-            if full_end < seqlen:
-                m_i, l_i, acc = attend_key_block_tma(
-                    q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, start + full_end, head * HEAD_DIM,
-                    full_end + offs_n < seqlen, qk_scale_log2, BLOCK_N, D_A, D_B, D_V, HAS_B, True, DOT_DTYPE)
-            out_ptr = Out + (start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh
-            tl.store(out_ptr + offs_v[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),
-                     mask=row_mask[:, None] & (offs_v < HEAD_DIM)[None, :])
-    else:
+    if seq >= num_seqs:
         zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_M,
                           D_V)
+        return
+    start = tl.load(CU_SEQLENS + seq)
+    seqlen = tl.load(CU_SEQLENS + seq + 1) - start
+    if block_m * BLOCK_M >= seqlen:
+        return
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_a = tl.arange(0, D_A)
+    offs_b = D_A + tl.arange(0, D_B)
+    offs_v = tl.arange(0, D_V)
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < seqlen
+    q_ptr = Q + (start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh
+    q_a = tl.load(q_ptr + offs_a[None, :], mask=row_mask[:, None] & (offs_a < HEAD_DIM)[None, :],
+                  other=0.0).to(DOT_DTYPE)
+    q_b = tl.zeros([BLOCK_M, D_B], DOT_DTYPE)
+    if HAS_B:
+        q_b = tl.load(q_ptr + offs_b[None, :], mask=row_mask[:, None] & (offs_b < HEAD_DIM)[None, :],
+                      other=0.0).to(DOT_DTYPE)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_V], tl.float32)
+    col = head * HEAD_DIM
+    full_end = seqlen // BLOCK_N * BLOCK_N
+    for kv_start in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = attend_key_block_tma(q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, start + kv_start, col,
+                                             offs_n, qk_scale_log2, BLOCK_N, D_A, D_B, D_V, HAS_B, False, DOT_DTYPE)
+    if full_end < seqlen:
+        m_i, l_i, acc = attend_key_block_tma(q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, start + full_end, col,
+                                             full_end + offs_n < seqlen, qk_scale_log2, BLOCK_N, D_A, D_B, D_V, HAS_B,
+                                             True, DOT_DTYPE)
+    out_ptr = Out + (start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh
+    tl.store(out_ptr + offs_v[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),
+             mask=row_mask[:, None] & (offs_v < HEAD_DIM)[None, :])
 
 
 def head_split(head_dim: int) -> tuple[int, int]:
