@@ -239,8 +239,6 @@ def varlen_attention_tma_kernel(
         m_i, l_i, acc = attend_key_block_tma(q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, start + full_end, col,
                                              full_end + offs_n < seqlen, qk_scale_log2, BLOCK_N, D_A, D_B, D_V, HAS_B,
                                              True, DOT_DTYPE)
-    # One reciprocal per row and a multiply per element: a division per element costs the epilogue as much as a
-    # few key blocks.
     inv_l = 1.0 / l_i
     out_ptr = Out + (start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh
     tl.store(out_ptr + offs_v[None, :], (acc * inv_l[:, None]).to(Out.dtype.element_ty),
