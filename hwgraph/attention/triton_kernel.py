@@ -12,9 +12,9 @@ sequence's end do nothing. The extra last slot ``s == num_seqs`` zeroes the rows
 
 Two kernels share that grid. ``varlen_attention_kernel`` loads k and v through pointers and runs everywhere Triton
 does (ROCm, the interpreter, fp32, any strides). On Hopper (CUDA, compute capability 9.0 or newer), for fp16 and
-bf16 with TMA-aligned k and v, ``varlen_attention_tma_kernel`` loads them through TMA descriptors instead: on the
-H200 it takes 0.258 ms against 0.611 for the pointer kernel and 0.353 for ATen's flash kernel on one sequence of
-4096 patches, 16 heads of 72 (``benchmarks/attention_hd72.py``, ``docs/benchmarks.md``).
+bf16 with TMA-aligned k and v, ``varlen_attention_tma_kernel`` loads them through TMA descriptors instead. On the
+H200, one sequence of 4096 patches (16 heads of 72, bf16) takes 0.271 ms with it, 0.614 with the pointer kernel
+and 0.351 with ATen's flash kernel (``benchmarks/attention_hd72.py``, ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -313,10 +313,11 @@ def head_descriptor(t: torch.Tensor, block_n: int, width: int):
 
 def tma_tiles(max_seqlen: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the TMA kernel. Device time per call on the H200 (16 heads of
-    72, bf16, ms; ``benchmarks/attention_hd72.py --tma``): 128x128 tiles with 3 stages are best for one sequence
-    of 4096 (0.258 against 0.285 for 128x64), of 3600 in 4096 rows (0.239 / 0.257) and of 1024 (0.0218 / 0.0229);
-    128x64 for 4x784 in 4096 rows (0.0812 / 0.0840) and 196 in 256 rows (0.0116 / 0.0125). 4 stages of 128x128 do
-    not fit shared memory. Only max_seqlen, a host int, picks them."""
+    72, bf16, ms; session 5's tile sweep of the kernel this one grew from, in ``docs/benchmarks.md``): 128x128
+    tiles with 3 stages are best for one sequence of 4096 (0.258 against 0.285 for 128x64), of 3600 in 4096 rows
+    (0.239 / 0.257) and of 1024 (0.0218 / 0.0229); 128x64 for 4x784 in 4096 rows (0.0812 / 0.0840) and 196 in
+    256 rows (0.0116 / 0.0125). 4 stages of 128x128 do not fit shared memory. Only max_seqlen, a host int, picks
+    them."""
     return (128, 128, 8, 3) if max_seqlen >= 1024 else (128, 64, 8, 3)
 
 
