@@ -298,8 +298,7 @@ def uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     if head_width(q.shape[-1]) > 128:  # the wider tiles do not fit shared memory with 3 stages
         return False
-    if TensorDescriptor is None or not has_tma(q.device.index if q.device.index is not None
-                                               else torch.cuda.current_device()):
+    if TensorDescriptor is None or not has_tma(q.device.index):  # a CUDA tensor's device always has its index
         return False
     size = q.element_size()
     return all(t.stride(-1) == 1 and t.stride(1) == t.shape[-1] and t.data_ptr() % 16 == 0
