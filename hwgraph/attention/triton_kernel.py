@@ -166,22 +166,28 @@ def zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_o
 
 
 @triton.jit
-def attend_key_block_tma(q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, row, col, valid, qk_scale_log2,
-                         BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
-                         HAS_B: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One online-softmax step over the key rows ``row ..`` (absolute) through TMA: returns ``(m, l, acc)``.
+def qk_tma(q_a, q_b, ka_desc, kb_desc, row, col, D_A: tl.constexpr, HAS_B: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Raw scores of the q tile against the key rows ``row ..`` (absolute) of the head at lane ``col``, through TMA.
 
     The descriptors cover ``[tokens, heads * head_dim]``, and a box starts at the head's first lane ``col``: its
     lanes past the head belong to the next head (zeros past the last head and past the last token). q's lanes past
-    the head are zero, so the next head's k lanes add nothing to s, and p.v's extra lanes are never stored.
-    ``MASKED``: the sequence's last, partial block, whose rows past its end (the next sequence's, or padding) are
-    masked out of s and zeroed in v; full blocks use no masks, so their tiles go from TMA to the tensor cores
-    untouched. The second q.k part and p.v accumulate into their dots."""
+    the head are zero, so the next head's k lanes add nothing to s. The second q.k part accumulates into the
+    first's dot."""
     k_a = ka_desc.load([row, col]).to(DOT_DTYPE)
     s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
     if HAS_B:
         k_b = kb_desc.load([row, col + D_A]).to(DOT_DTYPE)
         s = tl.dot(q_b, tl.trans(k_b), s, input_precision="ieee")
+    return s
+
+
+@triton.jit
+def softmax_pv_tma(s, m_i, l_i, acc, v_desc, row, col, valid, qk_scale_log2, MASKED: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr):
+    """One online-softmax step with the raw scores ``s`` of the key rows ``row ..``: returns ``(m, l, acc)``.
+    ``MASKED``: the sequence's last, partial block, whose rows past its end (the next sequence's, or padding) are
+    masked out of s and zeroed in v; full blocks use no masks, so their tiles go from TMA to the tensor cores
+    untouched. p.v's lanes past the head (the next head's v) are never stored; p.v accumulates into its dot."""
     if MASKED:
         s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale_log2)
@@ -193,6 +199,24 @@ def attend_key_block_tma(q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, row,
         v = tl.where(valid[:, None], v, 0.0)
     acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision="ieee")
     return m_new, l_i, acc
+
+
+@triton.jit
+def load_q_parts(Q, start, rows, row_mask, head, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, HAS_B: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr):
+    """The q tile's two parts (lanes ``0 .. D_A`` and ``D_A .. D_A + D_B``), zero past the head and past the
+    sequence's rows."""
+    offs_a = tl.arange(0, D_A)
+    offs_b = D_A + tl.arange(0, D_B)
+    q_ptr = Q + (start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh
+    q_a = tl.load(q_ptr + offs_a[None, :], mask=row_mask[:, None] & (offs_a < HEAD_DIM)[None, :],
+                  other=0.0).to(DOT_DTYPE)
+    q_b = tl.zeros([BLOCK_M, D_B], DOT_DTYPE)
+    if HAS_B:
+        q_b = tl.load(q_ptr + offs_b[None, :], mask=row_mask[:, None] & (offs_b < HEAD_DIM)[None, :],
+                      other=0.0).to(DOT_DTYPE)
+    return q_a, q_b
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -217,30 +241,24 @@ def varlen_attention_tma_kernel(
     if block_m * BLOCK_M >= seqlen:
         return
     offs_n = tl.arange(0, BLOCK_N)
-    offs_a = tl.arange(0, D_A)
-    offs_b = D_A + tl.arange(0, D_B)
     offs_v = tl.arange(0, D_V)
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < seqlen
-    q_ptr = Q + (start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh
-    q_a = tl.load(q_ptr + offs_a[None, :], mask=row_mask[:, None] & (offs_a < HEAD_DIM)[None, :],
-                  other=0.0).to(DOT_DTYPE)
-    q_b = tl.zeros([BLOCK_M, D_B], DOT_DTYPE)
-    if HAS_B:
-        q_b = tl.load(q_ptr + offs_b[None, :], mask=row_mask[:, None] & (offs_b < HEAD_DIM)[None, :],
-                      other=0.0).to(DOT_DTYPE)
+    q_a, q_b = load_q_parts(Q, start, rows, row_mask, head, stride_qt, stride_qh, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B,
+                            DOT_DTYPE)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_V], tl.float32)
     col = head * HEAD_DIM
     full_end = seqlen // BLOCK_N * BLOCK_N
     for kv_start in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = attend_key_block_tma(q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, start + kv_start, col,
-                                             offs_n, qk_scale_log2, BLOCK_N, D_A, D_B, D_V, HAS_B, False, DOT_DTYPE)
+        s = qk_tma(q_a, q_b, ka_desc, kb_desc, start + kv_start, col, D_A, HAS_B, DOT_DTYPE)
+        m_i, l_i, acc = softmax_pv_tma(s, m_i, l_i, acc, v_desc, start + kv_start, col, offs_n, qk_scale_log2, False,
+                                       DOT_DTYPE)
     if full_end < seqlen:
-        m_i, l_i, acc = attend_key_block_tma(q_a, q_b, m_i, l_i, acc, ka_desc, kb_desc, v_desc, start + full_end, col,
-                                             full_end + offs_n < seqlen, qk_scale_log2, BLOCK_N, D_A, D_B, D_V, HAS_B,
-                                             True, DOT_DTYPE)
+        s = qk_tma(q_a, q_b, ka_desc, kb_desc, start + full_end, col, D_A, HAS_B, DOT_DTYPE)
+        m_i, l_i, acc = softmax_pv_tma(s, m_i, l_i, acc, v_desc, start + full_end, col, full_end + offs_n < seqlen,
+                                       qk_scale_log2, True, DOT_DTYPE)
     inv_l = 1.0 / l_i
     out_ptr = Out + (start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh
     tl.store(out_ptr + offs_v[None, :], (acc * inv_l[:, None]).to(Out.dtype.element_ty),
@@ -321,20 +339,22 @@ def head_descriptor(t: torch.Tensor, block_n: int, width: int):
 
 def tma_tiles(max_seqlen: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the TMA kernel. Device time per call on the H200 (16 heads of
-    72, bf16, ms; session 5's tile sweep of the kernel this one grew from, in ``docs/benchmarks.md``): 128x128
-    tiles with 3 stages are best for one sequence of 4096 (0.258 against 0.285 for 128x64), of 3600 in 4096 rows
-    (0.239 / 0.257) and of 1024 (0.0218 / 0.0229); 128x64 for 4x784 in 4096 rows (0.0812 / 0.0840) and 196 in
-    256 rows (0.0116 / 0.0125). 4 stages of 128x128 do not fit shared memory. Only max_seqlen, a host int, picks
-    them."""
-    return (128, 128, 8, 3) if max_seqlen >= 1024 else (128, 64, 8, 3)
+    72, bf16, ms; ``benchmarks/attention_hd72.py``, ``docs/benchmarks.md``): 128x128 tiles with 3 stages are best
+    for one sequence of 4096 (0.267 against 0.298 for 128x64), of 3600 in 4096 rows (0.250 / 0.271), of 1024
+    (0.0226 / 0.0241; 64x128: 0.0281) and for 4x784 in 4096 rows (0.0863 / 0.0870). Below max_seqlen 1024 more,
+    smaller programs win: 196 patches in 256 rows take 0.0100 with 64x64 tiles, 4 warps and 4 stages, against
+    0.0123 for 128x64 (ATen flash: 0.0113). 4 stages of 128x128 do not fit shared memory. Only max_seqlen, a host
+    int, picks them."""
+    return (128, 128, 8, 3) if max_seqlen >= 1024 else (64, 64, 4, 4)
 
 
 def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None,
-                            use_tma: bool | None = None) -> torch.Tensor:
+                            use_tma: bool | None = None, padding_slot: bool = True) -> torch.Tensor:
     """Run the kernel: ``q, k, v`` ``[T, H, D]`` with unit stride on D -> a new ``[T, H, D]`` in q's dtype.
     ``use_tma``: None picks the TMA kernel where ``uses_tma`` allows it; True forces it (tests run it under the
-    interpreter), False the pointer kernel."""
+    interpreter), False the pointer kernel. ``padding_slot``: run the grid's extra slot that zeroes the rows past
+    ``cu_seqlens[-1]``; without it they are left unwritten."""
     if q.device.type == "cpu" and not is_interpreted():
         raise RuntimeError("TRITON_ATTN on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported in this process")
@@ -362,7 +382,7 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     dot_dtype = dot_dtype_for(q.dtype)
     d_v = head_width(head_dim)
     # At least one m program, so the padding slot runs even when every sequence is empty.
-    grid = (max(1, triton.cdiv(max_seqlen, block_m)), heads, num_seqs + 1)
+    grid = (max(1, triton.cdiv(max_seqlen, block_m)), heads, num_seqs + int(padding_slot))
     if tma:
         kb_width = max(d_b, 16)
         varlen_attention_tma_kernel[grid](
