@@ -65,12 +65,16 @@ def experimental_tma_kernel(
     Q, ka_desc, kb_desc, v_desc, Out, CU_SEQLENS, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
     D_V: tl.constexpr, HAS_B: tl.constexpr, DOT_DTYPE: tl.constexpr, PIPELINE_QK: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The shipped TMA kernel's steps (no padding slot) in two other loop shapes. ``PIPELINE_QK``: the scores of
     key block j + 1 are computed before block j's softmax and p.v, so that matmul can overlap them (FlashAttention-3's
     intra-warpgroup pipelining, if Triton leaves that dot in flight). ``WARP_SPECIALIZE``: the shipped loop with
-    ``tl.range(warp_specialize=True)``."""
+    ``tl.range(warp_specialize=True)``. ``PDL``: launched as a programmatic dependent launch, the kernel waits for
+    the previous grid before its first read and lets the next grid launch at once (``benchmarks/replay_gaps.py``)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     block_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -116,8 +120,8 @@ def experimental_tma_kernel(
 REPORTED = set()
 
 
-def experimental(q, k, v, cu, max_seqlen, tiles, pipeline, warp_specialize):
-    """``experimental_tma_kernel`` on bf16 ``[T, H, D]`` views; prints registers and spills once per variant."""
+def experimental(q, k, v, cu, max_seqlen, tiles, pipeline=False, warp_specialize=False, pdl=False):
+    """``experimental_tma_kernel`` on ``[T, H, D]`` views; prints registers and spills once per variant."""
     block_m, block_n, warps, stages = tiles
     d_a, d_b = head_split(D)
     kb_width = max(d_b, 16)
@@ -128,9 +132,9 @@ def experimental(q, k, v, cu, max_seqlen, tiles, pipeline, warp_specialize):
                                                                                                     head_width(D)),
         out, cu, D**-0.5 * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, D_A=d_a, D_B=kb_width, D_V=head_width(D), HAS_B=d_b > 0,
-        DOT_DTYPE=dot_dtype_for(q.dtype), PIPELINE_QK=pipeline, WARP_SPECIALIZE=warp_specialize, num_warps=warps,
-        num_stages=stages)
-    key = (tiles, pipeline, warp_specialize)
+        DOT_DTYPE=dot_dtype_for(q.dtype), PIPELINE_QK=pipeline, WARP_SPECIALIZE=warp_specialize, PDL=pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    key = (tiles, pipeline, warp_specialize, pdl)
     if key not in REPORTED and hasattr(compiled, "n_regs"):
         REPORTED.add(key)
         print(f"    [{key}: {compiled.n_regs} registers, {compiled.n_spills} spills, "
@@ -210,6 +214,8 @@ def main():
                  ("1x392 in 512", [392], 512, 1), ("4x256 in 1024", [256] * 4, 1024, 4),
                  ("1x1024 in 1024", [1024], 1024, 1), ("1x784 in 1024", [784], 1024, 1),
                  ("1x2048 in 2048", [2048], 2048, 1)]
+    if quick:
+        cases = cases[:1]
     for i, (label, seqs, rows, slots) in enumerate(cases):
         row(label, seqs, rows, slots, tiles, extras + ("flex",) if i == 0 and extras else extras, variants)
 

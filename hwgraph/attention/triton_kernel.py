@@ -339,13 +339,14 @@ def head_descriptor(t: torch.Tensor, block_n: int, width: int):
 
 def tma_tiles(max_seqlen: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the TMA kernel. Device time per call on the H200 (16 heads of
-    72, bf16, ms; ``benchmarks/attention_hd72.py``, ``docs/benchmarks.md``): 128x128 tiles with 3 stages are best
-    for one sequence of 4096 (0.267 against 0.298 for 128x64), of 3600 in 4096 rows (0.250 / 0.271), of 1024
-    (0.0226 / 0.0241; 64x128: 0.0281) and for 4x784 in 4096 rows (0.0863 / 0.0870). Below max_seqlen 1024 more,
-    smaller programs win: 196 patches in 256 rows take 0.0100 with 64x64 tiles, 4 warps and 4 stages, against
-    0.0123 for 128x64 (ATen flash: 0.0113). 4 stages of 128x128 do not fit shared memory. Only max_seqlen, a host
-    int, picks them."""
-    return (128, 128, 8, 3) if max_seqlen >= 1024 else (64, 64, 4, 4)
+    72, bf16, ms; ``benchmarks/attention_hd72.py --tiles`` and ``--small``, ``docs/benchmarks.md``): 128x128 tiles
+    with 3 stages are best for one sequence of 4096 (0.267 against 0.298 for 128x64), of 3600 in 4096 rows
+    (0.250 / 0.271), of 2048 (0.0741 / 0.0814; 64x64: 0.0825) and of 1024 (0.0226 / 0.0241; 64x64: 0.0261), and
+    for 4x784 in 4096 rows (0.0863 / 0.0870). Below max_seqlen 1024 more, smaller programs win: 64x64 tiles with 4
+    warps and 3 stages take 0.0095 for 196 patches in 256 rows, 0.0100 for 2x196 and 0.0118 for 392 in 512,
+    against 0.0124 / 0.0123 / 0.0158 with 128x64 (ATen flash: 0.0113 / 0.0115 / 0.0168). 4 stages of 128x128 do
+    not fit shared memory. Only max_seqlen, a host int, picks them."""
+    return (128, 128, 8, 3) if max_seqlen >= 1024 else (64, 64, 4, 3)
 
 
 def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -1,0 +1,121 @@
+"""Where does a small image's replay with TRITON_ATTN lose time between kernels?
+
+Usage: python benchmarks/replay_gaps.py
+With TRITON_ATTN one 49-token image replays 3-10% slower than with FLASH_ATTN although its kernels sum to less
+(bench-session6-a.md: 1.743 against 1.645 ms, kernels 1.497 against 1.531). This captures the budget-64 graph (one
+sequence slot) for FLASH_ATTN and for TRITON_ATTN three ways (the TMA kernel as shipped, the pointer kernel, and
+the TMA kernel as a programmatic dependent launch: it waits for the previous grid in the kernel and lets the next
+one launch at once), then per variant:
+
+- ``encode``: the manager's whole step (as ``hwgraph bench`` times it), interleaved with the others;
+- ``replay``: the captured graph's replay alone, interleaved likewise;
+- from one profiled replay: the kernels' summed time and the idle time before each kind of kernel (the gap between
+  the previous kernel's end and its start), summed over the replay.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hwgraph.attention import triton_kernel
+from hwgraph.bench import warm_device
+from hwgraph.budgets import filling_grid
+from hwgraph.manager import EncoderGraphManager
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+from hwgraph.timing import measure_interleaved
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_hd72 import experimental  # noqa: E402
+
+TOKENS, BUDGET = 49, 64
+SHIPPED = triton_kernel.launch_varlen_attention
+
+
+def pointer_kernel(q, k, v, cu, max_seqlen, scale, **kw):
+    return SHIPPED(q, k, v, cu, max_seqlen, scale, use_tma=False)
+
+
+def pdl_kernel(q, k, v, cu, max_seqlen, scale, **kw):
+    return experimental(q, k, v, cu, max_seqlen, triton_kernel.tma_tiles(max_seqlen), pdl=True)
+
+
+VARIANTS = {"FLASH_ATTN": ("FLASH_ATTN", None), "TRITON_ATTN tma": ("TRITON_ATTN", None),
+            "TRITON_ATTN pointer": ("TRITON_ATTN", pointer_kernel), "TRITON_ATTN tma+pdl": ("TRITON_ATTN", pdl_kernel)}
+
+
+def kind_of(name: str) -> str:
+    for key, label in (("flash_fwd", "flash"), ("varlen_attention", "triton attention"),
+                       ("experimental_tma", "triton attention"), ("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"),
+                       ("add_layer_norm", "add+LayerNorm"), ("rotary", "rotary"), ("layer_norm", "LayerNorm")):
+        if key in name:
+            return label
+    return "other"
+
+
+def gap_profile(graph) -> tuple[float, int, dict]:
+    """Summed kernel ms, kernel count, and {kernel kind: (summed idle ms before it, its summed ms)}."""
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and "Memcpy" not in e.name and "Memset" not in e.name),
+                     key=lambda e: e.time_range.start)
+    per_kind = defaultdict(lambda: [0.0, 0.0])
+    total = 0.0
+    for before, after in zip([None] + kernels[:-1], kernels, strict=True):
+        span = (after.time_range.end - after.time_range.start) / 1000
+        total += span
+        per_kind[kind_of(after.name)][1] += span
+        if before is not None:
+            per_kind[kind_of(after.name)][0] += max(0.0, after.time_range.start - before.time_range.end) / 1000
+    return total, len(kernels), dict(per_kind)
+
+
+def main():
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    warm_device(device)
+    base = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
+    grid = [filling_grid(TOKENS, 2)]
+    pixels = torch.randn(TOKENS * 4, 1536, device=device, dtype=torch.bfloat16)
+    managers = {}
+    for label, (kernel, launcher) in VARIANTS.items():
+        tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
+        tower.load_state_dict(base.state_dict())
+        tower.set_attention(kernel)
+        triton_kernel.launch_varlen_attention = launcher or SHIPPED  # read at each call: patches the capture
+        try:
+            m = EncoderGraphManager(tower, budgets=[BUDGET], max_images_per_graph=1)
+            m.capture()
+            m.encode(pixels, grid)
+        finally:
+            triton_kernel.launch_varlen_attention = SHIPPED
+        managers[label] = m
+    want = managers["FLASH_ATTN"].encode(pixels, grid)[0].embeds.float()
+    graphs = {}
+    for label, m in managers.items():
+        got = m.encode(pixels, grid)[0].embeds.float()
+        print(f"{label}: relative error against FLASH_ATTN {((got - want).norm() / want.norm()).item():.1e}")
+        graphs[label] = m.graphs[BUDGET].graph_for(1)[1]
+    encode = measure_interleaved({k: (lambda m=m: m.encode(pixels, grid)) for k, m in managers.items()}, "cuda")
+    replay = measure_interleaved({k: g.replay for k, g in graphs.items()}, "cuda")
+    print(f"\n1x{TOKENS} in budget {BUDGET}, one slot (median / p95 ms)")
+    for label in VARIANTS:
+        total, count, kinds = gap_profile(graphs[label])
+        idle = sum(v[0] for v in kinds.values())
+        print(f"{label}: encode {encode[label].median:.3f} / {encode[label].p95:.3f}, replay {replay[label].median:.3f}"
+              f" / {replay[label].p95:.3f}; profiled replay: {count} kernels, {total:.3f} ms of kernels, {idle:.3f}"
+              " ms idle between them")
+        for kind, (gap, span) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+            print(f"    before {kind}: idle {gap:.3f} ms, kernels {span:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
