@@ -1,6 +1,6 @@
 """Where does a small image's replay with TRITON_ATTN lose time between kernels?
 
-Usage: python benchmarks/replay_gaps.py
+Usage: python benchmarks/replay_gaps.py [--ab [GROUPS]]
 With TRITON_ATTN one 49-token image replays 3-10% slower than with FLASH_ATTN although its kernels sum to less
 (bench-session6-a.md: 1.743 against 1.645 ms, kernels 1.497 against 1.531). This captures the budget-64 graph (one
 sequence slot) for FLASH_ATTN and for TRITON_ATTN three ways (the TMA kernel as shipped, the pointer kernel, and
@@ -11,6 +11,10 @@ one launch at once), then per variant:
 - ``replay``: the captured graph's replay alone, interleaved likewise;
 - from one profiled replay: the kernels' summed time and the idle time before each kind of kernel (the gap between
   the previous kernel's end and its start), summed over the replay.
+
+``--ab``: FLASH_ATTN against TRITON_ATTN as a caller gets them (managers with budgets 64-1024 and up to 4 images per
+graph, as ``hwgraph bench`` builds them), each group's steps interleaved across the two kernels in the same rounds
+(``hwgraph bench`` times one kernel's rows after the other's), twice over; GROUPS defaults to the bench's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hwgraph.attention import triton_kernel
-from hwgraph.bench import warm_device
+from hwgraph.bench import group_inputs, parse_groups, warm_device
 from hwgraph.budgets import filling_grid
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
@@ -78,10 +82,45 @@ def gap_profile(graph) -> tuple[float, int, dict]:
     return total, len(kernels), dict(per_kind)
 
 
+def towers(device, kernels):
+    base = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
+    out = {}
+    for kernel in kernels:
+        tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
+        tower.load_state_dict(base.state_dict())
+        tower.set_attention(kernel)
+        out[kernel] = tower
+    return base, out
+
+
+def ab(device, spec: str):
+    groups = parse_groups(spec)
+    base, by_kernel = towers(device, ("FLASH_ATTN", "TRITON_ATTN"))
+    inputs = group_inputs(base, groups, seed=0)
+    managers = {}
+    for kernel, tower in by_kernel.items():
+        managers[kernel] = EncoderGraphManager(tower, budgets=[64, 128, 256, 512, 1024], max_images_per_graph=4)
+        managers[kernel].capture()
+    for round_ in ("a", "b"):
+        print(f"round {round_}: encode median / p95 ms, interleaved per group", flush=True)
+        for group in groups:
+            pixels, grid = inputs[group.label]
+            lat = measure_interleaved({k: (lambda m=m, p=pixels, g=grid: m.encode(p, g)) for k, m in managers.items()},
+                                      "cuda")
+            flash, triton = lat["FLASH_ATTN"], lat["TRITON_ATTN"]
+            print(f"  {group.label}: FLASH_ATTN {flash.median:.3f} / {flash.p95:.3f} | TRITON_ATTN "
+                  f"{triton.median:.3f} / {triton.p95:.3f} | FLASH over TRITON {flash.median / triton.median:.3f}x",
+                  flush=True)
+    print({k: m.stats()["replays_per_budget"] for k, m in managers.items()})
+
+
 def main():
     torch.manual_seed(0)
     device = torch.device("cuda")
     warm_device(device)
+    if "--ab" in sys.argv:
+        rest = sys.argv[sys.argv.index("--ab") + 1:]
+        return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024")
     base = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
     grid = [filling_grid(TOKENS, 2)]
     pixels = torch.randn(TOKENS * 4, 1536, device=device, dtype=torch.bfloat16)
