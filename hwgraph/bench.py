@@ -113,7 +113,7 @@ def kernel_choices(tower, requested: list[str] | None) -> tuple[list[str], list[
 
     platform = platform_for(tower.device)
     table = []
-    for spec in sorted(kernel_specs(), key=lambda k: -k.priority):
+    for spec in sorted(kernel_specs(), key=lambda k: -k.rank(platform)):
         cap = spec.capability(platform, tower.dtype, tower.head_dim)
         table.append({"name": spec.name, "available": cap.ok, "reasons": list(cap.reasons),
                       "graph_safe": spec.graph_safe, "kinds": list(spec.kinds)})

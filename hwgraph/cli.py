@@ -34,7 +34,7 @@ def info_data() -> dict:
     kernels = [
         {"name": spec.name, "available": cap.ok, "reasons": list(cap.reasons), "kinds": list(spec.kinds),
          "dtypes": [str(d).removeprefix("torch.") for d in spec.dtypes], "head_dims": list(spec.head_dims),
-         "graph_safe": spec.graph_safe, "priority": spec.priority}
+         "graph_safe": spec.graph_safe, "priority": spec.rank(platform)}
         for spec, cap in list_kernels(platform)
     ]
     return {"platform": platform.as_dict(), "graph_backends": backends, "selected_backend": selected.spec.name,

@@ -104,13 +104,51 @@ def test_cpu_under_the_triton_interpreter_prefers_triton_attn(monkeypatch):
     assert choose_attention(platform=CPU).spec.name == "TRITON_ATTN"
 
 
-def test_h200_prefers_flash_attn_then_triton_then_sdpa():
-    assert choose_attention(platform=H200, dtype=torch.bfloat16, head_dim=72).spec.name == "FLASH_ATTN"
-    # FLASH_ATTN has no fp32 kernel: the next in priority order takes it.
-    expected = "TRITON_ATTN" if kernel_named("TRITON_ATTN").capability(H200).ok else "TORCH_SDPA"
+def test_h200_prefers_triton_attn_then_flash_then_sdpa():
+    pytest.importorskip("triton.tools.tensor_descriptor")  # Triton 3.4+: the TMA kernel's host descriptors
+    chosen = choose_attention(platform=H200, dtype=torch.bfloat16, head_dim=72)
+    assert (chosen.spec.name, chosen.reason) == ("TRITON_ATTN", "best available for cuda")
+    cuda_order = [spec.name for spec in sorted(registry.kernel_specs(), key=lambda k: -k.rank(H200))
+                  if "cuda" in spec.kinds]
+    assert cuda_order == ["TRITON_ATTN", "FLASH_ATTN", "TORCH_SDPA"]
+    assert (kernel_named("TRITON_ATTN").rank(H200), FLASH_ATTN.rank(H200)) == (35, 30)
+
+
+def test_h200_without_triton_attn_takes_flash_attn(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # triton not importable: TRITON_ATTN's gate refuses
+    chosen = choose_attention(platform=H200, dtype=torch.bfloat16, head_dim=72)
+    assert chosen.spec.name == "FLASH_ATTN"
+    assert "TRITON_ATTN: TRITON_ATTN needs the triton package" in chosen.reason
+    # FLASH_ATTN has no fp32 kernel and TRITON_ATTN is gone: the next in priority order takes fp32.
     chosen = choose_attention(platform=H200, dtype=torch.float32, head_dim=72)
-    assert chosen.spec.name == expected
+    assert chosen.spec.name == "TORCH_SDPA"
     assert "FLASH_ATTN: FLASH_ATTN supports dtypes float16, bfloat16, got float32" in chosen.reason
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100", "sm_120"])
+def test_other_nvidia_architectures_keep_flash_attn_first(arch):
+    """TRITON_ATTN's TMA kernel is preferred only where it was measured to win (Hopper); elsewhere its pointer
+    kernel is slower than FLASH_ATTN, and Blackwell was not measured."""
+    pytest.importorskip("triton")
+    plat = platform("cuda", arch)
+    assert kernel_named("TRITON_ATTN").rank(plat) == 20
+    assert choose_attention(platform=plat, dtype=torch.bfloat16, head_dim=72).spec.name == "FLASH_ATTN"
+
+
+def test_hopper_with_a_triton_without_host_descriptors_keeps_flash_attn_first(monkeypatch):
+    pytest.importorskip("triton")
+    from hwgraph.attention import triton_attn
+
+    real = triton_attn.importlib.util.find_spec
+    monkeypatch.setattr(triton_attn.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton.tools.tensor_descriptor" else real(name, *a))
+    assert kernel_named("TRITON_ATTN").rank(H200) == 20
+    assert choose_attention(platform=H200, dtype=torch.bfloat16, head_dim=72).spec.name == "FLASH_ATTN"
+
+
+def test_triton_attn_keeps_its_static_priority_off_cuda():
+    for plat in (CPU, MI300X, ASCEND):
+        assert kernel_named("TRITON_ATTN").rank(plat) == kernel_named("TRITON_ATTN").priority == 20
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "sm_120"])

@@ -37,6 +37,13 @@ class KernelSpec:
     # empty-slot blocks pack the real ones two to an SM). The manager then captures each budget once per slot
     # count (``EncoderGraphManager(slot_counts=...)``) and replays the one with the fewest slots that fit.
     slot_bound: bool = False
+    # A priority that depends on the platform (a kernel with a faster path on some architectures), or None for
+    # ``priority`` everywhere. Automatic choice orders kernels by ``rank(platform)``.
+    priority_on: Callable[[PlatformInfo], int] | None = None
+
+    def rank(self, platform: PlatformInfo) -> int:
+        """The kernel's priority on ``platform``: ``priority_on(platform)`` where given, else ``priority``."""
+        return self.priority if self.priority_on is None else int(self.priority_on(platform))
 
     def capability(self, platform: PlatformInfo, dtype: torch.dtype | None = None,
                    head_dim: int | None = None) -> Capability:

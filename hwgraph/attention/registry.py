@@ -1,17 +1,18 @@
 """The attention-kernel registry: built-in kernels plus those each backend plugin brings; automatic choice.
 
 Automatic choice takes, among the kernels that serve the detected platform and pass their gate for the dtype and
-head dim, the one with the highest priority. The documented order:
+head dim, the one with the highest priority on that platform (``KernelSpec.rank``). The documented order:
 
-- cuda: FLASH_ATTN (30) > TRITON_ATTN (20) > TORCH_SDPA (0)
+- cuda, Hopper (sm_90): TRITON_ATTN (35) > FLASH_ATTN (30) > TORCH_SDPA (0)
+- cuda, other GPUs: FLASH_ATTN (30) > TRITON_ATTN (20) > TORCH_SDPA (0)
 - rocm: ROCM_AITER_FA (30) > TRITON_ATTN (20) > TORCH_SDPA (0)
 - npu:  NPU (30) > TORCH_SDPA (0)
-- cpu:  TORCH_SDPA
+- cpu:  TORCH_SDPA (TRITON_ATTN under TRITON_INTERPRET=1)
 
-On Hopper TRITON_ATTN's TMA kernel replays the Qwen3-Omni tower faster than FLASH_ATTN from about 256 tokens per
-image (H200: 14.3 against 16.6 ms at 1024 tokens, 3.06-3.24 against 3.32-3.49 at 256) but not for one 49-token image
-(1.63-1.86 against 1.67-1.71 ms over four runs). The order keeps FLASH_ATTN first: it is never far behind, and the
-small image is the latency-critical case. ``docs/benchmarks.md``, session 5.
+On Hopper, TRITON_ATTN runs its TMA kernel, and the Qwen3-Omni tower replays faster with it than with FLASH_ATTN
+(ATen's flash kernel) for every image group measured on the H200, in the same rounds: 3.5% at one 49-token image,
+2-7% at 98 tokens, 9% at 256, 17% at 1024 (``benchmarks/replay_gaps.py --ab``, ``docs/benchmarks.md``, session 6).
+Elsewhere it runs its pointer kernel, which is slower than FLASH_ATTN (``benchmarks/attention_hd72.py``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class SelectedKernel:
 def choose_attention(name: str | None = None, platform: PlatformInfo | None = None,
                      dtype: torch.dtype | None = None, head_dim: int | None = None,
                      graph_safe: bool = False) -> SelectedKernel:
-    """``name``, else ``$HWGRAPH_ATTENTION``, else the highest-priority kernel available here.
+    """``name``, else ``$HWGRAPH_ATTENTION``, else the kernel of highest priority on this platform available here.
 
     An explicit choice that is unavailable raises ``SelectionError`` naming its reasons; with nothing explicit,
     TORCH_SDPA is always available.
@@ -86,7 +87,7 @@ def choose_attention(name: str | None = None, platform: PlatformInfo | None = No
             raise SelectionError(f"attention kernel {spec.name!r} is unavailable: " + "; ".join(cap.reasons))
         return SelectedKernel(spec, spec.load(), "explicit")
     refused = []
-    for spec in sorted(kernel_specs(), key=lambda k: -k.priority):
+    for spec in sorted(kernel_specs(), key=lambda k: -k.rank(platform)):
         if platform.kind not in spec.kinds or (graph_safe and not spec.graph_safe):
             continue
         cap = spec.capability(platform, dtype, head_dim)
