@@ -1,6 +1,6 @@
 """Where does a small image's replay with TRITON_ATTN lose time between kernels?
 
-Usage: python benchmarks/replay_gaps.py [--ab [GROUPS]]
+Usage: python benchmarks/replay_gaps.py [--ab [GROUPS] | --overlap [GROUPS]]
 With TRITON_ATTN one 49-token image replays 3-10% slower than with FLASH_ATTN although its kernels sum to less
 (bench-session6-a.md: 1.743 against 1.645 ms, kernels 1.497 against 1.531). This captures the budget-64 graph (one
 sequence slot) for FLASH_ATTN and for TRITON_ATTN three ways (the TMA kernel as shipped, the pointer kernel, and
@@ -15,6 +15,8 @@ one launch at once), then per variant:
 ``--ab``: FLASH_ATTN against TRITON_ATTN as a caller gets them (managers with budgets 64-1024 and up to 4 images per
 graph, as ``hwgraph bench`` builds them), each group's steps interleaved across the two kernels in the same rounds
 (``hwgraph bench`` times one kernel's rows after the other's), twice over; GROUPS defaults to the bench's.
+``--overlap``: the same with TRITON_ATTN, DeepStack mergers in line against overlapped on their own stream
+(``Qwen3OmniVisionTower.merge_stream``).
 """
 
 from __future__ import annotations
@@ -93,24 +95,28 @@ def towers(device, kernels):
     return base, out
 
 
-def ab(device, spec: str):
+def ab(device, spec: str, variants: dict[str, tuple[str, bool]]):
+    """Managers per variant (label -> (attention kernel, DeepStack mergers overlapped)), each group's steps
+    interleaved across them, two rounds."""
     groups = parse_groups(spec)
-    base, by_kernel = towers(device, ("FLASH_ATTN", "TRITON_ATTN"))
+    base, by_kernel = towers(device, sorted({kernel for kernel, _ in variants.values()}))
     inputs = group_inputs(base, groups, seed=0)
     managers = {}
-    for kernel, tower in by_kernel.items():
-        managers[kernel] = EncoderGraphManager(tower, budgets=[64, 128, 256, 512, 1024], max_images_per_graph=4)
-        managers[kernel].capture()
+    for label, (kernel, overlap) in variants.items():
+        tower = by_kernel[kernel]
+        tower.overlap_deepstack = overlap  # read while capturing: each graph keeps the choice it was captured with
+        managers[label] = EncoderGraphManager(tower, budgets=[64, 128, 256, 512, 1024], max_images_per_graph=4)
+        managers[label].capture()
+    first, second = list(variants)
     for round_ in ("a", "b"):
         print(f"round {round_}: encode median / p95 ms, interleaved per group", flush=True)
         for group in groups:
             pixels, grid = inputs[group.label]
             lat = measure_interleaved({k: (lambda m=m, p=pixels, g=grid: m.encode(p, g)) for k, m in managers.items()},
                                       "cuda")
-            flash, triton = lat["FLASH_ATTN"], lat["TRITON_ATTN"]
-            print(f"  {group.label}: FLASH_ATTN {flash.median:.3f} / {flash.p95:.3f} | TRITON_ATTN "
-                  f"{triton.median:.3f} / {triton.p95:.3f} | FLASH over TRITON {flash.median / triton.median:.3f}x",
-                  flush=True)
+            a, b = lat[first], lat[second]
+            print(f"  {group.label}: {first} {a.median:.3f} / {a.p95:.3f} | {second} {b.median:.3f} / {b.p95:.3f} | "
+                  f"{first} over {second} {a.median / b.median:.3f}x", flush=True)
     print({k: m.stats()["replays_per_budget"] for k, m in managers.items()})
 
 
@@ -118,9 +124,11 @@ def main():
     torch.manual_seed(0)
     device = torch.device("cuda")
     warm_device(device)
-    if "--ab" in sys.argv:
-        rest = sys.argv[sys.argv.index("--ab") + 1:]
-        return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024")
+    for flag, variants in (("--ab", {"FLASH_ATTN": ("FLASH_ATTN", True), "TRITON_ATTN": ("TRITON_ATTN", True)}),
+                           ("--overlap", {"in line": ("TRITON_ATTN", False), "overlapped": ("TRITON_ATTN", True)})):
+        if flag in sys.argv:
+            rest = sys.argv[sys.argv.index(flag) + 1:]
+            return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024", variants)
     base = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
     grid = [filling_grid(TOKENS, 2)]
     pixels = torch.randn(TOKENS * 4, 1536, device=device, dtype=torch.bfloat16)

@@ -445,3 +445,12 @@ def test_metadata_is_cached_per_grid_and_usable_outside_the_inference_mode_it_wa
     pixels = pixels_for(tower, grid).requires_grad_()
     tower.forward(pixels, grid).embeds.sum().backward()  # autograd may save the cached metadata's tensors
     assert pixels.grad is not None and pixels.grad.abs().sum() > 0
+
+
+def test_deepstack_mergers_run_in_line_off_cuda_and_when_overlap_is_off():
+    tower = Qwen3OmniVisionTower.from_preset("tiny")
+    assert tower.overlap_deepstack  # on by default; it only acts on CUDA/ROCm devices
+    assert tower.merge_stream(torch.device("cpu")) is None
+    assert tower.merge_stream(torch.device("meta")) is None
+    tower.overlap_deepstack = False
+    assert tower.merge_stream(torch.device("cuda", 0)) is None  # asks nothing of CUDA when off

@@ -64,6 +64,9 @@ class Qwen3OmniVisionTower(nn.Module):
         self.deepstack_after = {layer: i for i, layer in enumerate(self.deepstack_visual_indexes)}
         self._attention_request = attention
         self._attention: tuple[KernelSpec, VarlenAttention] | None = None
+        # DeepStack mergers on a second stream (CUDA and ROCm), overlapping the blocks after them; see merge_stream.
+        self.overlap_deepstack = True
+        self._merge_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     @classmethod
     def from_preset(cls, name: str, attention: str | VarlenAttention | None = None,
@@ -191,6 +194,8 @@ class Qwen3OmniVisionTower(nn.Module):
         x = x + self.position_embeddings(metadata.pos_indices, metadata.pos_weights).to(x.dtype)
         cos, sin = self.rotary_pos_emb(metadata.rotary_positions)
         deepstack = []
+        side = self.merge_stream(x.device)
+        merged_from = []  # the DeepStack mergers' inputs stay referenced until the side stream is joined
         blocks = list(self.blocks)
         normed = blocks[0].norm1(x) if blocks else None
         for layer, block in enumerate(blocks):
@@ -198,9 +203,37 @@ class Qwen3OmniVisionTower(nn.Module):
             x, normed = run_block(block, x, normed, next_norm, cos, sin, metadata.cu_seqlens, metadata.max_seqlen,
                                   attend)
             merger = self.deepstack_after.get(layer)
-            if merger is not None:
+            if merger is None:
+                continue
+            if side is None:
                 deepstack.append(self.merger_list[merger](x))
-        return VisionOutput(self.merger(x), tuple(deepstack))
+                continue
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                deepstack.append(self.merger_list[merger](x))
+            merged_from.append(x)
+        embeds = self.merger(x)
+        if side is not None:
+            main = torch.cuda.current_stream(x.device)
+            main.wait_stream(side)
+            for t in deepstack:  # allocated on the side stream, used on this one from now on
+                t.record_stream(main)
+        return VisionOutput(embeds, tuple(deepstack))
+
+    def merge_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The stream the DeepStack mergers run on, or None to run them in line.
+
+        A small image leaves most of the GPU idle in every block, and a merger (LayerNorm, two GEMMs of 4608 wide,
+        GELU) does not feed the blocks after it, so on CUDA and ROCm it runs on a second stream that forks from the
+        current one after its block and joins before the output; a CUDA or HIP graph captures the fork and the join
+        as parallel branches. Same kernels, same results. In line on other devices, while torch.compile traces, and
+        with ``overlap_deepstack = False``."""
+        if not self.overlap_deepstack or device.type != "cuda" or torch.compiler.is_compiling():
+            return None
+        stream = self._merge_streams.get(device)
+        if stream is None:
+            stream = self._merge_streams[device] = torch.cuda.Stream(device)
+        return stream
 
     @staticmethod
     def block_forward():
