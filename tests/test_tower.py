@@ -21,6 +21,7 @@ from hwgraph.models.qwen3_omni import (
     preset_config,
 )
 from hwgraph.models.qwen3_omni.reference import as_vision_output, reference_encoder, run_reference
+from hwgraph.models.qwen3_omni.tower import OVERLAP_MAX_ROWS
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -450,7 +451,9 @@ def test_metadata_is_cached_per_grid_and_usable_outside_the_inference_mode_it_wa
 def test_deepstack_mergers_run_in_line_off_cuda_and_when_overlap_is_off():
     tower = Qwen3OmniVisionTower.from_preset("tiny")
     assert tower.overlap_deepstack  # on by default; it only acts on CUDA/ROCm devices
-    assert tower.merge_stream(torch.device("cpu")) is None
-    assert tower.merge_stream(torch.device("meta")) is None
+    assert tower.merge_stream(torch.device("cpu"), 196) is None
+    assert tower.merge_stream(torch.device("meta"), 196) is None
+    # Neither asks anything of CUDA: above the row limit the GEMMs fill the GPU; and overlap can be turned off.
+    assert tower.merge_stream(torch.device("cuda", 0), OVERLAP_MAX_ROWS + 4) is None
     tower.overlap_deepstack = False
-    assert tower.merge_stream(torch.device("cuda", 0)) is None  # asks nothing of CUDA when off
+    assert tower.merge_stream(torch.device("cuda", 0), 196) is None

@@ -150,12 +150,13 @@ def test_deepstack_mergers_overlap_on_a_side_stream_and_join_before_the_output(t
     with torch.inference_mode():
         tower.overlap_deepstack = False
         try:
-            assert tower.merge_stream(pix.device) is None
+            assert tower.merge_stream(pix.device, pix.shape[0]) is None
             want = tower.forward(pix, grid).tensors()
         finally:
             tower.overlap_deepstack = True
-        side = tower.merge_stream(pix.device)
+        side = tower.merge_stream(pix.device, pix.shape[0])
         assert side is not None and side != torch.cuda.current_stream()
+        assert tower.merge_stream(pix.device, 1024) is None  # a 256-token image keeps its mergers in line
         # A merger held up on its stream: the output must still be complete when read on the current stream.
         monkeypatch.setattr(tower.merger_list[0], "forward", slowed(tower.merger_list[0].forward))
         got = [t.clone() for t in tower.forward(pix, grid).tensors()]

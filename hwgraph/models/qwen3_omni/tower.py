@@ -38,6 +38,9 @@ def callable_spec(fn: VarlenAttention) -> KernelSpec:
     )
 
 
+OVERLAP_MAX_ROWS = 512  # patch rows up to which DeepStack mergers overlap the blocks (merge_stream)
+
+
 class Qwen3OmniVisionTower(nn.Module):
     """The Qwen3-Omni image tower. ``config``: a ``Qwen3OmniMoeVisionEncoderConfig``, a preset name, a config
     dict or a full Qwen3-Omni config. ``attention``: a kernel name, a ``VarlenAttention`` callable, or None for
@@ -194,7 +197,7 @@ class Qwen3OmniVisionTower(nn.Module):
         x = x + self.position_embeddings(metadata.pos_indices, metadata.pos_weights).to(x.dtype)
         cos, sin = self.rotary_pos_emb(metadata.rotary_positions)
         deepstack = []
-        side = self.merge_stream(x.device)
+        side = self.merge_stream(x.device, x.shape[0])
         merged_from = []  # the DeepStack mergers' inputs stay referenced until the side stream is joined
         blocks = list(self.blocks)
         normed = blocks[0].norm1(x) if blocks else None
@@ -220,15 +223,19 @@ class Qwen3OmniVisionTower(nn.Module):
                 t.record_stream(main)
         return VisionOutput(embeds, tuple(deepstack))
 
-    def merge_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        """The stream the DeepStack mergers run on, or None to run them in line.
+    def merge_stream(self, device: torch.device, rows: int) -> torch.cuda.Stream | None:
+        """The stream the DeepStack mergers run on for ``rows`` patch rows, or None to run them in line.
 
         A small image leaves most of the GPU idle in every block, and a merger (LayerNorm, two GEMMs of 4608 wide,
         GELU) does not feed the blocks after it, so on CUDA and ROCm it runs on a second stream that forks from the
         current one after its block and joins before the output; a CUDA or HIP graph captures the fork and the join
-        as parallel branches. Same kernels, same results. In line on other devices, while torch.compile traces, and
-        with ``overlap_deepstack = False``."""
-        if not self.overlap_deepstack or device.type != "cuda" or torch.compiler.is_compiling():
+        as parallel branches. Same kernels, same results. On the H200 (``benchmarks/replay_gaps.py --overlap``,
+        TRITON_ATTN, interleaved) one 49-token image replayed 2.6-2.9% faster (the budget-64 graph: 256 rows); 98 tokens
+        gained 0-0.7% (budget 128: 512 rows), and from budget 256 (1024 rows) the GEMMs fill the GPU and overlap cost
+        0.4-0.5%. So mergers overlap up to ``OVERLAP_MAX_ROWS`` rows (padding rows counted); in line above that, on
+        other devices, while torch.compile traces, and with ``overlap_deepstack = False``."""
+        if not self.overlap_deepstack or rows > OVERLAP_MAX_ROWS or device.type != "cuda" \
+                or torch.compiler.is_compiling():
             return None
         stream = self._merge_streams.get(device)
         if stream is None:
