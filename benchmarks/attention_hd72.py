@@ -1,6 +1,6 @@
 """Attention kernels for head_dim 72 on Hopper, at the tower's shapes (16 heads, bf16), against ATen flash.
 
-Usage: python benchmarks/attention_hd72.py [--quick] [--tiles] [--variants] [--small] [--no-extras]
+Usage: python benchmarks/attention_hd72.py [--quick] [--tiles] [--small] [--no-extras]
 Each cell is the device time of one call (20 calls captured in one CUDA graph, replayed, divided by 20) and the
 relative L2 error of its real rows against flash. Batches are shaped as the manager builds them (q, k, v strided
 views of one qkv tensor; max_seqlen the budget's patch count; padding rows after the last image). Rows:
@@ -14,6 +14,9 @@ views of one qkv tensor; max_seqlen the budget's patch count; padding rows after
 
 Session 5's first runs also timed the Triton variants that led to the TMA kernel (a tutorial-style pointer loop, a
 TMA loop with p.v split 64 + 16): they are in this file at commit f4acd6c, their logs in docs/reports/h200/.
+Session 6's --variants (the key loop with q.k of the next block computed first, with
+tl.range(warp_specialize=True), and as a programmatic dependent launch; none faster) are in this file at commit
+f32b8d3 (attention_hd72-session6-variants.log, replay_gaps.log).
 """
 
 from __future__ import annotations
@@ -22,18 +25,9 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
 from hwgraph.attention.triton_kernel import (
-    LOG2_E,
-    dot_dtype_for,
-    head_descriptor,
-    head_split,
-    head_width,
     launch_varlen_attention,
-    load_q_parts,
-    qk_tma,
-    softmax_pv_tma,
 )
 from hwgraph.timing import graphed_ms
 
@@ -60,93 +54,11 @@ def cudnn_dense_extra_dim(q, k, v, cu, rows):
     return out[0].transpose(0, 1)[..., :D]
 
 
-@triton.jit
-def experimental_tma_kernel(
-    Q, ka_desc, kb_desc, v_desc, Out, CU_SEQLENS, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
-    D_V: tl.constexpr, HAS_B: tl.constexpr, DOT_DTYPE: tl.constexpr, PIPELINE_QK: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """The shipped TMA kernel's steps (no padding slot) in two other loop shapes. ``PIPELINE_QK``: the scores of
-    key block j + 1 are computed before block j's softmax and p.v, so that matmul can overlap them (FlashAttention-3's
-    intra-warpgroup pipelining, if Triton leaves that dot in flight). ``WARP_SPECIALIZE``: the shipped loop with
-    ``tl.range(warp_specialize=True)``. ``PDL``: launched as a programmatic dependent launch, the kernel waits for
-    the previous grid before its first read and lets the next grid launch at once (``benchmarks/replay_gaps.py``)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    block_m = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
-    start = tl.load(CU_SEQLENS + seq)
-    seqlen = tl.load(CU_SEQLENS + seq + 1) - start
-    if block_m * BLOCK_M >= seqlen:
-        return
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_v = tl.arange(0, D_V)
-    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < seqlen
-    q_a, q_b = load_q_parts(Q, start, rows, row_mask, head, stride_qt, stride_qh, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B,
-                            DOT_DTYPE)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-    col = head * HEAD_DIM
-    full_end = seqlen // BLOCK_N * BLOCK_N
-    if PIPELINE_QK:
-        if full_end > 0:
-            s = qk_tma(q_a, q_b, ka_desc, kb_desc, start, col, D_A, HAS_B, DOT_DTYPE)
-            for kv_start in range(BLOCK_N, full_end, BLOCK_N):
-                s_next = qk_tma(q_a, q_b, ka_desc, kb_desc, start + kv_start, col, D_A, HAS_B, DOT_DTYPE)
-                m_i, l_i, acc = softmax_pv_tma(s, m_i, l_i, acc, v_desc, start + kv_start - BLOCK_N, col, offs_n,
-                                               qk_scale_log2, False, DOT_DTYPE)
-                s = s_next
-            m_i, l_i, acc = softmax_pv_tma(s, m_i, l_i, acc, v_desc, start + full_end - BLOCK_N, col, offs_n,
-                                           qk_scale_log2, False, DOT_DTYPE)
-    else:
-        for kv_start in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-            s = qk_tma(q_a, q_b, ka_desc, kb_desc, start + kv_start, col, D_A, HAS_B, DOT_DTYPE)
-            m_i, l_i, acc = softmax_pv_tma(s, m_i, l_i, acc, v_desc, start + kv_start, col, offs_n, qk_scale_log2,
-                                           False, DOT_DTYPE)
-    if full_end < seqlen:
-        s = qk_tma(q_a, q_b, ka_desc, kb_desc, start + full_end, col, D_A, HAS_B, DOT_DTYPE)
-        m_i, l_i, acc = softmax_pv_tma(s, m_i, l_i, acc, v_desc, start + full_end, col, full_end + offs_n < seqlen,
-                                       qk_scale_log2, True, DOT_DTYPE)
-    out_ptr = Out + (start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh
-    tl.store(out_ptr + offs_v[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),
-             mask=row_mask[:, None] & (offs_v < HEAD_DIM)[None, :])
-
-
-REPORTED = set()
-
-
-def experimental(q, k, v, cu, max_seqlen, tiles, pipeline=False, warp_specialize=False, pdl=False):
-    """``experimental_tma_kernel`` on ``[T, H, D]`` views; prints registers and spills once per variant."""
-    block_m, block_n, warps, stages = tiles
-    d_a, d_b = head_split(D)
-    kb_width = max(d_b, 16)
-    out = torch.empty_like(q)
-    grid = (triton.cdiv(max_seqlen, block_m), H, cu.shape[0] - 1)
-    compiled = experimental_tma_kernel[grid](
-        q, head_descriptor(k, block_n, d_a), head_descriptor(k, block_n, kb_width), head_descriptor(v, block_n,
-                                                                                                    head_width(D)),
-        out, cu, D**-0.5 * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, D_A=d_a, D_B=kb_width, D_V=head_width(D), HAS_B=d_b > 0,
-        DOT_DTYPE=dot_dtype_for(q.dtype), PIPELINE_QK=pipeline, WARP_SPECIALIZE=warp_specialize, PDL=pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=pdl)
-    key = (tiles, pipeline, warp_specialize, pdl)
-    if key not in REPORTED and hasattr(compiled, "n_regs"):
-        REPORTED.add(key)
-        print(f"    [{key}: {compiled.n_regs} registers, {compiled.n_spills} spills, "
-              f"{compiled.metadata.shared} B shared]", flush=True)
-    return out
-
-
 def err_of(got, want):
     return ((got.float() - want).norm() / want.norm()).item()
 
 
-def row(label, seqs, rows, slots, tiles, extras, variants=()):
+def row(label, seqs, rows, slots, tiles, extras):
     torch.manual_seed(0)
     qkv = torch.randn(rows, 3, H, D, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
@@ -177,9 +89,6 @@ def row(label, seqs, rows, slots, tiles, extras, variants=()):
     for cfg in tiles:
         report(f"triton TMA tiles {cfg}", lambda c=cfg: launch_varlen_attention(q, k, v, cu, max_seqlen, D**-0.5,
                                                                               tiles=c, use_tma=True))
-    for cfg, pipeline, ws in variants:
-        report(f"experimental {cfg} pipelined q.k={pipeline} warp_specialize={ws}",
-               lambda c=cfg, p=pipeline, w=ws: experimental(q, k, v, cu, max_seqlen, c, p, w))
     if "cudnn" in extras and len(seqs) == 1:
         report("cudnn-dense (extra dim)", lambda: cudnn_dense_extra_dim(q, k, v, cu, rows))
         exact = [t[: seqs[0]].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
@@ -198,11 +107,6 @@ def main():
     # (BLOCK_M, BLOCK_N, num_warps, num_stages); 128x128 with 4 stages does not fit shared memory.
     tiles = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 4),
              (128, 32, 8, 4)] if "--tiles" in sys.argv else []
-    variants = []
-    if "--variants" in sys.argv:
-        variants = [(t, pipe, ws) for t in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2))
-                    for pipe, ws in ((False, False), (True, False))]
-        variants += [((128, 64, 8, 3), False, True), ((128, 128, 8, 3), False, True)]
     extras = () if "--no-extras" in sys.argv else ("cudnn",)
     cases = [("1x4096 in 4096", [4096], 4096, 1), ("1x3600 in 4096", [3600], 4096, 1),
              ("4x784 in 4096", [784] * 4, 4096, 4), ("1x1024 in 1024", [1024], 1024, 1),
@@ -217,7 +121,7 @@ def main():
     if quick:
         cases = cases[:1]
     for i, (label, seqs, rows, slots) in enumerate(cases):
-        row(label, seqs, rows, slots, tiles, extras + ("flex",) if i == 0 and extras else extras, variants)
+        row(label, seqs, rows, slots, tiles, extras + ("flex",) if i == 0 and extras else extras)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 Usage: python benchmarks/replay_gaps.py [--ab [GROUPS] | --overlap [GROUPS]]
 With TRITON_ATTN one 49-token image replays 3-10% slower than with FLASH_ATTN although its kernels sum to less
 (bench-session6-a.md: 1.743 against 1.645 ms, kernels 1.497 against 1.531). This captures the budget-64 graph (one
-sequence slot) for FLASH_ATTN and for TRITON_ATTN three ways (the TMA kernel as shipped, the pointer kernel, and
-the TMA kernel as a programmatic dependent launch: it waits for the previous grid in the kernel and lets the next
-one launch at once), then per variant:
+sequence slot) for FLASH_ATTN and for TRITON_ATTN two ways (the TMA kernel as shipped, and the pointer kernel),
+then per variant (session 6's run also had the TMA kernel as a programmatic dependent launch, from
+``attention_hd72.py`` at commit f32b8d3: ``replay_gaps.log``):
 
 - ``encode``: the manager's whole step (as ``hwgraph bench`` times it), interleaved with the others;
 - ``replay``: the captured graph's replay alone, interleaved likewise;
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -35,9 +34,6 @@ from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.timing import measure_interleaved
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_hd72 import experimental  # noqa: E402
-
 TOKENS, BUDGET = 49, 64
 SHIPPED = triton_kernel.launch_varlen_attention
 
@@ -46,17 +42,13 @@ def pointer_kernel(q, k, v, cu, max_seqlen, scale, **kw):
     return SHIPPED(q, k, v, cu, max_seqlen, scale, use_tma=False)
 
 
-def pdl_kernel(q, k, v, cu, max_seqlen, scale, **kw):
-    return experimental(q, k, v, cu, max_seqlen, triton_kernel.tma_tiles(max_seqlen), pdl=True)
-
-
 VARIANTS = {"FLASH_ATTN": ("FLASH_ATTN", None), "TRITON_ATTN tma": ("TRITON_ATTN", None),
-            "TRITON_ATTN pointer": ("TRITON_ATTN", pointer_kernel), "TRITON_ATTN tma+pdl": ("TRITON_ATTN", pdl_kernel)}
+            "TRITON_ATTN pointer": ("TRITON_ATTN", pointer_kernel)}
 
 
 def kind_of(name: str) -> str:
     for key, label in (("flash_fwd", "flash"), ("varlen_attention", "triton attention"),
-                       ("experimental_tma", "triton attention"), ("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"),
+           ("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"),
                        ("add_layer_norm", "add+LayerNorm"), ("rotary", "rotary"), ("layer_norm", "LayerNorm")):
         if key in name:
             return label

@@ -144,16 +144,22 @@ def slowed(fn, cycles: int = 20_000_000):
     return run
 
 
+def in_line_forward(tower, pix, grid) -> tuple[torch.Tensor, ...]:
+    """The eager forward with every DeepStack merger in line (no side stream)."""
+    tower.overlap_deepstack = False
+    try:
+        assert tower.merge_stream(pix.device, pix.shape[0]) is None
+        with torch.inference_mode():
+            return tower.forward(pix, grid).tensors()
+    finally:
+        tower.overlap_deepstack = True
+
+
 def test_deepstack_mergers_overlap_on_a_side_stream_and_join_before_the_output(tower, monkeypatch):
     grid = [grid_of(49)]
     pix = pixels(grid, 7)
+    want = in_line_forward(tower, pix, grid)
     with torch.inference_mode():
-        tower.overlap_deepstack = False
-        try:
-            assert tower.merge_stream(pix.device, pix.shape[0]) is None
-            want = tower.forward(pix, grid).tensors()
-        finally:
-            tower.overlap_deepstack = True
         side = tower.merge_stream(pix.device, pix.shape[0])
         assert side is not None and side != torch.cuda.current_stream()
         assert tower.merge_stream(pix.device, 1024) is None  # a 256-token image keeps its mergers in line
@@ -167,12 +173,7 @@ def test_deepstack_mergers_overlap_on_a_side_stream_and_join_before_the_output(t
 def test_replay_with_overlapped_mergers_equals_the_in_line_eager_forward(tower, monkeypatch):
     grid = [grid_of(49)]
     pix = pixels(grid, 8)
-    with torch.inference_mode():
-        tower.overlap_deepstack = False
-        try:
-            want = tower.forward(pix, grid).tensors()
-        finally:
-            tower.overlap_deepstack = True
+    want = in_line_forward(tower, pix, grid)
     monkeypatch.setattr(tower.merger_list[1], "forward", slowed(tower.merger_list[1].forward))
     with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1) as m:
         m.capture()
