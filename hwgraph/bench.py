@@ -1,14 +1,16 @@
 """``hwgraph bench``: transformers eager, hwgraph eager and hwgraph replay side by side, per image group, in one run.
 
 Every latency is measured in this process with ``hwgraph.timing.measure_interleaved`` (device events on CUDA/ROCm,
-wall clock elsewhere): median and p95 of ``samples`` calls after ``warmup`` calls. For each group and kernel, the
-transformers encoder, the hwgraph eager tower and the replay are sampled in turn (one call of each per round), so
-the ratios compare calls made under the same host conditions; speedups are ratios of those medians. A group
+wall clock elsewhere): median and p95 of ``samples`` calls after ``warmup`` calls. For each group, the transformers
+encoder and, for every attention kernel, the hwgraph eager tower and the replay are sampled in turn (one call of
+each per round), so the ratios, between kernels too, compare calls made under the same host and device conditions;
+speedups are ratios of those medians. A group
 ``NxT`` is N single-frame images of T merged tokens each, encoded as one call.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import sys
@@ -177,75 +179,84 @@ def empty_cache(device: torch.device) -> None:
         fn()
 
 
-def time_kernel(tower, kernel: str, groups, inputs, cfg: BenchConfig, progress, calibrate: bool = False,
-                reference: dict | None = None) -> dict:
-    """hwgraph eager and replay of every group with one attention kernel (one manager, budgets covering all),
-    each group's samples interleaved with the transformers call in ``reference`` (group label -> callable)."""
+def kernel_view(tower, kernel: str):
+    """``tower`` for one attention kernel: a shallow copy sharing its modules and weights, with its own kernel
+    choice, so managers of several kernels (and eager calls with each) live side by side on one set of weights."""
+    view = copy.copy(tower)
+    view.set_attention(kernel)
+    return view
+
+
+def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, progress, calibrate: bool = False,
+                 reference: dict | None = None) -> list[dict]:
+    """hwgraph eager and replay of every group with each attention kernel (one manager per kernel, budgets covering
+    all), captured first, then timed group by group with every kernel's calls and the transformers call in
+    ``reference`` (group label -> callable) sampled in turn: kernels timed one after another were not comparable
+    (on the H200 whichever kernel ran second replayed a 49-token image 6-12% slower, ``docs/benchmarks.md``)."""
     from hwgraph.manager import EncoderGraphManager
+    from hwgraph.profiling import kernel_time
 
     budgets = cfg.budgets or covering_budgets(groups)
     if calibrate and not cfg.budgets:  # look for the cap up to the manager's calibration limit
         budgets = budget_rules.auto_budgets(max(budget_rules.CALIBRATION_CAP, max(budgets)))
     max_images = min(max(g.count for g in groups), min(budgets))
+    views = {k: kernel_view(tower, k) for k in kernels}
 
-    def new_manager(compile: bool):
-        return EncoderGraphManager(tower, device=cfg.device, dtype=cfg.dtype, budgets=budgets,
+    def new_manager(kernel: str, compile: bool):
+        return EncoderGraphManager(views[kernel], device=cfg.device, dtype=cfg.dtype, budgets=budgets,
                                    max_images_per_graph=max_images, graph_backend=cfg.graph_backend,
                                    attention=kernel, calibrate=calibrate, max_budget=max(budgets), compile=compile)
 
-    manager = new_manager(cfg.compile)
-    # compiled replay is timed side by side with plain replay, from a second manager captured without compile
-    plain = new_manager(False) if cfg.compile and not calibrate else None
+    managers, plains = {}, {}
     try:
-        manager.capture()
-        if plain is not None:
-            plain.capture()
-        rows = {}
+        for kernel in kernels:
+            managers[kernel] = new_manager(kernel, cfg.compile)
+            managers[kernel].capture()
+            # compiled replay is timed side by side with plain replay, from a manager captured without compile
+            if cfg.compile and not calibrate:
+                plains[kernel] = new_manager(kernel, False)
+                plains[kernel].capture()
+        rows = {kernel: {} for kernel in kernels}
         for group in groups:
             pixels, grid = inputs[group.label]
-            entry, why = manager.select_graph(grid, group.total)
-            # Calibrated budgets: time what a caller gets, replay or the eager fallback the calibration left.
-            rows[group.label] = row = time_group(tower, manager, pixels, grid, entry is not None or calibrate, cfg,
-                                                 (reference or {}).get(group.label), plain)
-            row["budget"] = entry.budget if entry is not None else None
-            row["replay_note"] = "replay" if entry is not None else f"eager: {why}"
-            progress.advance(note=f"{kernel} {group.label}")
-        stats = manager.stats()
-        return {"kernel": kernel, "backend": manager.backend.name, "accelerates": manager.backend.accelerates,
-                "budgets": sorted(manager.graphs), "rows": rows, "stats": stats,
-                "graph_memory_bytes": dict(sorted(stats["capture_bytes_per_budget"].items()))}
+            calls = {}
+            if reference is not None:
+                calls["transformers"] = reference[group.label]
+            entries = {}
+            for kernel in kernels:
+                entries[kernel] = managers[kernel].select_graph(grid, group.total)
+                calls[f"{kernel} eager"] = lambda v=views[kernel], p=pixels, g=grid: eager_call(v, p, g)
+                # Calibrated budgets: time what a caller gets, replay or the eager fallback the calibration left.
+                if entries[kernel][0] is not None or calibrate:
+                    calls[f"{kernel} replay"] = lambda m=managers[kernel], p=pixels, g=grid: m.encode(p, g)
+                    if kernel in plains:
+                        calls[f"{kernel} plain_replay"] = lambda m=plains[kernel], p=pixels, g=grid: m.encode(p, g)
+            timed = measure_interleaved(calls, cfg.device, cfg.warmup, cfg.samples)
+            for kernel in kernels:
+                row = {name: timed[f"{kernel} {name}"].as_dict() if f"{kernel} {name}" in timed else None
+                       for name in ("eager", "replay", "plain_replay")}
+                row["transformers"] = timed["transformers"].as_dict() if reference is not None else None
+                if cfg.profile:
+                    row["profile"] = {"eager": kernel_time(calls[f"{kernel} eager"], cfg.device).as_dict(),
+                                      "replay": kernel_time(calls[f"{kernel} replay"], cfg.device).as_dict()
+                                      if row["replay"] else None}
+                entry, why = entries[kernel]
+                row["budget"] = entry.budget if entry is not None else None
+                row["replay_note"] = "replay" if entry is not None else f"eager: {why}"
+                rows[kernel][group.label] = row
+                progress.advance(note=f"{kernel} {group.label}")
+        results = []
+        for kernel in kernels:
+            stats = managers[kernel].stats()
+            manager = managers[kernel]
+            results.append({"kernel": kernel, "backend": manager.backend.name,
+                            "accelerates": manager.backend.accelerates, "budgets": sorted(manager.graphs),
+                            "rows": rows[kernel], "stats": stats,
+                            "graph_memory_bytes": dict(sorted(stats["capture_bytes_per_budget"].items()))})
+        return results
     finally:
-        manager.close()
-        if plain is not None:
-            plain.close()
-
-
-def time_group(tower, manager, pixels, grid, replays: bool, cfg: BenchConfig, reference=None, plain=None) -> dict:
-    """Eager, (when a graph holds the group) replay and (given ``reference``) transformers latency of one group,
-    sampled in turn, and with ``plain`` (a manager captured without compile, when ``manager`` compiled) its replay
-    too; kernel time with ``cfg.profile``."""
-    from hwgraph.profiling import kernel_time
-
-    def eager():
-        return eager_call(tower, pixels, grid)
-
-    def replay():
-        return manager.encode(pixels, grid)
-
-    calls = {"eager": eager}
-    if replays:
-        calls["replay"] = replay
-        if plain is not None:
-            calls["plain_replay"] = lambda: plain.encode(pixels, grid)
-    if reference is not None:
-        calls["transformers"] = reference
-    timed = measure_interleaved(calls, cfg.device, cfg.warmup, cfg.samples)
-    row = {name: timed[name].as_dict() if name in timed else None
-           for name in ("transformers", "eager", "replay", "plain_replay")}
-    if cfg.profile:
-        row["profile"] = {"eager": kernel_time(eager, cfg.device).as_dict(),
-                          "replay": kernel_time(replay, cfg.device).as_dict() if replays else None}
-    return row
+        for manager in (*managers.values(), *plains.values()):
+            manager.close()
 
 
 def ratio(num: dict | None, den: dict | None) -> float | None:
@@ -302,11 +313,12 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     with progress:
         warm_device(cfg.device)
         reference = reference_calls(tower, groups, inputs) if cfg.reference else None
-        per_kernel = [time_kernel(tower, k, groups, inputs, cfg, progress, reference=reference) for k in kernels]
+        per_kernel = time_kernels(tower, kernels, groups, inputs, cfg, progress, reference=reference) \
+            if kernels else []
         calibrated = None
         if cfg.calibrate and kernels:
-            calibrated = time_kernel(tower, kernels[0], groups, inputs, cfg, progress, calibrate=True,
-                                     reference=reference)
+            calibrated = time_kernels(tower, kernels[:1], groups, inputs, cfg, progress, calibrate=True,
+                                      reference=reference)[0]
         del reference
         empty_cache(cfg.device)  # the reference encoder's weights are garbage now
     result = {

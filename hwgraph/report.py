@@ -110,9 +110,10 @@ def calibration_section(cal: dict | None) -> str | None:
     return f"### Calibrated budgets ({cal['kernel']}): kept {kept}\n\n{found}\n\n{rows}"
 
 
-INTERLEAVED = " (in each row transformers, eager and replay are sampled in turn, one call of each per round)"
-INTERLEAVED_COMPILED = (" (in each row transformers, eager, plain replay and compiled replay are sampled in turn, one "
-                        "call of each per round)")
+INTERLEAVED = (" (per group, transformers and every kernel's eager and replay are sampled in turn, one call of each "
+               "per round)")
+INTERLEAVED_COMPILED = (" (per group, transformers and every kernel's eager, plain replay and compiled replay are "
+                        "sampled in turn, one call of each per round)")
 
 
 def heading(result: dict) -> str:
