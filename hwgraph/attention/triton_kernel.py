@@ -119,11 +119,8 @@ def varlen_attention_kernel(
         rows = block_m * BLOCK_M + offs_m
         row_mask = rows < seqlen
         q_rows = (start + rows).to(tl.int64)
-        q_ptr = Q + q_rows[:, None] * stride_qt + head * stride_qh
-        q_a = tl.load(q_ptr + offs_a[None, :], mask=row_mask[:, None] & a_mask[None, :], other=0.0).to(DOT_DTYPE)
-        q_b = tl.zeros([BLOCK_M, D_B], DOT_DTYPE)
-        if HAS_B:
-            q_b = tl.load(q_ptr + offs_b[None, :], mask=row_mask[:, None] & b_mask[None, :], other=0.0).to(DOT_DTYPE)
+        q_a, q_b = load_q_parts(Q, start, rows, row_mask, head, stride_qt, stride_qh, HEAD_DIM, BLOCK_M, D_A, D_B,
+                                HAS_B, DOT_DTYPE)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
