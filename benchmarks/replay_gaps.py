@@ -28,7 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hwgraph.attention import triton_kernel
-from hwgraph.bench import group_inputs, parse_groups, warm_device
+from hwgraph.bench import group_inputs, kernel_view, parse_groups, warm_device
 from hwgraph.budgets import filling_grid
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
@@ -76,27 +76,20 @@ def gap_profile(graph) -> tuple[float, int, dict]:
     return total, len(kernels), dict(per_kind)
 
 
-def towers(device, kernels):
-    base = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
-    out = {}
-    for kernel in kernels:
-        tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
-        tower.load_state_dict(base.state_dict())
-        tower.set_attention(kernel)
-        out[kernel] = tower
-    return base, out
+def preset_tower(device):
+    return Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
 
 
 def ab(device, spec: str, variants: dict[str, tuple[str, bool]]):
     """Managers per variant (label -> (attention kernel, DeepStack mergers overlapped)), each group's steps
     interleaved across them, two rounds."""
     groups = parse_groups(spec)
-    base, by_kernel = towers(device, sorted({kernel for kernel, _ in variants.values()}))
+    base = preset_tower(device)
     inputs = group_inputs(base, groups, seed=0)
     managers = {}
     for label, (kernel, overlap) in variants.items():
-        tower = by_kernel[kernel]
-        tower.overlap_deepstack = overlap  # read while capturing: each graph keeps the choice it was captured with
+        tower = kernel_view(base, kernel)  # the same weights, its own kernel and overlap choice
+        tower.overlap_deepstack = overlap
         managers[label] = EncoderGraphManager(tower, budgets=[64, 128, 256, 512, 1024], max_images_per_graph=4)
         managers[label].capture()
     first, second = list(variants)
@@ -121,17 +114,14 @@ def main():
         if flag in sys.argv:
             rest = sys.argv[sys.argv.index(flag) + 1:]
             return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024", variants)
-    base = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
+    base = preset_tower(device)
     grid = [filling_grid(TOKENS, 2)]
     pixels = torch.randn(TOKENS * 4, 1536, device=device, dtype=torch.bfloat16)
     managers = {}
     for label, (kernel, launcher) in VARIANTS.items():
-        tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
-        tower.load_state_dict(base.state_dict())
-        tower.set_attention(kernel)
         triton_kernel.launch_varlen_attention = launcher or SHIPPED  # read at each call: patches the capture
         try:
-            m = EncoderGraphManager(tower, budgets=[BUDGET], max_images_per_graph=1)
+            m = EncoderGraphManager(kernel_view(base, kernel), budgets=[BUDGET], max_images_per_graph=1)
             m.capture()
             m.encode(pixels, grid)
         finally:
