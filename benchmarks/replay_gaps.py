@@ -1,6 +1,6 @@
 """Where does a small image's replay with TRITON_ATTN lose time between kernels?
 
-Usage: python benchmarks/replay_gaps.py [--ab [GROUPS] | --overlap [GROUPS]]
+Usage: python benchmarks/replay_gaps.py [--ab [GROUPS] | --overlap [GROUPS] | --mlp-pad [GROUPS] | --compiled | --order]
 With TRITON_ATTN one 49-token image replays 3-10% slower than with FLASH_ATTN although its kernels sum to less
 (bench-session6-a.md: 1.743 against 1.645 ms, kernels 1.497 against 1.531). This captures the budget-64 graph (one
 sequence slot) for FLASH_ATTN and for TRITON_ATTN two ways (the TMA kernel as shipped, and the pointer kernel),
@@ -17,10 +17,17 @@ graph, as ``hwgraph bench`` builds them), each group's steps interleaved across 
 (``hwgraph bench`` times one kernel's rows after the other's), twice over; GROUPS defaults to the bench's.
 ``--overlap``: the same with TRITON_ATTN, DeepStack mergers in line against overlapped on their own stream
 (``Qwen3OmniVisionTower.merge_stream``).
+``--mlp-pad``: the same with TRITON_ATTN, the MLP 4304 wide (the checkpoint's) against 4352 (zero-padded to a
+multiple of 256: ``padded_mlp``), with the relative difference of the two outputs.
+``--compiled``: plain against compiled replay (TRITON_ATTN, 49 and 256 tokens): replay times and the kernels
+that differ between the two graphs.
+``--order``: one manager's encode timed twice per round, right after an eager forward and right after itself,
+in a fixed order and in shuffled rounds.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections import defaultdict
 
@@ -28,7 +35,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hwgraph.attention import triton_kernel
-from hwgraph.bench import group_inputs, kernel_view, parse_groups, warm_device
+from hwgraph.bench import eager_call, group_inputs, kernel_view, parse_groups, warm_device
 from hwgraph.budgets import filling_grid
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
@@ -76,19 +83,112 @@ def gap_profile(graph) -> tuple[float, int, dict]:
     return total, len(kernels), dict(per_kind)
 
 
+def census(graph) -> dict[str, tuple[int, float]]:
+    """{kernel name: (launches, summed ms)} of one profiled replay."""
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    out = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name][0] += 1
+            out[e.name][1] += (e.time_range.end - e.time_range.start) / 1000
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def compiled_census(device, tokens_list=(49, 256)):
+    """Plain against compiled replay with TRITON_ATTN (one slot per budget): replay times interleaved, and the
+    kernels each graph launches, by name, where the two differ."""
+    base = preset_tower(device)
+    for tokens in tokens_list:
+        budget = 64 if tokens <= 64 else 256
+        grid = [filling_grid(tokens, 2)]
+        pixels = torch.randn(tokens * 4, 1536, device=device, dtype=torch.bfloat16)
+        graphs, outs = {}, {}
+        for label, compiled in (("plain", False), ("compiled", True)):
+            m = EncoderGraphManager(kernel_view(base, "TRITON_ATTN"), budgets=[budget], max_images_per_graph=1,
+                                    compile=compiled)
+            m.capture()
+            outs[label] = m.encode(pixels, grid)[0].embeds.float()
+            graphs[label] = m.graphs[budget].graph_for(1)[1]
+        diff = ((outs["plain"] - outs["compiled"]).norm() / outs["plain"].norm()).item()
+        replay = measure_interleaved({k: g.replay for k, g in graphs.items()}, "cuda")
+        print(f"1x{tokens} in budget {budget}: replay plain {replay['plain'].median:.3f} / compiled "
+              f"{replay['compiled'].median:.3f} ms, relative difference {diff:.1e}", flush=True)
+        plain, comp = census(graphs["plain"]), census(graphs["compiled"])
+        for label, c in (("plain", plain), ("compiled", comp)):
+            print(f"  {label}: {sum(n for n, _ in c.values())} kernels, {sum(t for _, t in c.values()):.3f} ms")
+        for name in sorted(set(plain) | set(comp), key=lambda k: -(comp.get(k, (0, 0))[1] + plain.get(k, (0, 0))[1])):
+            a, b = plain.get(name, (0, 0.0)), comp.get(name, (0, 0.0))
+            if a[0] != b[0] or abs(a[1] - b[1]) > 0.005:
+                print(f"    plain {a[0]:4d} x {a[1]:.3f} ms | compiled {b[0]:4d} x {b[1]:.3f} ms | {name[:110]}")
+
+
+def order_effect(device, spec="1x49,1x256"):
+    """One manager's encode timed twice per round, after an eager forward and after itself: fixed order against
+    shuffled rounds (``measure_interleaved``'s default)."""
+    base = preset_tower(device)
+    groups = parse_groups(spec)
+    inputs = group_inputs(base, groups, seed=0)
+    view = kernel_view(base, "TRITON_ATTN")
+    manager = EncoderGraphManager(view, budgets=[64, 128, 256, 512, 1024], max_images_per_graph=4)
+    manager.capture()
+    for group in groups:
+        pixels, grid = inputs[group.label]
+        fns = {"eager": lambda p=pixels, g=grid: eager_call(view, p, g),
+               "encode A": lambda p=pixels, g=grid: manager.encode(p, g),
+               "encode B": lambda p=pixels, g=grid: manager.encode(p, g)}
+        for seed, label in ((None, "fixed order eager, A, B"), (0, "shuffled rounds")):
+            lat = measure_interleaved(fns, "cuda", seed=seed)
+            print(f"{group.label} {label}: " + ", ".join(f"{k} {v.median:.3f} / {v.p95:.3f}" for k, v in lat.items()),
+                  flush=True)
+
+
 def preset_tower(device):
     return Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to(device, torch.bfloat16).eval()
 
 
-def ab(device, spec: str, variants: dict[str, tuple[str, bool]]):
+def padded_mlp(tower, width: int):
+    """A copy of ``tower`` (sharing every other module and weight) whose MLPs are ``width`` wide: fc1 gets zero
+    output features (zero bias) and fc2 zero input features, so every block computes the same function
+    (tanh-GELU(0) = 0)."""
+    def shallow(module):
+        out = copy.copy(module)
+        out._modules = dict(module._modules)  # its own child table: replacing a child leaves the original alone
+        return out
+
+    padded = shallow(tower)
+    blocks = []
+    for block in tower.blocks:
+        block, mlp = shallow(block), shallow(block.mlp)
+        fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+        extra = width - fc1.out_features
+        new1 = torch.nn.Linear(fc1.in_features, width, device=fc1.weight.device, dtype=fc1.weight.dtype)
+        new2 = torch.nn.Linear(width, fc2.out_features, device=fc2.weight.device, dtype=fc2.weight.dtype)
+        with torch.no_grad():
+            new1.weight.copy_(torch.nn.functional.pad(fc1.weight, (0, 0, 0, extra)))
+            new1.bias.copy_(torch.nn.functional.pad(fc1.bias, (0, extra)))
+            new2.weight.copy_(torch.nn.functional.pad(fc2.weight, (0, extra)))
+            new2.bias.copy_(fc2.bias)
+        mlp.linear_fc1, mlp.linear_fc2 = new1, new2
+        block.mlp = mlp
+        blocks.append(block)
+    padded.blocks = torch.nn.ModuleList(blocks)
+    return padded
+
+
+def ab(device, spec: str, variants: dict[str, tuple[str, bool]], transforms=None):
     """Managers per variant (label -> (attention kernel, DeepStack mergers overlapped)), each group's steps
-    interleaved across them, two rounds."""
+    interleaved across them, two rounds. ``transforms``: label -> function of the tower giving that variant's."""
     groups = parse_groups(spec)
     base = preset_tower(device)
     inputs = group_inputs(base, groups, seed=0)
     managers = {}
     for label, (kernel, overlap) in variants.items():
-        tower = kernel_view(base, kernel)  # the same weights, its own kernel and overlap choice
+        source = (transforms or {}).get(label, lambda t: t)(base)
+        tower = kernel_view(source, kernel)  # the same weights, its own kernel and overlap choice
         tower.overlap_deepstack = overlap
         managers[label] = EncoderGraphManager(tower, budgets=[64, 128, 256, 512, 1024], max_images_per_graph=4)
         managers[label].capture()
@@ -103,6 +203,11 @@ def ab(device, spec: str, variants: dict[str, tuple[str, bool]]):
             print(f"  {group.label}: {first} {a.median:.3f} / {a.p95:.3f} | {second} {b.median:.3f} / {b.p95:.3f} | "
                   f"{first} over {second} {a.median / b.median:.3f}x", flush=True)
     print({k: m.stats()["replays_per_budget"] for k, m in managers.items()})
+    if transforms:
+        for group in groups:
+            pixels, grid = inputs[group.label]
+            a, b = (managers[k].encode(pixels, grid)[0].embeds.float() for k in (first, second))
+            print(f"  {group.label}: relative difference {((a - b).norm() / a.norm()).item():.1e}")
 
 
 def main():
@@ -114,6 +219,15 @@ def main():
         if flag in sys.argv:
             rest = sys.argv[sys.argv.index(flag) + 1:]
             return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024", variants)
+    if "--order" in sys.argv:
+        return order_effect(device)
+    if "--compiled" in sys.argv:
+        return compiled_census(device)
+    if "--mlp-pad" in sys.argv:
+        rest = sys.argv[sys.argv.index("--mlp-pad") + 1:]
+        return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024",
+                  {"MLP 4304": ("TRITON_ATTN", True), "MLP 4352": ("TRITON_ATTN", True)},
+                  {"MLP 4352": lambda t: padded_mlp(t, 4352)})
     base = preset_tower(device)
     grid = [filling_grid(TOKENS, 2)]
     pixels = torch.randn(TOKENS * 4, 1536, device=device, dtype=torch.bfloat16)

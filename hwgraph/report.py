@@ -111,9 +111,9 @@ def calibration_section(cal: dict | None) -> str | None:
 
 
 INTERLEAVED = (" (per group, transformers and every kernel's eager and replay are sampled in turn, one call of each "
-               "per round)")
+               "per round, each round in a new shuffled order)")
 INTERLEAVED_COMPILED = (" (per group, transformers and every kernel's eager, plain replay and compiled replay are "
-                        "sampled in turn, one call of each per round)")
+                        "sampled in turn, one call of each per round, each round in a new shuffled order)")
 
 
 def heading(result: dict) -> str:

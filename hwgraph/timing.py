@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -33,19 +34,28 @@ def measure(fn: Callable[[], object], device: torch.device, warmup: int = 10, sa
 
 
 def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int = 10,
-                        samples: int = 30) -> dict[str, Latency]:
+                        samples: int = 30, seed: int | None = 0) -> dict[str, Latency]:
     """Time several callables side by side: ``warmup`` calls of each, then ``samples`` rounds of one timed call of
-    each in turn. A host that speeds up or slows down during the run (the H200's shared host swings the same eager
-    forward by 2x between minutes) then moves every callable's samples alike, so ratios of their medians hold."""
+    each. A host that speeds up or slows down during the run (the H200's shared host swings the same eager forward
+    by 2x between minutes) then moves every callable's samples alike, so ratios of their medians hold.
+
+    Each round calls them in a new order, shuffled by a ``random.Random(seed)`` (``seed=None``: the given order
+    every round). A call's time depends on the call before it: on the H200 a replay right after an eager forward
+    took about 5% longer than the same replay after another replay, so a fixed order biased whichever callable
+    followed a slow one (``benchmarks/replay_gaps.py --order``)."""
     device = torch.device(device)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     synchronize(device)
     out = {name: [] for name in fns}
+    order = list(fns)
+    rng = random.Random(seed)
     for _ in range(samples):
-        for name, fn in fns.items():
-            out[name].append(one_sample(fn, device))
+        if seed is not None:
+            rng.shuffle(order)
+        for name in order:
+            out[name].append(one_sample(fns[name], device))
     return {name: Latency(tuple(values)) for name, values in out.items()}
 
 

@@ -109,14 +109,23 @@ def test_dispatch_table_says_why_budgets_were_captured_uncompiled():
     assert lines[4].endswith("| - |")
 
 
-def test_interleaved_timing_takes_one_call_of_each_callable_per_round():
+def test_interleaved_timing_takes_one_call_of_each_callable_per_round_in_shuffled_orders():
     from hwgraph.timing import measure_interleaved
 
-    calls = []
-    timed = measure_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, "cpu",
-                                warmup=2, samples=3)
-    assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3  # warm-ups per callable, then rounds of one each
-    assert set(timed) == {"a", "b"} and all(len(lat.samples_ms) == 3 for lat in timed.values())
+    def run(**kwargs):
+        calls = []
+        fns = {name: (lambda n=name: calls.append(n)) for name in "abc"}
+        timed = measure_interleaved(fns, "cpu", warmup=2, samples=12, **kwargs)
+        assert set(timed) == set("abc") and all(len(lat.samples_ms) == 12 for lat in timed.values())
+        assert calls[:6] == ["a", "a", "b", "b", "c", "c"]  # warm-ups per callable
+        rounds = [tuple(calls[i:i + 3]) for i in range(6, len(calls), 3)]
+        assert len(rounds) == 12 and all(sorted(r) == list("abc") for r in rounds)  # one call of each per round
+        return rounds
+
+    shuffled = run()
+    assert len(set(shuffled)) > 1 and {r[0] for r in shuffled} == set("abc")  # no callable keeps one position
+    assert run() == shuffled  # seeded: the same orders every run
+    assert run(seed=None) == [tuple("abc")] * 12  # seed=None: the given order
 
 
 def test_bench_samples_every_kernel_in_the_same_rounds(monkeypatch):
