@@ -21,14 +21,16 @@ graph, as ``hwgraph bench`` builds them), each group's steps interleaved across 
 multiple of 256: ``padded_mlp``), with the relative difference of the two outputs.
 ``--compiled``: plain against compiled replay (TRITON_ATTN, 49 and 256 tokens): replay times and the kernels
 that differ between the two graphs.
-``--order``: one manager's encode timed twice per round, right after an eager forward and right after itself,
-in a fixed order and in shuffled rounds.
+``--order``: one manager's encode timed twice per round, right after an eager forward (or a host sleep, or a GPU
+spin kernel) and right after itself, in a fixed order and in shuffled rounds (``order_effect``).
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -127,21 +129,36 @@ def compiled_census(device, tokens_list=(49, 256)):
 
 
 def order_effect(device, spec="1x49,1x256"):
-    """One manager's encode timed twice per round, after an eager forward and after itself: fixed order against
-    shuffled rounds (``measure_interleaved``'s default)."""
+    """One manager's encode timed twice per round, right after something else and right after itself: an eager
+    forward in a fixed order, in shuffled rounds (``measure_interleaved``'s default), and in a fixed order with
+    Python's garbage collector off; then with the eager forward replaced by 15 ms of host sleep (GPU idle) and by a
+    15 ms GPU spin kernel (host idle), to tell host-side causes from an idle GPU's."""
     base = preset_tower(device)
     groups = parse_groups(spec)
     inputs = group_inputs(base, groups, seed=0)
     view = kernel_view(base, "TRITON_ATTN")
     manager = EncoderGraphManager(view, budgets=[64, 128, 256, 512, 1024], max_images_per_graph=4)
     manager.capture()
+    spin_cycles = int(15e-3 * torch.cuda.get_device_properties(device).clock_rate * 1e3)  # clock_rate is in kHz
     for group in groups:
         pixels, grid = inputs[group.label]
-        fns = {"eager": lambda p=pixels, g=grid: eager_call(view, p, g),
-               "encode A": lambda p=pixels, g=grid: manager.encode(p, g),
-               "encode B": lambda p=pixels, g=grid: manager.encode(p, g)}
-        for seed, label in ((None, "fixed order eager, A, B"), (0, "shuffled rounds")):
-            lat = measure_interleaved(fns, "cuda", seed=seed)
+        encode = {"encode A": lambda p=pixels, g=grid: manager.encode(p, g),
+                  "encode B": lambda p=pixels, g=grid: manager.encode(p, g)}
+        before = {"eager": lambda p=pixels, g=grid: eager_call(view, p, g),
+                  "host sleep": lambda: time.sleep(15e-3),
+                  "GPU spin": lambda: torch.cuda._sleep(spin_cycles)}
+        runs = [("eager", None, True, "fixed order eager, A, B"), ("eager", 0, True, "shuffled rounds"),
+                ("eager", None, False, "fixed order, garbage collector off"),
+                ("host sleep", None, True, "fixed order 15 ms host sleep, A, B"),
+                ("GPU spin", None, True, "fixed order 15 ms GPU spin, A, B")]
+        for first, seed, collect, label in runs:
+            gc.collect()
+            if not collect:
+                gc.disable()
+            try:
+                lat = measure_interleaved({first: before[first], **encode}, "cuda", seed=seed)
+            finally:
+                gc.enable()
             print(f"{group.label} {label}: " + ", ".join(f"{k} {v.median:.3f} / {v.p95:.3f}" for k, v in lat.items()),
                   flush=True)
 
