@@ -41,8 +41,8 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.devi
 
     Each round calls them in a new order, shuffled by a ``random.Random(seed)`` (``seed=None``: the given order
     every round). A call's time depends on the call before it: on the H200 a replay right after an eager forward
-    took about 5% longer than the same replay after another replay, so a fixed order biased whichever callable
-    followed a slow one (``benchmarks/replay_gaps.py --order``)."""
+    took 1-7% longer than the same replay after another replay (a GPU that sat idle replays slower), so a fixed
+    order biased whichever callable followed a slow one (``benchmarks/replay_gaps.py --order``)."""
     device = torch.device(device)
     for fn in fns.values():
         for _ in range(warmup):
