@@ -5,26 +5,24 @@ At 49 tokens (196 patch rows) a replay is GEMM-bound at about a quarter of the H
 tile the 196 rows and the output features, which leaves most of the 132 SMs idle for the 1152-wide outputs (proj,
 fc2). This kernel swaps the operands (out^T = W x^T: the weight's rows fill the tensor cores' M side, all the rows
 of x their N side) and splits K across programs so that every SM streams its own slice of the weight through TMA;
-a second kernel sums the float32 partials and adds the bias (and the tanh-GELU for fc1). Each cell is the device
-time of one call (20 calls in one CUDA graph) with cold weights (each call reads another of 8 copies, as a replay
-reads every weight once), and the error against a float32 matmul.
+a second kernel (``gemm_tiles.py``'s ``split_k_reduce_kernel``) sums the float32 partials in order and adds the
+bias (and the tanh-GELU for fc1). Each cell is the device time of one call (20 calls in one CUDA graph) with cold
+weights (``mlp_width.cold_ms``: each call reads another of 8 copies, as a replay reads every weight once), and the
+error against a float32 matmul.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import itertools
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from gemm_tiles import split_k_reduce_kernel
+from mlp_width import COPIES, HIDDEN, MLP, call, cold_ms
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from hwgraph.timing import graphed_ms
-
-HIDDEN, MLP, COPIES = 1152, 4304, 8
 SHAPES = {"qkv": (HIDDEN, 3 * HIDDEN, False), "proj": (HIDDEN, HIDDEN, False), "fc1": (HIDDEN, MLP, True),
           "fc2": (MLP, HIDDEN, False)}
 
@@ -48,59 +46,28 @@ def partial_kernel(w_desc, x_desc, ws, M, N, k_per_split,
     tl.store(ptrs, acc, mask=(rn < N)[:, None] & (rm < M)[None, :])
 
 
-@triton.jit
-def gelu_tanh(x):
-    y = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    y = tl.minimum(tl.maximum(y, -20.0), 20.0)
-    return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
-
-
-@triton.jit
-def reduce_kernel(ws, bias, out, total, N, SPLITS: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < total
-    acc = tl.load(bias + offs % N, mask=mask, other=0.0).to(tl.float32)
-    for s in tl.static_range(SPLITS):
-        acc += tl.load(ws + s * total + offs, mask=mask, other=0.0)
-    if GELU:
-        acc = gelu_tanh(acc)
-    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
-
-
-def splitk_linear(x, w, b, gelu, cfg, ws=None):
+def splitk_linear(x, w, b, gelu, cfg):
     block_n, block_k, splits, stages, warps = cfg
     m, k = x.shape
     n = w.shape[0]
     block_m = max(16, triton.next_power_of_2(m))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
-    if ws is None:
-        ws = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+    ws = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k])
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k])
     partial_kernel[(triton.cdiv(n, block_n), splits)](w_desc, x_desc, ws, m, n, k_per_split, BLOCK_N=block_n,
                                                        BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages,
                                                        num_warps=warps)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    total = m * n
-    reduce_kernel[(triton.cdiv(total, 1024),)](ws, b, out, total, n, SPLITS=splits, GELU=gelu, BLOCK=1024,
-                                               num_warps=4)
+    split_k_reduce_kernel[(triton.cdiv(m * n, 1024),)](ws, b, out, m, n, m * n, out.stride(0), SPLIT_K=splits,
+                                                       BLOCK=1024, HAS_BIAS=True, GELU=gelu, num_warps=4)
     return out
 
 
 def reference(x, w, b, gelu):
     y = F.linear(x.float(), w.float(), b.float())
     return F.gelu(y, approximate="tanh") if gelu else y
-
-
-def cublas(x, w, b, gelu):
-    return torch._addmm_activation(b, x, w.t(), use_gelu=True) if gelu else F.linear(x, w, b)
-
-
-def cold_us(x, ws, b, gelu, fn):
-    """Microseconds of one ``fn(x, w, b, gelu)``, each of the 20 captured calls with the next of the copies ``ws``."""
-    cycle = itertools.cycle(ws)
-    return graphed_ms(lambda: fn(x, next(cycle), b, gelu)) * 1e3
 
 
 def main():
@@ -122,8 +89,10 @@ def main():
             b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
             want = reference(x, ws[0], b, gelu)
 
-            cold = functools.partial(cold_us, x, ws, b, gelu)
-            base = cold(cublas)
+            def cold(fn, x=x, ws=ws, b=b, gelu=gelu):
+                return cold_ms(fn, x, ws, b, gelu) * 1e3
+
+            base = cold(call)
             results = []
             for cfg in configs:
                 try:

@@ -30,14 +30,18 @@ def call(x, w, b, gelu):
     return torch._addmm_activation(b, x, w.t(), use_gelu=True) if gelu else F.linear(x, w, b)
 
 
+def cold_ms(fn, x, ws, b, gelu):
+    """Ms of one ``fn(x, w, b, gelu)``, the 20 captured calls taking the weight copies ``ws`` in turn."""
+    cycle = itertools.cycle(ws)
+    return graphed_ms(lambda: fn(x, next(cycle), b, gelu))
+
+
 def time_matmul(rows, k, n, gelu):
     """(warm, cold) ms of one call."""
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    warm = graphed_ms(lambda: call(x, ws[0], b, gelu))
-    cycle = itertools.cycle(ws)
-    return warm, graphed_ms(lambda: call(x, next(cycle), b, gelu))  # the 20 captured calls take the copies in turn
+    return graphed_ms(lambda: call(x, ws[0], b, gelu)), cold_ms(call, x, ws, b, gelu)
 
 
 def main():

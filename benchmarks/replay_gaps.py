@@ -64,16 +64,20 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def gap_profile(graph) -> tuple[float, int, dict]:
-    """Summed kernel ms, kernel count, and {kernel kind: (summed idle ms before it, its summed ms)}."""
+def device_events(graph) -> list:
+    """The CUDA activities of one profiled replay of ``graph`` (after an unprofiled one), in start order."""
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                      and "Memcpy" not in e.name and "Memset" not in e.name),
-                     key=lambda e: e.time_range.start)
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def gap_profile(graph) -> tuple[float, int, dict]:
+    """Summed kernel ms, kernel count, and {kernel kind: (summed idle ms before it, its summed ms)}."""
+    kernels = [e for e in device_events(graph) if "Memcpy" not in e.name and "Memset" not in e.name]
     per_kind = defaultdict(lambda: [0.0, 0.0])
     total = 0.0
     for before, after in zip([None] + kernels[:-1], kernels, strict=True):
@@ -87,16 +91,10 @@ def gap_profile(graph) -> tuple[float, int, dict]:
 
 def census(graph) -> dict[str, tuple[int, float]]:
     """{kernel name: (launches, summed ms)} of one profiled replay."""
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
     out = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name][0] += 1
-            out[e.name][1] += (e.time_range.end - e.time_range.start) / 1000
+    for e in device_events(graph):
+        out[e.name][0] += 1
+        out[e.name][1] += (e.time_range.end - e.time_range.start) / 1000
     return {k: tuple(v) for k, v in out.items()}
 
 

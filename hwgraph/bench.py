@@ -248,8 +248,8 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
                 progress.advance(note=f"{kernel} {group.label}")
         results = []
         for kernel in kernels:
-            stats = managers[kernel].stats()
             manager = managers[kernel]
+            stats = manager.stats()
             results.append({"kernel": kernel, "backend": manager.backend.name,
                             "accelerates": manager.backend.accelerates, "budgets": sorted(manager.graphs),
                             "rows": rows[kernel], "stats": stats,
