@@ -1,6 +1,7 @@
 """Where does a small image's replay with TRITON_ATTN lose time between kernels?
 
-Usage: python benchmarks/replay_gaps.py [--ab [GROUPS] | --overlap [GROUPS] | --mlp-pad [GROUPS] | --compiled | --order]
+Usage: python benchmarks/replay_gaps.py [--ab [GROUPS] | --overlap [GROUPS] | --mlp-pad [GROUPS] | --gluon [GROUPS] |
+                                        --compiled | --order]
 With TRITON_ATTN one 49-token image replays 3-10% slower than with FLASH_ATTN although its kernels sum to less
 (bench-session6-a.md: 1.743 against 1.645 ms, kernels 1.497 against 1.531). This captures the budget-64 graph (one
 sequence slot) for FLASH_ATTN and for TRITON_ATTN two ways (the TMA kernel as shipped, and the pointer kernel),
@@ -19,6 +20,8 @@ graph, as ``hwgraph bench`` builds them), each group's steps interleaved across 
 (``Qwen3OmniVisionTower.merge_stream``).
 ``--mlp-pad``: the same with TRITON_ATTN, the MLP 4304 wide (the checkpoint's) against 4352 (zero-padded to a
 multiple of 256: ``padded_mlp``), with the relative difference of the two outputs.
+``--gluon``: the same with TRITON_ATTN as shipped (its Gluon kernel where ``uses_gluon`` takes it) against
+TRITON_ATTN with the Triton TMA kernel only (``use_gluon=False``), with the relative difference of the outputs.
 ``--compiled``: plain against compiled replay (TRITON_ATTN, 49 and 256 tokens): replay times and the kernels
 that differ between the two graphs.
 ``--order``: one manager's encode timed twice per round, right after an eager forward (or a host sleep, or a GPU
@@ -49,6 +52,11 @@ SHIPPED = triton_kernel.launch_varlen_attention
 
 def pointer_kernel(q, k, v, cu, max_seqlen, scale, **kw):
     return SHIPPED(q, k, v, cu, max_seqlen, scale, use_tma=False)
+
+
+def triton_only(q, k, v, cu, max_seqlen, scale, **kw):
+    """TRITON_ATTN without its Gluon kernel (the Triton TMA kernel on Hopper)."""
+    return SHIPPED(q, k, v, cu, max_seqlen, scale, use_gluon=False)
 
 
 VARIANTS = {"FLASH_ATTN": ("FLASH_ATTN", None), "TRITON_ATTN tma": ("TRITON_ATTN", None),
@@ -194,9 +202,10 @@ def padded_mlp(tower, width: int):
     return padded
 
 
-def ab(device, spec: str, variants: dict[str, tuple[str, bool]], transforms=None):
+def ab(device, spec: str, variants: dict[str, tuple[str, bool]], transforms=None, launchers=None):
     """Managers per variant (label -> (attention kernel, DeepStack mergers overlapped)), each group's steps
-    interleaved across them, two rounds. ``transforms``: label -> function of the tower giving that variant's."""
+    interleaved across them, two rounds. ``transforms``: label -> function of the tower giving that variant's.
+    ``launchers``: label -> TRITON_ATTN launcher that variant's graphs capture."""
     groups = parse_groups(spec)
     base = preset_tower(device)
     inputs = group_inputs(base, groups, seed=0)
@@ -206,7 +215,11 @@ def ab(device, spec: str, variants: dict[str, tuple[str, bool]], transforms=None
         tower = kernel_view(source, kernel)  # the same weights, its own kernel and overlap choice
         tower.overlap_deepstack = overlap
         managers[label] = EncoderGraphManager(tower, budgets=[64, 128, 256, 512, 1024], max_images_per_graph=4)
-        managers[label].capture()
+        triton_kernel.launch_varlen_attention = (launchers or {}).get(label, SHIPPED)  # read at each call
+        try:
+            managers[label].capture()
+        finally:
+            triton_kernel.launch_varlen_attention = SHIPPED
     first, second = list(variants)
     for round_ in ("a", "b"):
         print(f"round {round_}: encode median / p95 ms, interleaved per group", flush=True)
@@ -218,7 +231,7 @@ def ab(device, spec: str, variants: dict[str, tuple[str, bool]], transforms=None
             print(f"  {group.label}: {first} {a.median:.3f} / {a.p95:.3f} | {second} {b.median:.3f} / {b.p95:.3f} | "
                   f"{first} over {second} {a.median / b.median:.3f}x", flush=True)
     print({k: m.stats()["replays_per_budget"] for k, m in managers.items()})
-    if transforms:
+    if transforms or launchers:
         for group in groups:
             pixels, grid = inputs[group.label]
             a, b = (managers[k].encode(pixels, grid)[0].embeds.float() for k in (first, second))
@@ -238,6 +251,11 @@ def main():
         return order_effect(device)
     if "--compiled" in sys.argv:
         return compiled_census(device)
+    if "--gluon" in sys.argv:
+        rest = sys.argv[sys.argv.index("--gluon") + 1:]
+        return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024",
+                  {"Gluon": ("TRITON_ATTN", True), "Triton TMA": ("TRITON_ATTN", True)},
+                  launchers={"Triton TMA": triton_only})
     if "--mlp-pad" in sys.argv:
         rest = sys.argv[sys.argv.index("--mlp-pad") + 1:]
         return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024",

@@ -326,6 +326,32 @@ def has_tma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+# max_seqlen in [low, high): the Triton TMA kernel measured faster than the Gluon one on the H200 (ms per call,
+# ``benchmarks/attention_gluon.py --tiles``, best Gluon tile against the TMA kernel): 1x392 in 512 rows 0.0119 /
+# 0.0120, 2x196 in 512 0.0096 / 0.0098, 1x1024 in 1024 0.0245 / 0.0225, 4x256 in 1024 0.0136 / 0.0131. Outside it
+# the Gluon kernel wins: 196 in 256 rows 0.0089 / 0.0098, 2048 in 2048 0.0657 / 0.0735, 4096 0.229 / 0.270.
+TMA_OVER_GLUON = (512, 2048)
+
+
+def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen: int) -> bool:
+    """Whether a call takes the Gluon kernel (``gluon_kernel.py``): where the TMA kernel may run (``uses_tma``),
+    on compute capability 9.x (its warpgroup MMAs are Hopper's only), with Triton's Gluon importable, and outside
+    ``TMA_OVER_GLUON``."""
+    if not uses_tma(q, k, v) or not gluon_ready(q.device.index):
+        return False
+    return not TMA_OVER_GLUON[0] <= max_seqlen < TMA_OVER_GLUON[1]
+
+
+@functools.cache
+def gluon_ready(device_index: int) -> bool:
+    """Hopper (compute capability 9.x) with ``triton.experimental.gluon``'s Hopper API (asked once per device)."""
+    if torch.cuda.get_device_capability(device_index)[0] != 9:
+        return False
+    from hwgraph.attention.gluon_kernel import gluon_available
+
+    return gluon_available() is None
+
+
 def head_descriptor(t: torch.Tensor, block_n: int, width: int):
     """A TMA descriptor over ``t`` ``[T, H, D]`` seen as ``[T, H * D]`` (heads adjacent), box ``[block_n, width]``.
     A 3-d ``[H, T, D]`` view, whose boxes end at the head, measured the same on the H200 (0.272 against 0.270 ms at
@@ -348,15 +374,27 @@ def tma_tiles(max_seqlen: int) -> tuple[int, int, int, int]:
 
 def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None,
-                            use_tma: bool | None = None, padding_slot: bool = True) -> torch.Tensor:
+                            use_tma: bool | None = None, padding_slot: bool = True,
+                            use_gluon: bool | None = None) -> torch.Tensor:
     """Run the kernel: ``q, k, v`` ``[T, H, D]`` with unit stride on D -> a new ``[T, H, D]`` in q's dtype.
-    ``use_tma``: None picks the TMA kernel where ``uses_tma`` allows it; True forces it (tests run it under the
-    interpreter), False the pointer kernel. ``padding_slot``: run the grid's extra slot that zeroes the rows past
-    ``cu_seqlens[-1]``; without it they are left unwritten."""
+    ``use_gluon``: None takes the Gluon kernel where ``uses_gluon`` allows it, unless ``use_tma`` or ``tiles`` ask
+    for a Triton kernel; True forces it (Hopper only), False never takes it. ``use_tma``: None picks the TMA kernel
+    where ``uses_tma`` allows it; True forces it (tests run it under the interpreter), False the pointer kernel.
+    ``padding_slot``: run the grid's extra slot that zeroes the rows past ``cu_seqlens[-1]``; without it they are
+    left unwritten."""
+    if use_gluon and (not q.is_cuda or torch.version.hip or is_interpreted()):
+        raise RuntimeError(f"the Gluon attention kernel runs on NVIDIA Hopper GPUs only, not on {q.device} tensors"
+                           f"{' under the Triton interpreter' if is_interpreted() else ''}")
     if q.device.type == "cpu" and not is_interpreted():
         raise RuntimeError("TRITON_ATTN on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported in this process")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if use_gluon is None:
+        use_gluon = use_tma is None and tiles is None and uses_gluon(q, k, v, max_seqlen)
+    if use_gluon:
+        from hwgraph.attention.gluon_kernel import launch_gluon_attention
+
+        return launch_gluon_attention(q, k, v, cu_seqlens, max_seqlen, scale, tiles=tiles, padding_slot=padding_slot)
     tokens, heads, head_dim = q.shape
     out = torch.empty_like(q)
     if tokens == 0:

@@ -101,3 +101,42 @@ def test_triton_attn_takes_the_tma_kernel_on_hopper_and_both_kernels_match_the_r
     for use_tma in (True, False):
         out = launch_varlen_attention(q, k, v, batch.cu_seqlens, max_seqlen, batch.scale, use_tma=use_tma)
         assert_matches_reference(out, batch)
+
+
+@pytest.mark.parametrize("max_seqlen", [256, 4096])  # the two tile choices of the Gluon kernel
+@pytest.mark.parametrize(("head_dim", "dtype"), [(72, torch.bfloat16), (72, torch.float16), (64, torch.bfloat16),
+                                                 (96, torch.bfloat16), (128, torch.bfloat16), (40, torch.float16)])
+def test_triton_attn_takes_the_gluon_kernel_on_hopper_and_it_matches_the_reference(max_seqlen, head_dim, dtype):
+    """On Hopper TRITON_ATTN's automatic choice is the Gluon kernel (outside 1024-2047 rows): block edges, empty
+    slots, padding rows of garbage (their outputs zero), head widths of one MMA part (64, 128) and of two (72 = 64 +
+    16, 96 = 64 + 32, 40 = 32 + 16), and non-finite values in the padding rows of k and v that must not reach a
+    real row (the last key block zeroes its rows past the sequence before p.v)."""
+    from hwgraph.attention.gluon_kernel import gluon_available
+    from hwgraph.attention.triton_kernel import launch_varlen_attention, uses_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip(f"the Gluon kernel needs compute capability 9.x, this GPU has {torch.cuda.get_device_capability()}")
+    if gluon_available() is not None:
+        pytest.skip(f"no Gluon Hopper API in this Triton: {gluon_available()}")
+    lengths = [max_seqlen - 1, 1] if max_seqlen == 256 else [4096 - 200, 129, 64, 7]
+    batch = random_packed_batch(lengths, HEADS, head_dim, zero_length=2, padding_rows=33, max_seqlen=max_seqlen,
+                                dtype=dtype, device="cuda", seed=head_dim)
+    qkv = torch.stack([batch.q, batch.k, batch.v], dim=1)  # [T, 3, H, D], as the tower's projection leaves them
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    assert uses_gluon(q, k, v, max_seqlen)
+    out = launch_varlen_attention(q, k, v, batch.cu_seqlens, max_seqlen, batch.scale)
+    assert_matches_reference(out, batch)
+    qkv[batch.total:, 1] = float("inf")
+    qkv[batch.total:, 2] = float("nan")
+    poisoned = launch_varlen_attention(q, k, v, batch.cu_seqlens, max_seqlen, batch.scale)
+    assert torch.equal(poisoned, out)
+
+
+def test_triton_attn_keeps_the_tma_kernel_where_it_measured_faster():
+    from hwgraph.attention.triton_kernel import TMA_OVER_GLUON, uses_gluon, uses_tma
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip(f"the TMA kernels need compute capability 9.x, this GPU has {torch.cuda.get_device_capability()}")
+    batch = random_packed_batch([1000, 24], HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    assert uses_tma(batch.q, batch.k, batch.v)
+    assert not uses_gluon(batch.q, batch.k, batch.v, TMA_OVER_GLUON[0])

@@ -1,0 +1,308 @@
+"""Varlen attention for Hopper in Gluon (Triton's explicit-layout dialect): TRITON_ATTN's kernel on sm_90.
+
+The Triton kernels (``triton_kernel.py``) leave the order of the two matmuls and the softmax to the compiler, and
+Triton 3.6 runs them one after the other: the tensor cores wait while the softmax runs. Here the key loop issues
+its matmuls as asynchronous warpgroup MMAs (``wgmma``) and orders them itself, as FlashAttention-3 does within a
+warpgroup: block j's q.k and block j-1's p.v are in flight while block j's softmax runs, and p.v's lanes past the
+head are 16 wide instead of a 128-wide tile (72 = 64 + 16). k and v arrive through TMA into a ring of
+``STAGES`` shared-memory buffers, each with its mbarrier.
+
+Layout of the arguments is that of ``varlen_attention_tma_kernel``: q, k, v ``[T, H, D]`` with heads adjacent,
+descriptors over ``[T, H * D]`` whose boxes start at a head's first lane (their lanes past the head belong to the
+next head, or are zeros past the last one); q's lanes past the head are zero, so they add nothing to q.k, and p.v's
+lanes past the head are never stored. Same grid: ``(m blocks, heads, sequences + 1)``, the last slot zeroing the
+rows past ``cu_seqlens[-1]``.
+
+Importing this module imports ``triton.experimental.gluon``; ``gluon_available()`` says whether that worked.
+Gluon has no interpreter: the kernel runs on NVIDIA GPUs of compute capability 9.x only (its MMAs are Hopper's).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from hwgraph.attention.triton_kernel import LOG2_E, head_split, head_width
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+except ImportError as exc:  # an older Triton, or none
+    GLUON_IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}"
+    gluon = None
+else:
+    GLUON_IMPORT_ERROR = None
+
+
+
+def gluon_available() -> str | None:
+    """None when Gluon's Hopper API imports, else why not."""
+    return GLUON_IMPORT_ERROR
+
+
+if gluon is not None:
+    # Names that changed after Triton 3.6: the barrier over the program's threads (gl.thread_barrier, now
+    # gl.barrier) and the TMA load (tma.async_copy_global_to_shared, now tma.async_load).
+    cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+    tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+    @gluon.jit
+    def issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, bars, block, row0, col,
+                 STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
+        """Start the TMA loads of key block ``block`` (rows ``row0 + block * BLOCK_N ..``) into its ring slot."""
+        BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
+        slot = block % STAGES
+        bar = bars.index(slot)
+        row = row0 + block * BLOCK_N
+        if HAS_B:
+            mbarrier.expect(bar, 2 * ka_desc.block_type.nbytes + 2 * kb_desc.block_type.nbytes)
+            tma_load(ka_desc, [row, col], bar, ka_s.index(slot))
+            tma_load(kb_desc, [row, col + D_A], bar, kb_s.index(slot))
+            tma_load(va_desc, [row, col], bar, va_s.index(slot))
+            tma_load(vb_desc, [row, col + D_A], bar, vb_s.index(slot))
+        else:
+            mbarrier.expect(bar, 2 * ka_desc.block_type.nbytes)
+            tma_load(ka_desc, [row, col], bar, ka_s.index(slot))
+            tma_load(va_desc, [row, col], bar, va_s.index(slot))
+
+    @gluon.jit
+    def qk_async(qa_s, qb_s, ka_s, kb_s, slot, s_init, HAS_B: gl.constexpr):
+        """q.k of one key block as one or two asynchronous MMAs (two commit groups with HAS_B)."""
+        s = warpgroup_mma(qa_s, ka_s.index(slot).permute((1, 0)), s_init, use_acc=False, is_async=True)
+        if HAS_B:
+            s = warpgroup_mma(qb_s, kb_s.index(slot).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr):
+        """Online softmax of the raw scores of keys ``kv_start ..``: ``(p, m, l, alpha)``. Only a block that runs
+        past the sequence's end masks its scores."""
+        if kv_start + BLOCK_N > seqlen:
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            s = gl.where(((kv_start + offs_n) < seqlen)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
+        p = gl.exp2(s * qk_scale_log2 - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def zero_tail_rows(buf, valid_rows, num_warps: gl.constexpr):
+        """Zero the rows ``valid_rows ..`` of a v tile in shared memory (the rows past the sequence's end: the
+        next sequence's values, or whatever the padding rows hold), so that 0-weighted rows add exact zeros."""
+        ROWS: gl.constexpr = buf.shape[0]
+        COLS: gl.constexpr = buf.shape[1]
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (COLS // 8), COLS // 8], [num_warps, 1], [1, 0])
+        tile = buf.load(layout)
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        buf.store(gl.where((rows < valid_rows)[:, None], tile, gl.zeros_like(tile)))
+
+    @gluon.jit
+    def load_q_part(Q, rows, seqlen, start, head, stride_qt, stride_qh, lane0: gl.constexpr, WIDTH: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+        """Lanes ``lane0 .. lane0 + WIDTH`` of the q tile, zero past the head and past the sequence."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (WIDTH // 8), WIDTH // 8], [num_warps, 1], [1, 0])
+        r = rows + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        c = lane0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+        ptr = Q + ((start + r).to(gl.int64) * stride_qt + head * stride_qh)[:, None] + c[None, :]
+        return gl.load(ptr, mask=(r < seqlen)[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
+
+    @gluon.jit
+    def store_out_part(Out, o, inv_l, rows, seqlen, start, head, stride_ot, stride_oh, lane0: gl.constexpr,
+                       HEAD_DIM: gl.constexpr):
+        layout: gl.constexpr = o.type.layout
+        BLOCK_M: gl.constexpr = o.shape[0]
+        WIDTH: gl.constexpr = o.shape[1]
+        o = o * gl.convert_layout(inv_l, gl.SliceLayout(1, layout))[:, None]
+        r = rows + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        c = lane0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+        ptr = Out + ((start + r).to(gl.int64) * stride_ot + head * stride_oh)[:, None] + c[None, :]
+        gl.store(ptr, o.to(Out.dtype.element_ty), mask=(r < seqlen)[:, None] & (c < HEAD_DIM)[None, :])
+
+    @gluon.jit
+    def zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh,
+                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_V: gl.constexpr, num_warps: gl.constexpr):
+        """The extra grid slot: rows ``[cu_seqlens[-1], tokens)`` belong to no sequence; write zeros there."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D_V // 8), D_V // 8], [num_warps, 1], [1, 0])
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        offs_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, layout))
+        first = gl.load(CU_SEQLENS + num_seqs)
+        zeros = gl.zeros([BLOCK_M, D_V], Out.dtype.element_ty, layout)
+        for row_start in range(first + block_m * BLOCK_M, tokens, BLOCK_M * gl.num_programs(0)):
+            rows = (row_start + offs_m).to(gl.int64)
+            gl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :], zeros,
+                     mask=(rows < tokens)[:, None] & (offs_v < HEAD_DIM)[None, :])
+
+    @gluon.jit(do_not_specialize=["num_seqs"])
+    def hopper_attention_kernel(
+        Q, ka_desc, kb_desc, va_desc, vb_desc, Out, CU_SEQLENS,
+        tokens, num_seqs, qk_scale_log2,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
+        D_V: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
+        dtype: gl.constexpr = ka_desc.dtype
+        block_m = gl.program_id(0)
+        head = gl.program_id(1)
+        seq = gl.program_id(2)
+        if seq >= num_seqs:
+            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM,
+                              BLOCK_M, D_V, num_warps)
+            return
+        start = gl.load(CU_SEQLENS + seq)
+        seqlen = gl.load(CU_SEQLENS + seq + 1) - start
+        rows = block_m * BLOCK_M
+        if rows >= seqlen:
+            return
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        oa_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, D_A, 16])
+        ob_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, D_B, 16])
+        pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=oa_layout, k_width=2)
+        pb_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ob_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        # q: pointer loads (zero past the head and the sequence) into shared memory, the MMAs' A operand.
+        qa_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D_A], ka_desc.layout,
+                                         load_q_part(Q, rows, seqlen, start, head, stride_qt, stride_qh, 0, D_A,
+                                                     HEAD_DIM, BLOCK_M, num_warps))
+        qb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D_B], kb_desc.layout,
+                                         load_q_part(Q, rows, seqlen, start, head, stride_qt, stride_qh, D_A, D_B,
+                                                     HEAD_DIM, BLOCK_M, num_warps))
+        ka_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], ka_desc.layout)
+        kb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], kb_desc.layout)
+        va_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], va_desc.layout)
+        vb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], vb_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        cta_barrier()
+
+        col = head * HEAD_DIM
+        n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
+        for i in gl.static_range(STAGES):
+            if i < n_blocks:
+                issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, bars, i, start, col, STAGES,
+                         D_A, HAS_B)
+
+        s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        o_a = gl.zeros([BLOCK_M, D_A], gl.float32, oa_layout)
+        o_b = gl.zeros([BLOCK_M, D_B], gl.float32, ob_layout)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+
+        # Block 0: q.k and its softmax; its p.v waits for the loop (or the end).
+        mbarrier.wait(bars.index(0), 0)
+        s = qk_async(qa_s, qb_s, ka_s, kb_s, 0, s_init, HAS_B)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
+        p = p.to(dtype)
+        p_a = gl.convert_layout(p, pa_layout)
+        p_b = gl.convert_layout(p, pb_layout)
+
+        for j in range(1, n_blocks):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
+            s = qk_async(qa_s, qb_s, ka_s, kb_s, slot, s_init, HAS_B)
+            o_a = warpgroup_mma(p_a, va_s.index(prev), o_a, is_async=True)
+            if HAS_B:
+                o_b = warpgroup_mma(p_b, vb_s.index(prev), o_b, is_async=True)
+                s = warpgroup_mma_wait(2, deps=(s,))
+            else:
+                s = warpgroup_mma_wait(1, deps=(s,))
+            p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
+            o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
+            o_a = o_a * gl.convert_layout(alpha, gl.SliceLayout(1, oa_layout))[:, None]
+            if HAS_B:
+                o_b = o_b * gl.convert_layout(alpha, gl.SliceLayout(1, ob_layout))[:, None]
+            p = p.to(dtype)
+            p_a = gl.convert_layout(p, pa_layout)
+            p_b = gl.convert_layout(p, pb_layout)
+            # Block j-1's slot is free once every warp is past its p.v: refill it.
+            cta_barrier()
+            if j - 1 + STAGES < n_blocks:
+                issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, bars, j - 1 + STAGES, start,
+                         col, STAGES, D_A, HAS_B)
+
+        last = (n_blocks - 1) % STAGES
+        tail = seqlen - (n_blocks - 1) * BLOCK_N
+        if tail < BLOCK_N:
+            zero_tail_rows(va_s.index(last), tail, num_warps)
+            if HAS_B:
+                zero_tail_rows(vb_s.index(last), tail, num_warps)
+            fence_async_shared()
+            cta_barrier()
+        o_a = warpgroup_mma(p_a, va_s.index(last), o_a, is_async=True)
+        if HAS_B:
+            o_b = warpgroup_mma(p_b, vb_s.index(last), o_b, is_async=True)
+        o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        inv_l = 1.0 / l_i
+        store_out_part(Out, o_a, inv_l, rows, seqlen, start, head, stride_ot, stride_oh, 0, HEAD_DIM)
+        if HAS_B:
+            store_out_part(Out, o_b, inv_l, rows, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM)
+
+
+GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def gluon_tiles(max_seqlen: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, STAGES). Device time per call on the H200 (16 heads of 72, bf16, ms;
+    ``benchmarks/attention_gluon.py --tiles``, ``docs/benchmarks.md``): from 1024 rows 128x64 tiles with 8 warps and
+    3 stages, 0.229 for one sequence of 4096 (128x128: 0.309 with 4 stages; the Triton TMA kernel 0.269), 0.200 for
+    3600 in 4096 rows, 0.066 for 4x784 and 2048 in 2048. They take 114 registers a thread and 82 KB of shared
+    memory, so two programs fit on one SM (128x128: 164 registers, 143 KB, one program). Below, 64x64 tiles with 4
+    warps and 3 stages: 0.0088 for 196 patches in 256 rows (the TMA kernel 0.0098)."""
+    return (128, 64, 8, 3) if max_seqlen >= 1024 else (64, 64, 4, 3)
+
+
+def descriptor(t: torch.Tensor, block_n: int, width: int):
+    """A Gluon TMA descriptor over ``t`` ``[T, H, D]`` seen as ``[T, H * D]`` (heads adjacent), box
+    ``[block_n, width]`` in the default swizzled shared layout."""
+    tokens, heads, head_dim = t.shape
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, width], getattr(gl, GL_DTYPES[t.dtype]))
+    return GluonDescriptor(t, [tokens, heads * head_dim], [t.stride(0), 1], [block_n, width], layout)
+
+
+def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None,
+                           padding_slot: bool = True) -> torch.Tensor:
+    """Run the kernel: ``q, k, v`` ``[T, H, D]`` (fp16/bf16, unit stride on D, k and v addressable by TMA as
+    ``triton_kernel.uses_tma`` checks) -> a new ``[T, H, D]``. ``tiles``: ``(BLOCK_M, BLOCK_N, num_warps,
+    STAGES)``, ``gluon_tiles``' choice by default. ``padding_slot``: as ``launch_varlen_attention``'s."""
+    if GLUON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"the Gluon attention kernel needs triton.experimental.gluon: {GLUON_IMPORT_ERROR}")
+    tokens, heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if tokens == 0:
+        return out
+    block_m, block_n, warps, stages = tiles or gluon_tiles(max_seqlen)
+    d_a, d_b = head_split(head_dim)
+    kb_width = max(d_b, 16)  # with d_b == 0 the second descriptors are built but never read
+    num_seqs = cu_seqlens.shape[0] - 1
+    grid = (max(1, triton.cdiv(max_seqlen, block_m)), heads, num_seqs + int(padding_slot))
+    hopper_attention_kernel[grid](
+        q, descriptor(k, block_n, d_a), descriptor(k, block_n, kb_width), descriptor(v, block_n, d_a),
+        descriptor(v, block_n, kb_width), out, cu_seqlens,
+        tokens, num_seqs, scale * LOG2_E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, D_A=d_a, D_B=kb_width, HAS_B=d_b > 0, D_V=head_width(head_dim),
+        STAGES=stages, num_warps=warps,
+    )
+    return out

@@ -1,0 +1,112 @@
+"""TRITON_ATTN's Gluon kernel for Hopper, on a machine without a GPU: when it is taken, and that it compiles.
+
+Gluon has no interpreter, so the kernel's results are checked on the H200 (``backends/cuda/tests``). Here Triton
+compiles it for sm_90 (PTX, then ptxas) through an active driver that only names the target, at the tile choices
+that ``gluon_tiles`` makes and for the head widths of one and of two MMA parts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hwgraph.attention.triton_attn import interpreter_enabled
+from hwgraph.testing.reference import random_packed_batch
+
+triton_kernel = pytest.importorskip("hwgraph.attention.triton_kernel")
+gluon_kernel = pytest.importorskip("hwgraph.attention.gluon_kernel")
+
+needs_gluon = pytest.mark.skipif(gluon_kernel.gluon_available() is not None,
+                                 reason=f"this Triton has no Gluon Hopper API: {gluon_kernel.gluon_available()}")
+
+
+class Sm90Driver:
+    """An active Triton driver that compiles for sm_90 and launches nothing (``warmup`` only compiles)."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@pytest.fixture
+def sm90():
+    from triton.runtime import driver
+
+    previous = getattr(driver, "_active", None)  # None: the default driver (there is none on this machine)
+    driver.set_active(Sm90Driver())
+    try:
+        yield
+    finally:
+        driver.set_active(previous)
+
+
+@needs_gluon
+@pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("head_dim", "max_seqlen"), [(72, 4096), (72, 256), (64, 4096), (128, 256)])
+def test_gluon_kernel_compiles_for_hopper_without_spills(sm90, head_dim, max_seqlen):
+    tokens, heads = 300, 2
+    qkv = torch.zeros(tokens, 3, heads, head_dim, dtype=torch.bfloat16)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    out = torch.empty_like(q)
+    block_m, block_n, warps, stages = gluon_kernel.gluon_tiles(max_seqlen)
+    d_a, d_b = triton_kernel.head_split(head_dim)
+    kb = max(d_b, 16)
+    desc = gluon_kernel.descriptor
+    compiled = gluon_kernel.hopper_attention_kernel.warmup(
+        q, desc(k, block_n, d_a), desc(k, block_n, kb), desc(v, block_n, d_a), desc(v, block_n, kb), out,
+        torch.tensor([0, tokens], dtype=torch.int32), tokens, 1, 0.1, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), HEAD_DIM=head_dim, BLOCK_M=block_m, D_A=d_a, D_B=kb, HAS_B=d_b > 0,
+        D_V=triton_kernel.head_width(head_dim), STAGES=stages, num_warps=warps, grid=(1,))
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") > 0 and "cp.async.bulk.tensor" in ptx  # Hopper MMAs fed by TMA
+    # gluon_tiles' reason for 128x64 tiles from 1024 rows: two programs fit in one SM's 228 KB of shared memory
+    per_sm = 2 if max_seqlen >= 1024 else 1
+    assert per_sm * compiled.metadata.shared <= 228 * 1024, f"{compiled.metadata.shared} bytes of shared memory"
+
+
+def test_gluon_tiles_follow_the_measured_choice():
+    assert gluon_kernel.gluon_tiles(4096) == (128, 64, 8, 3)
+    assert gluon_kernel.gluon_tiles(256) == (64, 64, 4, 3)
+
+
+def test_the_gluon_kernel_is_not_taken_for_cpu_tensors():
+    batch = random_packed_batch([5], heads=2, head_dim=72, dtype=torch.bfloat16)
+    assert not triton_kernel.uses_gluon(batch.q, batch.k, batch.v, 4096)
+
+
+@pytest.mark.parametrize(("capability", "ready"), [((9, 0), True), ((8, 0), False), ((10, 0), False)])
+def test_gluon_is_ready_only_on_hopper(monkeypatch, capability, ready):
+    """Its warpgroup MMAs exist on compute capability 9.x only (Blackwell has other MMAs)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    triton_kernel.gluon_ready.cache_clear()
+    try:
+        expected = ready and gluon_kernel.gluon_available() is None
+        assert triton_kernel.gluon_ready(0) is expected
+    finally:
+        triton_kernel.gluon_ready.cache_clear()
+
+
+@pytest.mark.parametrize(("max_seqlen", "gluon"), [(256, True), (511, True), (512, False), (1024, False), (2047, False),
+                                                   (2048, True), (4096, True)])
+def test_gluon_is_taken_outside_the_range_where_the_tma_kernel_measured_faster(monkeypatch, max_seqlen, gluon):
+    monkeypatch.setattr(triton_kernel, "uses_tma", lambda q, k, v: True)
+    monkeypatch.setattr(triton_kernel, "gluon_ready", lambda index: True)
+    batch = random_packed_batch([5], heads=2, head_dim=72, dtype=torch.bfloat16)
+    assert triton_kernel.uses_gluon(batch.q, batch.k, batch.v, max_seqlen) is gluon
+
+
+def test_forcing_the_gluon_kernel_on_cpu_says_it_needs_hopper():
+    batch = random_packed_batch([5], heads=2, head_dim=72, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="Hopper"):
+        triton_kernel.launch_varlen_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, 64, batch.scale,
+                                              use_gluon=True)
