@@ -5,7 +5,8 @@ Each cell is the device time of one call (20 calls captured in one CUDA graph, r
 relative L2 error of its real rows against flash. Batches are shaped as the manager builds them (q, k, v strided
 views of one qkv tensor; max_seqlen the budget's patch count; padding rows after the last image). Rows:
 
-- ``triton``: TRITON_ATTN as shipped: on Hopper its TMA kernel, and its pointer kernel (``use_tma=False``; the
+- ``triton``: TRITON_ATTN as shipped: on Hopper its Gluon kernel (TMA kernel from 512 to 2047 rows; both against
+  each other: ``attention_gluon.py``), and its pointer kernel (``use_tma=False``; the
   only kernel before session 5). ``--tiles`` sweeps the TMA kernel's tiles and pipeline stages.
 - ``cudnn-dense``: cuDNN's dense kernel on the whole padded sequence, keys past the image's end masked by one extra
   head lane (q gets 1, k gets 0 for real keys and -30000 for padding; head 72 -> 80, no bias tensor); and the same
@@ -82,10 +83,11 @@ def row(label, seqs, rows, slots, tiles, extras):
         except Exception as exc:  # a config that fails to compile or launch is reported, not fatal
             print(f"  {name}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
-    report("triton (shipped: TMA on Hopper)", lambda: launch_varlen_attention(q, k, v, cu, max_seqlen, D**-0.5))
+    report("triton (shipped: Gluon or TMA on Hopper)",
+           lambda: launch_varlen_attention(q, k, v, cu, max_seqlen, D**-0.5))
     report("triton pointer kernel", lambda: launch_varlen_attention(q, k, v, cu, max_seqlen, D**-0.5, use_tma=False))
     report("triton TMA without the padding slot", lambda: launch_varlen_attention(q, k, v, cu, max_seqlen, D**-0.5,
-                                                                                  padding_slot=False))
+                                                                                  padding_slot=False, use_gluon=False))
     for cfg in tiles:
         report(f"triton TMA tiles {cfg}", lambda c=cfg: launch_varlen_attention(q, k, v, cu, max_seqlen, D**-0.5,
                                                                               tiles=c, use_tma=True))

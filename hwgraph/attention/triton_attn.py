@@ -38,9 +38,10 @@ def triton_gate(platform: PlatformInfo) -> Capability:
 
 def triton_priority(platform: PlatformInfo) -> int:
     """35 on NVIDIA Hopper (sm_90) with a Triton that builds host TMA descriptors (3.4 or newer): there the TMA
-    kernel runs, and the Qwen3-Omni tower replays faster with it than with FLASH_ATTN (30) at every image size
-    measured on the H200 (``hwgraph.attention.registry``). 20 elsewhere: the pointer kernel is slower than FLASH_ATTN,
-    and newer NVIDIA architectures were not measured."""
+    kernel runs (and the Gluon kernel, where Triton has Gluon: ``triton_kernel.uses_gluon``), and the Qwen3-Omni
+    tower replays faster with them than with FLASH_ATTN (30) at every image size measured on the H200
+    (``hwgraph.attention.registry``). 20 elsewhere: the pointer kernel is slower than FLASH_ATTN, and newer NVIDIA
+    architectures were not measured."""
     cc = sm_tuple(platform.arch) if platform.kind == "cuda" else None
     if cc is None or cc[0] != 9:
         return 20
@@ -76,5 +77,6 @@ TRITON_ATTN = KernelSpec(
     priority=20,
     priority_on=triton_priority,
     slot_bound=True,
-    description="hwgraph's Triton varlen flash attention (online softmax); CPU only under TRITON_INTERPRET=1",
+    description="hwgraph's Triton varlen flash attention (online softmax; a Gluon kernel on Hopper); CPU only under "
+                "TRITON_INTERPRET=1",
 )
