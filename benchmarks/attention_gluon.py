@@ -1,7 +1,7 @@
 """TRITON_ATTN's Gluon kernel for Hopper (``hwgraph/attention/gluon_kernel.py``) against its Triton TMA kernel and
 ATen flash, at the tower's shapes (16 heads of 72, bf16).
 
-Usage: python benchmarks/attention_gluon.py [--quick] [--tiles]
+Usage: python benchmarks/attention_gluon.py [--quick] [--tiles] [--tile BLOCK_M,BLOCK_N,WARPS,STAGES ...]
 Each cell is the device time of one call (20 calls captured in one CUDA graph, replayed, divided by 20) and the
 relative L2 error of its real rows against flash, batches shaped as the manager builds them (q, k, v strided views
 of one qkv tensor, max_seqlen the budget's patch count, padding rows after the last image). Every case also checks
@@ -78,6 +78,7 @@ def main():
     if "--tiles" in sys.argv:
         tiles += [(128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 32, 8, 4), (64, 128, 4, 3),
                   (64, 64, 4, 3), (64, 64, 4, 4)]
+    tiles += [tuple(int(x) for x in sys.argv[i + 1].split(",")) for i, a in enumerate(sys.argv) if a == "--tile"]
     cases = [("1x4096 in 4096", [4096], 4096, 1), ("1x3600 in 4096", [3600], 4096, 1),
              ("4x784 in 4096", [784] * 4, 4096, 4), ("1x1024 in 1024", [1024], 1024, 1),
              ("4x256 in 1024", [256] * 4, 1024, 4), ("1x2048 in 2048", [2048], 2048, 1),
