@@ -15,34 +15,16 @@ import sys
 
 import torch
 import triton
+from attention_hd72 import D, err_of, flash, manager_batch  # benchmarks/, the script's directory
 
 from hwgraph.attention.gluon_kernel import launch_gluon_attention
 from hwgraph.attention.triton_kernel import launch_varlen_attention
 from hwgraph.timing import graphed_ms
 
-H, D = 16, 72
-
-
-def flash(q, k, v, cu, max_seqlen):
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, False, False,
-                                                   scale=D**-0.5)[0]
-
-
-def err_of(got, want):
-    return ((got.float() - want).norm() / want.norm()).item()
-
 
 def row(label, seqs, rows, slots, tiles):
-    torch.manual_seed(0)
-    qkv = torch.randn(rows, 3, H, D, device="cuda", dtype=torch.bfloat16)
+    qkv, cu, real, gflop = manager_batch(seqs, rows, slots)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    bounds = [0]
-    for n in seqs:
-        bounds.append(bounds[-1] + n)
-    bounds += [bounds[-1]] * (slots + 1 - len(bounds))
-    cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
-    real = bounds[-1]
-    gflop = sum(4 * n * n * H * D for n in seqs) / 1e9
     want = flash(q, k, v, cu, rows)[:real].float()
     ms = graphed_ms(lambda: flash(q, k, v, cu, rows))
     print(f"{label} ({gflop:.2f} GFLOP): flash {ms:.4f} ms {gflop / ms:.0f} TFLOP/s", flush=True)

@@ -59,18 +59,23 @@ def err_of(got, want):
     return ((got.float() - want).norm() / want.norm()).item()
 
 
-def row(label, seqs, rows, slots, tiles, extras):
+def manager_batch(seqs, rows, slots):
+    """A batch as the manager builds it: ``(qkv [rows, 3, H, D], cu_seqlens with slots + 1 entries, real rows,
+    GFLOP)``; q, k, v are qkv's strided views, the rows past the last image padding."""
     torch.manual_seed(0)
     qkv = torch.randn(rows, 3, H, D, device="cuda", dtype=torch.bfloat16)
-    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     bounds = [0]
     for n in seqs:
         bounds.append(bounds[-1] + n)
     bounds += [bounds[-1]] * (slots + 1 - len(bounds))
     cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
-    real = bounds[-1]
+    return qkv, cu, bounds[-1], sum(4 * n * n * H * D for n in seqs) / 1e9
+
+
+def row(label, seqs, rows, slots, tiles, extras):
+    qkv, cu, real, gflop = manager_batch(seqs, rows, slots)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     max_seqlen = rows
-    gflop = sum(4 * n * n * H * D for n in seqs) / 1e9
     want = flash(q, k, v, cu, max_seqlen)[:real].float()
     ms = graphed_ms(lambda: flash(q, k, v, cu, max_seqlen))
     print(f"{label} ({gflop:.1f} GFLOP): flash {ms:.4f} ms {gflop / ms:.0f} TFLOP/s", flush=True)
