@@ -282,12 +282,10 @@ def descriptor(t: torch.Tensor, block_n: int, width: int):
 
 def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None,
-                           padding_slot: bool = True, kernel=None, **launch) -> torch.Tensor:
+                           padding_slot: bool = True) -> torch.Tensor:
     """Run the kernel: ``q, k, v`` ``[T, H, D]`` (fp16/bf16, unit stride on D, k and v addressable by TMA as
     ``triton_kernel.uses_tma`` checks) -> a new ``[T, H, D]``. ``tiles``: ``(BLOCK_M, BLOCK_N, num_warps,
-    STAGES)``, ``gluon_tiles``' choice by default. ``padding_slot``: as ``launch_varlen_attention``'s. ``kernel``
-    and ``launch``: another Gluon kernel with this one's arguments, and extra launch options and constexprs for it
-    (``benchmarks/attention_gluon.py``'s warp-specialised variant)."""
+    STAGES)``, ``gluon_tiles``' choice by default. ``padding_slot``: as ``launch_varlen_attention``'s."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"the Gluon attention kernel needs triton.experimental.gluon: {GLUON_IMPORT_ERROR}")
     tokens, heads, head_dim = q.shape
@@ -299,10 +297,12 @@ def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     kb_width = max(d_b, 16)  # with d_b == 0 the second descriptors are built but never read
     num_seqs = cu_seqlens.shape[0] - 1
     grid = (max(1, triton.cdiv(max_seqlen, block_m)), heads, num_seqs + int(padding_slot))
-    args = (q, descriptor(k, block_n, d_a), descriptor(k, block_n, kb_width), descriptor(v, block_n, d_a),
-            descriptor(v, block_n, kb_width), out, cu_seqlens, tokens, num_seqs, scale * LOG2_E,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1))
-    meta = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, D_A=d_a, D_B=kb_width, HAS_B=d_b > 0, D_V=head_width(head_dim),
-                STAGES=stages)
-    (kernel or hopper_attention_kernel)[grid](*args, **meta, num_warps=warps, **launch)
+    hopper_attention_kernel[grid](
+        q, descriptor(k, block_n, d_a), descriptor(k, block_n, kb_width), descriptor(v, block_n, d_a),
+        descriptor(v, block_n, kb_width), out, cu_seqlens,
+        tokens, num_seqs, scale * LOG2_E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, D_A=d_a, D_B=kb_width, HAS_B=d_b > 0, D_V=head_width(head_dim),
+        STAGES=stages, num_warps=warps,
+    )
     return out
