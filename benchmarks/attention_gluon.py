@@ -56,7 +56,6 @@ def row(label, seqs, rows, slots, tiles):
                check_padding=True)
 
 
-
 def main():
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
     tiles = [None]  # gluon_tiles' choice
