@@ -53,7 +53,7 @@ def sm90():
 @needs_gluon
 @pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
 @pytest.mark.parametrize(("head_dim", "max_seqlen"), [(72, 4096), (72, 256), (64, 4096), (128, 256)])
-def test_gluon_kernel_compiles_for_hopper_without_spills(sm90, head_dim, max_seqlen):
+def test_gluon_kernel_compiles_for_hopper_and_its_programs_fit_shared_memory(sm90, head_dim, max_seqlen):
     tokens, heads = 300, 2
     qkv = torch.zeros(tokens, 3, heads, head_dim, dtype=torch.bfloat16)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
