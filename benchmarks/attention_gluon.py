@@ -2,8 +2,8 @@
 ATen flash, at the tower's shapes (16 heads of 72, bf16).
 
 Usage: python benchmarks/attention_gluon.py [--quick] [--tiles] [--tile BLOCK_M,BLOCK_N,WARPS,STAGES ...]
-Session 8's warp-specialised variant (``hopper_attention_ws_kernel``, ``--ws``; not adopted,
-``attention_gluon-ws.log``) is in this file at commit c1916ed.
+                                           [--ws BLOCK_M,BLOCK_N,STAGES,MAXNREG,CONSUMER_REGS ...]
+``--ws``: the warp-specialised kernel (``hopper_attention_ws_kernel`` below) at those tiles and register limits.
 Each cell is the device time of one call (20 calls captured in one CUDA graph, replayed, divided by 20) and the
 relative L2 error of its real rows against flash, batches shaped as the manager builds them (q, k, v strided views
 of one qkv tensor, max_seqlen the budget's patch count, padding rows after the last image). Every case also checks
@@ -18,13 +18,223 @@ import sys
 import torch
 import triton
 from attention_hd72 import D, err_of, flash, manager_batch  # benchmarks/, the script's directory
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-from hwgraph.attention.gluon_kernel import launch_gluon_attention
+from hwgraph.attention.gluon_kernel import (
+    LOG2_E,
+    cta_barrier,
+    descriptor,
+    issue_kv,
+    launch_gluon_attention,
+    load_q_part,
+    qk_async,
+    softmax_step,
+    store_out_part,
+    zero_padding_rows,
+    zero_tail_rows,
+)
 from hwgraph.attention.triton_kernel import launch_varlen_attention
 from hwgraph.timing import graphed_ms
 
+# The warp-specialised variant (session 8; ``attention_gluon-ws.log``): not adopted. Against the shipped kernel it
+# measured 3-5% faster on one long sequence (4096, 3600, 2048 patches) and 6% slower on 4x784, equal on 2x1024.
 
-def row(label, seqs, rows, slots, tiles):
+
+@gluon.jit
+def ws_producer(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start, col, n_blocks,
+                STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
+    """The load partition (one warp): fills each ring slot once both consumers have released it."""
+    for j in range(n_blocks):
+        mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase 1
+        issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, j, start, col, STAGES, D_A,
+                 HAS_B)
+
+@gluon.jit
+def ws_consumer(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen,
+                head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
+                HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                PINGPONG: gl.constexpr):
+    """One warpgroup's half of the q tile (rows ``rows + HALF * HALF_M ..``): the key loop of
+    ``hopper_attention_kernel``, releasing each ring slot to the producer instead of a barrier."""
+    WARPS: gl.constexpr = 4
+    dtype: gl.constexpr = ka_s.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    oa_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, D_A, 16])
+    ob_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, D_B, 16])
+    pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=oa_layout, k_width=2)
+    pb_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ob_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    r0 = rows + HALF * HALF_M
+    qa_h = qa_s.index(HALF)
+    qb_h = qb_s.index(HALF)
+    qa_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, 0, D_A, HEAD_DIM, HALF_M, WARPS))
+    qb_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, D_A, D_B, HEAD_DIM, HALF_M, WARPS))
+    fence_async_shared()
+    cta_barrier()
+
+    s_init = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    o_a = gl.zeros([HALF_M, D_A], gl.float32, oa_layout)
+    o_b = gl.zeros([HALF_M, D_B], gl.float32, ob_layout)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, row_layout)
+
+    mbarrier.wait(ready.index(0), 0)
+    if PINGPONG:  # the consumers take turns to issue their MMAs (phase trick: a fresh mbarrier passes phase 1)
+        mbarrier.wait(turn.index(HALF), 1 - HALF)
+    s = qk_async(qa_h, qb_h, ka_s, kb_s, 0, s_init, HAS_B)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
+    p = p.to(dtype)
+    p_a = gl.convert_layout(p, pa_layout)
+    p_b = gl.convert_layout(p, pb_layout)
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(HALF), (j & 1) ^ (1 - HALF))
+        s = qk_async(qa_h, qb_h, ka_s, kb_s, slot, s_init, HAS_B)
+        o_a = warpgroup_mma(p_a, va_s.index(prev), o_a, is_async=True)
+        if HAS_B:
+            o_b = warpgroup_mma(p_b, vb_s.index(prev), o_b, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
+            s = warpgroup_mma_wait(2, deps=(s,))
+        else:
+            s = warpgroup_mma_wait(1, deps=(s,))
+        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
+        o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
+        mbarrier.arrive(empty.index(prev), count=1)
+        o_a = o_a * gl.convert_layout(alpha, gl.SliceLayout(1, oa_layout))[:, None]
+        if HAS_B:
+            o_b = o_b * gl.convert_layout(alpha, gl.SliceLayout(1, ob_layout))[:, None]
+        p = p.to(dtype)
+        p_a = gl.convert_layout(p, pa_layout)
+        p_b = gl.convert_layout(p, pb_layout)
+
+    last = (n_blocks - 1) % STAGES
+    tail = seqlen - (n_blocks - 1) * BLOCK_N
+    if tail < BLOCK_N:  # both consumers zero the same rows; neither ever writes anything else there
+        zero_tail_rows(va_s.index(last), tail, WARPS)
+        if HAS_B:
+            zero_tail_rows(vb_s.index(last), tail, WARPS)
+        fence_async_shared()
+        cta_barrier()
+    if PINGPONG:
+        mbarrier.wait(turn.index(HALF), (n_blocks & 1) ^ (1 - HALF))
+    o_a = warpgroup_mma(p_a, va_s.index(last), o_a, is_async=True)
+    if HAS_B:
+        o_b = warpgroup_mma(p_b, vb_s.index(last), o_b, is_async=True)
+    if PINGPONG:  # both consumers arrive at every issue point, n_blocks + 1 of them, or the last wait never ends
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+    o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
+    inv_l = 1.0 / l_i
+    store_out_part(Out, o_a, inv_l, r0, seqlen, start, head, stride_ot, stride_oh, 0, HEAD_DIM)
+    if HAS_B:
+        store_out_part(Out, o_b, inv_l, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM)
+
+@gluon.jit
+def ws_consumer_1(Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head, rows, n_blocks,
+                  qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM: gl.constexpr,
+                  HALF_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
+                  STAGES: gl.constexpr, BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr):
+    ws_consumer(1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head, rows, n_blocks,
+                qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM, HALF_M, D_A, D_B, HAS_B,
+                STAGES, BLOCK_N, PINGPONG)
+
+@gluon.jit
+def ws_consumer_0(Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head, rows, n_blocks,
+                  qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM: gl.constexpr,
+                  HALF_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
+                  STAGES: gl.constexpr, BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr):
+    ws_consumer(0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head, rows, n_blocks,
+                qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM, HALF_M, D_A, D_B, HAS_B,
+                STAGES, BLOCK_N, PINGPONG)
+
+@gluon.jit(do_not_specialize=["num_seqs"])
+def hopper_attention_ws_kernel(
+    Q, ka_desc, kb_desc, va_desc, vb_desc, Out, CU_SEQLENS,
+    tokens, num_seqs, qk_scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
+    D_V: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """``hopper_attention_kernel`` warp-specialised: two consumer warpgroups (the default partition and a
+    worker) take half of the q tile each and share the k/v ring, which a one-warp producer fills as slots are
+    released (an mbarrier per slot with two arrivals), so the consumers need no barrier with each other."""
+    BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = ka_desc.dtype
+    block_m = gl.program_id(0)
+    head = gl.program_id(1)
+    seq = gl.program_id(2)
+    if seq >= num_seqs:
+        zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM,
+                          BLOCK_M, D_V, num_warps)
+        return
+    start = gl.load(CU_SEQLENS + seq)
+    seqlen = gl.load(CU_SEQLENS + seq + 1) - start
+    rows = block_m * BLOCK_M
+    if rows >= seqlen:
+        return
+    qa_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_A], ka_desc.layout)
+    qb_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_B], kb_desc.layout)
+    ka_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], ka_desc.layout)
+    kb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], kb_desc.layout)
+    va_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], va_desc.layout)
+    vb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], vb_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    col = head * HEAD_DIM
+    n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
+    gl.warp_specialize([  # the argument tuples are written out: a tuple variable loses its constexprs
+        (ws_consumer_0, (Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head,
+                         rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM, HALF_M,
+                         D_A, D_B, HAS_B, STAGES, BLOCK_N, PINGPONG)),
+        (ws_consumer_1, (Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head,
+                         rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM, HALF_M,
+                         D_A, D_B, HAS_B, STAGES, BLOCK_N, PINGPONG)),
+        (ws_producer, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start, col,
+                       n_blocks, STAGES, D_A, HAS_B)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+def launch_ws(q, k, v, cu, max_seqlen, tiles, maxnreg, consumer_regs, pingpong):
+    """``hopper_attention_ws_kernel`` with ``launch_gluon_attention``'s arguments (head_dim 72: parts 64 + 16)."""
+    tokens, heads, head_dim = q.shape
+    block_m, block_n, stages = tiles
+    out = torch.empty_like(q)
+    grid = (triton.cdiv(max_seqlen, block_m), heads, cu.shape[0])
+    hopper_attention_ws_kernel[grid](
+        q, descriptor(k, block_n, 64), descriptor(k, block_n, 16), descriptor(v, block_n, 64),
+        descriptor(v, block_n, 16), out, cu, tokens, cu.shape[0] - 1, D**-0.5 * LOG2_E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, D_A=64, D_B=16, HAS_B=True, D_V=128, STAGES=stages,
+        CONSUMER_REGS=consumer_regs, PINGPONG=bool(pingpong), num_warps=4, maxnreg=maxnreg)
+    return out
+
+
+def row(label, seqs, rows, slots, tiles, ws=()):
     qkv, cu, real, gflop = manager_batch(seqs, rows, slots)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     want = flash(q, k, v, cu, rows)[:real].float()
@@ -54,6 +264,11 @@ def row(label, seqs, rows, slots, tiles):
     for cfg in tiles:
         report(f"gluon {cfg}", lambda c=cfg: launch_gluon_attention(q, k, v, cu, rows, D**-0.5, tiles=c),
                check_padding=True)
+    for bm, bn, stages, maxnreg, regs, pp in ws:
+        report(f"gluon warp-specialized {bm}x{bn}, {stages} stages, maxnreg {maxnreg}, consumers {regs}, "
+               f"ping-pong {pp}",
+               lambda c=(bm, bn, stages), m=maxnreg, r=regs, pp=pp: launch_ws(q, k, v, cu, rows, c, m, r, pp),
+               check_padding=True)
 
 
 def main():
@@ -63,6 +278,7 @@ def main():
         tiles += [(128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 32, 8, 4), (64, 128, 4, 3),
                   (64, 64, 4, 3), (64, 64, 4, 4)]
     tiles += [tuple(int(x) for x in sys.argv[i + 1].split(",")) for i, a in enumerate(sys.argv) if a == "--tile"]
+    ws = [tuple(int(x) for x in sys.argv[i + 1].split(",")) for i, a in enumerate(sys.argv) if a == "--ws"]
     cases = [("1x4096 in 4096", [4096], 4096, 1), ("1x3600 in 4096", [3600], 4096, 1),
              ("4x784 in 4096", [784] * 4, 4096, 4), ("1x1024 in 1024", [1024], 1024, 1),
              ("4x256 in 1024", [256] * 4, 1024, 4), ("1x2048 in 2048", [2048], 2048, 1),
@@ -71,7 +287,7 @@ def main():
     if "--quick" in sys.argv:
         cases = cases[:1]
     for label, seqs, rows, slots in cases:
-        row(label, seqs, rows, slots, tiles)
+        row(label, seqs, rows, slots, tiles, ws)
 
 
 if __name__ == "__main__":
