@@ -23,7 +23,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
@@ -34,11 +33,16 @@ from hwgraph.attention.gluon_kernel import (
     issue_kv,
     launch_gluon_attention,
     load_q_part,
+    loop_state,
+    p_operands,
+    pv_async,
     qk_async,
+    rescale,
     softmax_step,
-    store_out_part,
+    store_out,
+    wait_scores,
     zero_padding_rows,
-    zero_tail_rows,
+    zero_tail,
 )
 from hwgraph.attention.triton_kernel import launch_varlen_attention
 from hwgraph.timing import graphed_ms
@@ -66,15 +70,6 @@ def ws_consumer(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, 
     ``hopper_attention_kernel``, releasing each ring slot to the producer instead of a barrier."""
     WARPS: gl.constexpr = 4
     dtype: gl.constexpr = ka_s.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    oa_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                        instr_shape=[16, D_A, 16])
-    ob_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                        instr_shape=[16, D_B, 16])
-    pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=oa_layout, k_width=2)
-    pb_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ob_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     r0 = rows + HALF * HALF_M
     qa_h = qa_s.index(HALF)
     qb_h = qb_s.index(HALF)
@@ -82,24 +77,19 @@ def ws_consumer(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, 
     qb_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, D_A, D_B, HEAD_DIM, HALF_M, WARPS))
     fence_async_shared()
     cta_barrier()
+    s_init, o_a, o_b, m_i, l_i = loop_state(HALF_M, BLOCK_N, D_A, D_B, WARPS)
 
-    s_init = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
-    o_a = gl.zeros([HALF_M, D_A], gl.float32, oa_layout)
-    o_b = gl.zeros([HALF_M, D_B], gl.float32, ob_layout)
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([HALF_M], gl.float32, row_layout)
-
+    # With PINGPONG the consumers take turns to issue their MMAs, at n_blocks + 1 issue points each; consumer 0
+    # goes first (a fresh mbarrier passes a wait for phase 1).
     mbarrier.wait(ready.index(0), 0)
-    if PINGPONG:  # the consumers take turns to issue their MMAs (phase trick: a fresh mbarrier passes phase 1)
+    if PINGPONG:
         mbarrier.wait(turn.index(HALF), 1 - HALF)
     s = qk_async(qa_h, qb_h, ka_s, kb_s, 0, s_init, HAS_B)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - HALF), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
     p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
-    p = p.to(dtype)
-    p_a = gl.convert_layout(p, pa_layout)
-    p_b = gl.convert_layout(p, pb_layout)
+    p_a, p_b = p_operands(p, o_a, o_b, dtype)
     for j in range(1, n_blocks):
         slot = j % STAGES
         prev = (j - 1) % STAGES
@@ -107,62 +97,27 @@ def ws_consumer(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, 
         if PINGPONG:
             mbarrier.wait(turn.index(HALF), (j & 1) ^ (1 - HALF))
         s = qk_async(qa_h, qb_h, ka_s, kb_s, slot, s_init, HAS_B)
-        o_a = warpgroup_mma(p_a, va_s.index(prev), o_a, is_async=True)
-        if HAS_B:
-            o_b = warpgroup_mma(p_b, vb_s.index(prev), o_b, is_async=True)
+        o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - HALF), count=1)
-            s = warpgroup_mma_wait(2, deps=(s,))
-        else:
-            s = warpgroup_mma_wait(1, deps=(s,))
+        s = wait_scores(s, HAS_B)
         p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
         o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
         mbarrier.arrive(empty.index(prev), count=1)
-        o_a = o_a * gl.convert_layout(alpha, gl.SliceLayout(1, oa_layout))[:, None]
-        if HAS_B:
-            o_b = o_b * gl.convert_layout(alpha, gl.SliceLayout(1, ob_layout))[:, None]
-        p = p.to(dtype)
-        p_a = gl.convert_layout(p, pa_layout)
-        p_b = gl.convert_layout(p, pb_layout)
+        o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)
+        p_a, p_b = p_operands(p, o_a, o_b, dtype)
 
     last = (n_blocks - 1) % STAGES
-    tail = seqlen - (n_blocks - 1) * BLOCK_N
-    if tail < BLOCK_N:  # both consumers zero the same rows; neither ever writes anything else there
-        zero_tail_rows(va_s.index(last), tail, WARPS)
-        if HAS_B:
-            zero_tail_rows(vb_s.index(last), tail, WARPS)
-        fence_async_shared()
-        cta_barrier()
+    # Both consumers zero the same rows of the last block; neither ever writes anything else there.
+    zero_tail(va_s, vb_s, last, seqlen - (n_blocks - 1) * BLOCK_N, HAS_B, BLOCK_N, WARPS)
     if PINGPONG:
         mbarrier.wait(turn.index(HALF), (n_blocks & 1) ^ (1 - HALF))
-    o_a = warpgroup_mma(p_a, va_s.index(last), o_a, is_async=True)
-    if HAS_B:
-        o_b = warpgroup_mma(p_b, vb_s.index(last), o_b, is_async=True)
-    if PINGPONG:  # both consumers arrive at every issue point, n_blocks + 1 of them, or the last wait never ends
+    o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)
+    if PINGPONG:
         mbarrier.arrive(turn.index(1 - HALF), count=1)
     o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
-    inv_l = 1.0 / l_i
-    store_out_part(Out, o_a, inv_l, r0, seqlen, start, head, stride_ot, stride_oh, 0, HEAD_DIM)
-    if HAS_B:
-        store_out_part(Out, o_b, inv_l, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM)
+    store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
 
-@gluon.jit
-def ws_consumer_1(Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head, rows, n_blocks,
-                  qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM: gl.constexpr,
-                  HALF_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
-                  STAGES: gl.constexpr, BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr):
-    ws_consumer(1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head, rows, n_blocks,
-                qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM, HALF_M, D_A, D_B, HAS_B,
-                STAGES, BLOCK_N, PINGPONG)
-
-@gluon.jit
-def ws_consumer_0(Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head, rows, n_blocks,
-                  qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM: gl.constexpr,
-                  HALF_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
-                  STAGES: gl.constexpr, BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr):
-    ws_consumer(0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head, rows, n_blocks,
-                qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM, HALF_M, D_A, D_B, HAS_B,
-                STAGES, BLOCK_N, PINGPONG)
 
 @gluon.jit(do_not_specialize=["num_seqs"])
 def hopper_attention_ws_kernel(
@@ -208,12 +163,12 @@ def hopper_attention_ws_kernel(
     col = head * HEAD_DIM
     n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
     gl.warp_specialize([  # the argument tuples are written out: a tuple variable loses its constexprs
-        (ws_consumer_0, (Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head,
-                         rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM, HALF_M,
-                         D_A, D_B, HAS_B, STAGES, BLOCK_N, PINGPONG)),
-        (ws_consumer_1, (Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head,
-                         rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM, HALF_M,
-                         D_A, D_B, HAS_B, STAGES, BLOCK_N, PINGPONG)),
+        (ws_consumer, (0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head,
+                       rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM, HALF_M,
+                       D_A, D_B, HAS_B, STAGES, BLOCK_N, PINGPONG)),
+        (ws_consumer, (1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen, head,
+                       rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, HEAD_DIM, HALF_M,
+                       D_A, D_B, HAS_B, STAGES, BLOCK_N, PINGPONG)),
         (ws_producer, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start, col,
                        n_blocks, STAGES, D_A, HAS_B)),
     ], [4, 1], [CONSUMER_REGS, 24])

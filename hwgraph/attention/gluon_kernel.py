@@ -128,6 +128,74 @@ if gluon is not None:
         gl.store(ptr, o.to(Out.dtype.element_ty), mask=(r < seqlen)[:, None] & (c < HEAD_DIM)[None, :])
 
     @gluon.jit
+    def loop_state(ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
+                   WARPS: gl.constexpr):
+        """``(s_init, o_a, o_b, m, l)`` for ``ROWS`` q rows on ``WARPS`` warps: zero scores (the q.k MMAs'
+        accumulator), the two p.v parts' accumulators and the online softmax's row maximum and sum."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        oa_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                            instr_shape=[16, D_A, 16])
+        ob_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                            instr_shape=[16, D_B, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        return (gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), gl.zeros([ROWS, D_A], gl.float32, oa_layout),
+                gl.zeros([ROWS, D_B], gl.float32, ob_layout), gl.full([ROWS], float("-inf"), gl.float32, row_layout),
+                gl.zeros([ROWS], gl.float32, row_layout))
+
+    @gluon.jit
+    def p_operands(p, o_a, o_b, dtype: gl.constexpr):
+        """p in ``dtype`` as the register A operand of each p.v part's MMA."""
+        pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_a.type.layout, k_width=2)
+        pb_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_b.type.layout, k_width=2)
+        p = p.to(dtype)
+        return gl.convert_layout(p, pa_layout), gl.convert_layout(p, pb_layout)
+
+    @gluon.jit
+    def pv_async(p_a, p_b, va_s, vb_s, slot, o_a, o_b, HAS_B: gl.constexpr):
+        """p.v of the key block in ring slot ``slot``, issued asynchronously (one commit group per part)."""
+        o_a = warpgroup_mma(p_a, va_s.index(slot), o_a, is_async=True)
+        if HAS_B:
+            o_b = warpgroup_mma(p_b, vb_s.index(slot), o_b, is_async=True)
+        return o_a, o_b
+
+    @gluon.jit
+    def wait_scores(s, HAS_B: gl.constexpr):
+        """Wait for q.k alone: the p.v parts issued after it stay in flight."""
+        if HAS_B:
+            s = warpgroup_mma_wait(2, deps=(s,))
+        else:
+            s = warpgroup_mma_wait(1, deps=(s,))
+        return s
+
+    @gluon.jit
+    def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
+        """The accumulators times the online softmax's correction ``alpha`` (per row)."""
+        o_a = o_a * gl.convert_layout(alpha, gl.SliceLayout(1, o_a.type.layout))[:, None]
+        if HAS_B:
+            o_b = o_b * gl.convert_layout(alpha, gl.SliceLayout(1, o_b.type.layout))[:, None]
+        return o_a, o_b
+
+    @gluon.jit
+    def zero_tail(va_s, vb_s, slot, tail, HAS_B: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+        """When the last key block (ring slot ``slot``) has only ``tail`` rows of the sequence, zero its v rows
+        past them (``zero_tail_rows``) and make that visible to the MMAs."""
+        if tail < BLOCK_N:
+            zero_tail_rows(va_s.index(slot), tail, WARPS)
+            if HAS_B:
+                zero_tail_rows(vb_s.index(slot), tail, WARPS)
+            fence_async_shared()
+            cta_barrier()
+
+    @gluon.jit
+    def store_out(Out, o_a, o_b, l_i, rows, seqlen, start, head, stride_ot, stride_oh, D_A: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, HAS_B: gl.constexpr):
+        inv_l = 1.0 / l_i
+        store_out_part(Out, o_a, inv_l, rows, seqlen, start, head, stride_ot, stride_oh, 0, HEAD_DIM)
+        if HAS_B:
+            store_out_part(Out, o_b, inv_l, rows, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM)
+
+    @gluon.jit
     def zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh,
                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_V: gl.constexpr, num_warps: gl.constexpr):
         """The extra grid slot: rows ``[cu_seqlens[-1], tokens)`` belong to no sequence; write zeros there."""
@@ -164,16 +232,6 @@ if gluon is not None:
         if rows >= seqlen:
             return
 
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        oa_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                            instr_shape=[16, D_A, 16])
-        ob_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                            instr_shape=[16, D_B, 16])
-        pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=oa_layout, k_width=2)
-        pb_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ob_layout, k_width=2)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
         # q: pointer loads (zero past the head and the sequence) into shared memory, the MMAs' A operand.
         qa_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D_A], ka_desc.layout,
                                          load_q_part(Q, rows, seqlen, start, head, stride_qt, stride_qh, 0, D_A,
@@ -198,40 +256,26 @@ if gluon is not None:
                 issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, bars, i, start, col, STAGES,
                          D_A, HAS_B)
 
-        s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        o_a = gl.zeros([BLOCK_M, D_A], gl.float32, oa_layout)
-        o_b = gl.zeros([BLOCK_M, D_B], gl.float32, ob_layout)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+        s_init, o_a, o_b, m_i, l_i = loop_state(BLOCK_M, BLOCK_N, D_A, D_B, num_warps)
 
         # Block 0: q.k and its softmax; its p.v waits for the loop (or the end).
         mbarrier.wait(bars.index(0), 0)
         s = qk_async(qa_s, qb_s, ka_s, kb_s, 0, s_init, HAS_B)
         s = warpgroup_mma_wait(0, deps=(s,))
         p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
-        p = p.to(dtype)
-        p_a = gl.convert_layout(p, pa_layout)
-        p_b = gl.convert_layout(p, pb_layout)
+        p_a, p_b = p_operands(p, o_a, o_b, dtype)
 
         for j in range(1, n_blocks):
             slot = j % STAGES
             prev = (j - 1) % STAGES
             mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
             s = qk_async(qa_s, qb_s, ka_s, kb_s, slot, s_init, HAS_B)
-            o_a = warpgroup_mma(p_a, va_s.index(prev), o_a, is_async=True)
-            if HAS_B:
-                o_b = warpgroup_mma(p_b, vb_s.index(prev), o_b, is_async=True)
-                s = warpgroup_mma_wait(2, deps=(s,))
-            else:
-                s = warpgroup_mma_wait(1, deps=(s,))
+            o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)
+            s = wait_scores(s, HAS_B)
             p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
             o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
-            o_a = o_a * gl.convert_layout(alpha, gl.SliceLayout(1, oa_layout))[:, None]
-            if HAS_B:
-                o_b = o_b * gl.convert_layout(alpha, gl.SliceLayout(1, ob_layout))[:, None]
-            p = p.to(dtype)
-            p_a = gl.convert_layout(p, pa_layout)
-            p_b = gl.convert_layout(p, pb_layout)
+            o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)
+            p_a, p_b = p_operands(p, o_a, o_b, dtype)
             # Block j-1's slot is free once every warp is past its p.v: refill it.
             cta_barrier()
             if j - 1 + STAGES < n_blocks:
@@ -239,24 +283,12 @@ if gluon is not None:
                          col, STAGES, D_A, HAS_B)
 
         last = (n_blocks - 1) % STAGES
-        tail = seqlen - (n_blocks - 1) * BLOCK_N
-        if tail < BLOCK_N:
-            zero_tail_rows(va_s.index(last), tail, num_warps)
-            if HAS_B:
-                zero_tail_rows(vb_s.index(last), tail, num_warps)
-            fence_async_shared()
-            cta_barrier()
-        o_a = warpgroup_mma(p_a, va_s.index(last), o_a, is_async=True)
-        if HAS_B:
-            o_b = warpgroup_mma(p_b, vb_s.index(last), o_b, is_async=True)
+        zero_tail(va_s, vb_s, last, seqlen - (n_blocks - 1) * BLOCK_N, HAS_B, BLOCK_N, num_warps)
+        o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)
         o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
-
-        inv_l = 1.0 / l_i
-        store_out_part(Out, o_a, inv_l, rows, seqlen, start, head, stride_ot, stride_oh, 0, HEAD_DIM)
-        if HAS_B:
-            store_out_part(Out, o_b, inv_l, rows, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM)
+        store_out(Out, o_a, o_b, l_i, rows, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
 
 
 GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
