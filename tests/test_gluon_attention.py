@@ -57,16 +57,9 @@ def test_gluon_kernel_compiles_for_hopper_and_its_programs_fit_shared_memory(sm9
     tokens, heads = 300, 2
     qkv = torch.zeros(tokens, 3, heads, head_dim, dtype=torch.bfloat16)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    out = torch.empty_like(q)
-    block_m, block_n, warps, stages = gluon_kernel.gluon_tiles(max_seqlen)
-    d_a, d_b = triton_kernel.head_split(head_dim)
-    kb = max(d_b, 16)
-    desc = gluon_kernel.descriptor
-    compiled = gluon_kernel.hopper_attention_kernel.warmup(
-        q, desc(k, block_n, d_a), desc(k, block_n, kb), desc(v, block_n, d_a), desc(v, block_n, kb), out,
-        torch.tensor([0, tokens], dtype=torch.int32), tokens, 1, 0.1, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), HEAD_DIM=head_dim, BLOCK_M=block_m, D_A=d_a, D_B=kb, HAS_B=d_b > 0,
-        D_V=triton_kernel.head_width(head_dim), STAGES=stages, num_warps=warps, grid=(1,))
+    grid, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q),
+                                                  torch.tensor([0, tokens], dtype=torch.int32), max_seqlen, 0.1)
+    compiled = gluon_kernel.hopper_attention_kernel.warmup(*args, **kwargs, grid=grid)
     ptx = compiled.asm["ptx"]
     assert ptx.count("wgmma.mma_async") > 0 and "cp.async.bulk.tensor" in ptx  # Hopper MMAs fed by TMA
     # gluon_tiles' reason for 128x64 tiles from 1024 rows: two programs fit in one SM's 228 KB of shared memory

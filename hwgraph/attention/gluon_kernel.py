@@ -42,7 +42,6 @@ else:
     GLUON_IMPORT_ERROR = None
 
 
-
 def gluon_available() -> str | None:
     """None when Gluon's Hopper API imports, else why not."""
     return GLUON_IMPORT_ERROR
@@ -312,6 +311,25 @@ def descriptor(t: torch.Tensor, block_n: int, width: int):
     return GluonDescriptor(t, [tokens, heads * head_dim], [t.stride(0), 1], [block_n, width], layout)
 
 
+def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None,
+                padding_slot: bool = True) -> tuple[tuple[int, int, int], tuple, dict]:
+    """``(grid, args, kwargs)`` of ``hopper_attention_kernel`` writing ``out``: what ``launch_gluon_attention``
+    launches (the CPU tests compile it with ``hopper_attention_kernel.warmup(*args, **kwargs, grid=grid)``)."""
+    tokens, heads, head_dim = q.shape
+    block_m, block_n, warps, stages = tiles or gluon_tiles(max_seqlen)
+    d_a, d_b = head_split(head_dim)
+    kb_width = max(d_b, 16)  # with d_b == 0 the second descriptors are built but never read
+    num_seqs = cu_seqlens.shape[0] - 1
+    grid = (max(1, triton.cdiv(max_seqlen, block_m)), heads, num_seqs + int(padding_slot))
+    args = (q, descriptor(k, block_n, d_a), descriptor(k, block_n, kb_width), descriptor(v, block_n, d_a),
+            descriptor(v, block_n, kb_width), out, cu_seqlens, tokens, num_seqs, scale * LOG2_E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1))
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, D_A=d_a, D_B=kb_width, HAS_B=d_b > 0, D_V=head_width(head_dim),
+                  STAGES=stages, num_warps=warps)
+    return grid, args, kwargs
+
+
 def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None,
                            padding_slot: bool = True) -> torch.Tensor:
@@ -320,21 +338,9 @@ def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     STAGES)``, ``gluon_tiles``' choice by default. ``padding_slot``: as ``launch_varlen_attention``'s."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"the Gluon attention kernel needs triton.experimental.gluon: {GLUON_IMPORT_ERROR}")
-    tokens, heads, head_dim = q.shape
     out = torch.empty_like(q)
-    if tokens == 0:
+    if q.shape[0] == 0:
         return out
-    block_m, block_n, warps, stages = tiles or gluon_tiles(max_seqlen)
-    d_a, d_b = head_split(head_dim)
-    kb_width = max(d_b, 16)  # with d_b == 0 the second descriptors are built but never read
-    num_seqs = cu_seqlens.shape[0] - 1
-    grid = (max(1, triton.cdiv(max_seqlen, block_m)), heads, num_seqs + int(padding_slot))
-    hopper_attention_kernel[grid](
-        q, descriptor(k, block_n, d_a), descriptor(k, block_n, kb_width), descriptor(v, block_n, d_a),
-        descriptor(v, block_n, kb_width), out, cu_seqlens,
-        tokens, num_seqs, scale * LOG2_E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_M=block_m, D_A=d_a, D_B=kb_width, HAS_B=d_b > 0, D_V=head_width(head_dim),
-        STAGES=stages, num_warps=warps,
-    )
+    grid, args, kwargs = kernel_call(q, k, v, out, cu_seqlens, max_seqlen, scale, tiles, padding_slot)
+    hopper_attention_kernel[grid](*args, **kwargs)
     return out

@@ -342,9 +342,13 @@ def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen: in
     """Whether a call takes the Gluon kernel (``gluon_kernel.py``): where the TMA kernel may run (``uses_tma``),
     on compute capability 9.x (its warpgroup MMAs are Hopper's only), with Triton's Gluon importable, and outside
     ``TMA_OVER_GLUON``."""
-    if not uses_tma(q, k, v) or not gluon_ready(q.device.index):
-        return False
-    return not TMA_OVER_GLUON[0] <= max_seqlen < TMA_OVER_GLUON[1]
+    return uses_tma(q, k, v) and gluon_fits(q.device.index, max_seqlen)
+
+
+def gluon_fits(device_index: int, max_seqlen: int) -> bool:
+    """``uses_gluon`` once ``uses_tma`` holds: Gluon ready on the device, and ``max_seqlen`` outside
+    ``TMA_OVER_GLUON``."""
+    return gluon_ready(device_index) and not TMA_OVER_GLUON[0] <= max_seqlen < TMA_OVER_GLUON[1]
 
 
 @functools.cache
@@ -394,8 +398,9 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         raise RuntimeError("TRITON_ATTN on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported in this process")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if use_gluon is None:
-        use_gluon = use_tma is None and tiles is None and uses_gluon(q, k, v, max_seqlen)
+    tma = uses_tma(q, k, v) if use_tma is None else use_tma
+    if use_gluon is None:  # uses_gluon, with uses_tma asked once per call
+        use_gluon = use_tma is None and tiles is None and tma and gluon_fits(q.device.index, max_seqlen)
     if use_gluon:
         from hwgraph.attention.gluon_kernel import launch_gluon_attention
 
@@ -406,7 +411,6 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         return out
     block_m, block_n, d_a, d_b = block_sizes(head_dim, q.dtype)
     warps, stages = 4, 2
-    tma = uses_tma(q, k, v) if use_tma is None else use_tma
     if tma:
         block_m, block_n, warps, stages = tma_tiles(max_seqlen)
     elif q.is_cuda and not torch.version.hip and head_width(head_dim) <= 128 and q.dtype != torch.float32:
