@@ -1,10 +1,12 @@
 """TRITON_ATTN's Gluon kernel for Hopper (``hwgraph/attention/gluon_kernel.py``) against its Triton TMA kernel and
 ATen flash, at the tower's shapes (16 heads of 72, bf16).
 
-Usage: python benchmarks/attention_gluon.py [--quick] [--tiles] [--tile BLOCK_M,BLOCK_N,WARPS,STAGES ...]
-Session 8's warp-specialised variant with FlashAttention-3's ping-pong (``hopper_attention_ws_kernel``, ``--ws
-BLOCK_M,BLOCK_N,STAGES,MAXNREG,CONSUMER_REGS,PINGPONG``; not adopted yet: ``docs/benchmarks.md``,
-``attention_gluon-ws.log``, ``attention_gluon-pingpong.log``) is in this file at commit 7c34f41.
+Usage: python benchmarks/attention_gluon.py [--quick] [--tiles]
+                                           [--tile BLOCK_M,BLOCK_N,WARPS,STAGES[,PINGPONG,MAXNREG,CONSUMER_REGS] ...]
+Every run shows ``gluon_tiles``' choice (the ping-pong kernel, ``gluon_pingpong.py``, from 2048 rows) next to
+``hopper_attention_kernel`` with 128x64 tiles, the Triton TMA kernel and flash. ``--tile``: a ``GluonTiles``
+(PINGPONG 1 for the ping-pong kernel). Session 8's warp-specialised variant without ping-pong is in this file at
+commit 7c34f41 (``--ws``).
 Each cell is the device time of one call (20 calls captured in one CUDA graph, replayed, divided by 20) and the
 relative L2 error of its real rows against flash, batches shaped as the manager builds them (q, k, v strided views
 of one qkv tensor, max_seqlen the budget's patch count, padding rows after the last image). Every case also checks
@@ -59,7 +61,7 @@ def row(label, seqs, rows, slots, tiles):
 
 def main():
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
-    tiles = [None]  # gluon_tiles' choice
+    tiles = [None, (128, 64, 8, 3)]  # gluon_tiles' choice, and hopper_attention_kernel's tiles from 1024 rows
     if "--tiles" in sys.argv:
         tiles += [(128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 32, 8, 4), (64, 128, 4, 3),
                   (64, 64, 4, 3), (64, 64, 4, 4)]

@@ -1,7 +1,7 @@
 """Where does a small image's replay with TRITON_ATTN lose time between kernels?
 
 Usage: python benchmarks/replay_gaps.py [--ab [GROUPS] | --overlap [GROUPS] | --mlp-pad [GROUPS] | --gluon [GROUPS] |
-                                        --compiled | --order]
+                                        --pingpong [GROUPS] | --compiled | --order]
 With TRITON_ATTN one 49-token image replays 3-10% slower than with FLASH_ATTN although its kernels sum to less
 (bench-session6-a.md: 1.743 against 1.645 ms, kernels 1.497 against 1.531). This captures the budget-64 graph (one
 sequence slot) for FLASH_ATTN and for TRITON_ATTN two ways (the TMA kernel as shipped, and the pointer kernel),
@@ -22,6 +22,9 @@ graph, as ``hwgraph bench`` builds them), each group's steps interleaved across 
 multiple of 256: ``padded_mlp``), with the relative difference of the two outputs.
 ``--gluon``: the same with TRITON_ATTN as shipped (its Gluon kernel where ``uses_gluon`` takes it) against
 TRITON_ATTN with the Triton TMA kernel only (``use_gluon=False``), with the relative difference of the outputs.
+``--pingpong``: the same with TRITON_ATTN as shipped (the ping-pong Gluon kernel from 2048 patch rows) against
+TRITON_ATTN with ``hopper_attention_kernel`` there instead (``without_pingpong``); GROUPS defaults to those whose
+budgets have 2048 or more rows.
 ``--compiled``: plain against compiled replay (TRITON_ATTN, 49 and 256 tokens): replay times and the kernels
 that differ between the two graphs.
 ``--order``: one manager's encode timed twice per round, right after an eager forward (or a host sleep, or a GPU
@@ -39,7 +42,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hwgraph.attention import triton_kernel
+from hwgraph.attention import gluon_kernel, triton_kernel
 from hwgraph.bench import eager_call, group_inputs, kernel_view, parse_groups, warm_device
 from hwgraph.budgets import filling_grid
 from hwgraph.manager import EncoderGraphManager
@@ -57,6 +60,17 @@ def pointer_kernel(q, k, v, cu, max_seqlen, scale, **kw):
 def triton_only(q, k, v, cu, max_seqlen, scale, **kw):
     """TRITON_ATTN without its Gluon kernel (the Triton TMA kernel on Hopper)."""
     return SHIPPED(q, k, v, cu, max_seqlen, scale, use_gluon=False)
+
+
+def without_pingpong(q, k, v, cu, max_seqlen, scale, **kw):
+    """TRITON_ATTN with session 8's Gluon kernel where the ping-pong kernel would be taken (``gluon_tiles`` reads
+    ``PINGPONG_FROM`` at each call, so the captured launch is the other kernel's)."""
+    shipped_from = gluon_kernel.PINGPONG_FROM
+    gluon_kernel.PINGPONG_FROM = sys.maxsize
+    try:
+        return SHIPPED(q, k, v, cu, max_seqlen, scale)
+    finally:
+        gluon_kernel.PINGPONG_FROM = shipped_from
 
 
 VARIANTS = {"FLASH_ATTN": ("FLASH_ATTN", None), "TRITON_ATTN tma": ("TRITON_ATTN", None),
@@ -256,6 +270,11 @@ def main():
         return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024",
                   {"Gluon": ("TRITON_ATTN", True), "Triton TMA": ("TRITON_ATTN", True)},
                   launchers={"Triton TMA": triton_only})
+    if "--pingpong" in sys.argv:
+        rest = sys.argv[sys.argv.index("--pingpong") + 1:]
+        return ab(device, rest[0] if rest else "1x1024,2x512,4x256,1x512",
+                  {"ping-pong": ("TRITON_ATTN", True), "Gluon 128x64": ("TRITON_ATTN", True)},
+                  launchers={"Gluon 128x64": without_pingpong})
     if "--mlp-pad" in sys.argv:
         rest = sys.argv[sys.argv.index("--mlp-pad") + 1:]
         return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024",

@@ -2,10 +2,13 @@
 
 Gluon has no interpreter, so the kernel's results are checked on the H200 (``backends/cuda/tests``). Here Triton
 compiles it for sm_90 (PTX, then ptxas) through an active driver that only names the target, at the tile choices
-that ``gluon_tiles`` makes and for the head widths of one and of two MMA parts.
+that ``gluon_tiles`` makes (the ping-pong kernel from 2048 rows, ``hopper_attention_kernel`` below or where the
+ping-pong ring does not fit) and for the head widths of one and of two MMA parts.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from hwgraph.testing.reference import random_packed_batch
 
 triton_kernel = pytest.importorskip("hwgraph.attention.triton_kernel")
 gluon_kernel = pytest.importorskip("hwgraph.attention.gluon_kernel")
+gluon_pingpong = pytest.importorskip("hwgraph.attention.gluon_pingpong")
 
 needs_gluon = pytest.mark.skipif(gluon_kernel.gluon_available() is not None,
                                  reason=f"this Triton has no Gluon Hopper API: {gluon_kernel.gluon_available()}")
@@ -52,24 +56,43 @@ def sm90():
 
 @needs_gluon
 @pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
-@pytest.mark.parametrize(("head_dim", "max_seqlen"), [(72, 4096), (72, 256), (64, 4096), (128, 256)])
+@pytest.mark.parametrize(("head_dim", "max_seqlen"), [(72, 4096), (72, 1024), (72, 256), (64, 4096), (96, 2048),
+                                                      (40, 4096), (128, 4096), (128, 256)])
 def test_gluon_kernel_compiles_for_hopper_and_its_programs_fit_shared_memory(sm90, head_dim, max_seqlen):
     tokens, heads = 300, 2
     qkv = torch.zeros(tokens, 3, heads, head_dim, dtype=torch.bfloat16)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    grid, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q),
-                                                  torch.tensor([0, tokens], dtype=torch.int32), max_seqlen, 0.1)
-    compiled = gluon_kernel.hopper_attention_kernel.warmup(*args, **kwargs, grid=grid)
+    tiles = gluon_kernel.gluon_tiles(max_seqlen, head_dim)
+    kernel, grid, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q),
+                                                          torch.tensor([0, tokens], dtype=torch.int32), max_seqlen,
+                                                          0.1)
+    compiled = kernel.warmup(*args, **kwargs, grid=grid)
     ptx = compiled.asm["ptx"]
     assert ptx.count("wgmma.mma_async") > 0 and "cp.async.bulk.tensor" in ptx  # Hopper MMAs fed by TMA
-    # gluon_tiles' reason for 128x64 tiles from 1024 rows: two programs fit in one SM's 228 KB of shared memory
-    per_sm = 2 if max_seqlen >= 1024 else 1
-    assert per_sm * compiled.metadata.shared <= 228 * 1024, f"{compiled.metadata.shared} bytes of shared memory"
+    if tiles.pingpong:
+        # Two consumer warpgroups and a producer warp; the producer gives its registers to the consumers.
+        assert kernel is gluon_pingpong.hopper_attention_pingpong_kernel
+        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
+        assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+        assert re.search(r"\.maxnreg\s+168\b", ptx)
+        assert compiled.metadata.shared <= 227 * 1024, f"{compiled.metadata.shared} bytes of shared memory"
+    else:
+        assert kernel is gluon_kernel.hopper_attention_kernel
+        # gluon_tiles' reason for 128x64 tiles from 1024 rows: at the tower's head_dim 72 two programs fit in one
+        # SM's 228 KB of shared memory (at 128 one does)
+        per_sm = 2 if max_seqlen >= 1024 and head_dim == 72 else 1
+        assert per_sm * compiled.metadata.shared <= 228 * 1024, f"{compiled.metadata.shared} bytes of shared memory"
 
 
-def test_gluon_tiles_follow_the_measured_choice():
-    assert gluon_kernel.gluon_tiles(4096) == (128, 64, 8, 3)
-    assert gluon_kernel.gluon_tiles(256) == (64, 64, 4, 3)
+@pytest.mark.parametrize(("max_seqlen", "head_dim", "expected"), [
+    (4096, 72, gluon_kernel.PINGPONG_TILES), (2048, 72, gluon_kernel.PINGPONG_TILES),
+    (2048, 96, gluon_kernel.PINGPONG_TILES), (2047, 72, (128, 64, 8, 3)), (1024, 72, (128, 64, 8, 3)),
+    (4096, 128, (128, 64, 8, 3)),  # the ping-pong ring of 128 lanes a head does not fit shared memory
+    (1023, 72, (64, 64, 4, 3)), (256, 72, (64, 64, 4, 3))])
+def test_gluon_tiles_follow_the_measured_choice(max_seqlen, head_dim, expected):
+    tiles = gluon_kernel.gluon_tiles(max_seqlen, head_dim)
+    assert tiles == gluon_kernel.GluonTiles(*expected)
+    assert tiles.pingpong is (max_seqlen >= 2048 and head_dim <= 96)
 
 
 def test_the_gluon_kernel_is_not_taken_for_cpu_tensors():

@@ -13,11 +13,16 @@ next head, or are zeros past the last one); q's lanes past the head are zero, so
 lanes past the head are never stored. Same grid: ``(m blocks, heads, sequences + 1)``, the last slot zeroing the
 rows past ``cu_seqlens[-1]``.
 
+From 2048 rows ``gluon_tiles`` takes a warp-specialised form of this kernel instead (``gluon_pingpong.py``, built
+from the helpers here); ``kernel_call`` builds the call of either.
+
 Importing this module imports ``triton.experimental.gluon``; ``gluon_available()`` says whether that worked.
 Gluon has no interpreter: the kernel runs on NVIDIA GPUs of compute capability 9.x only (its MMAs are Hopper's).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -292,15 +297,52 @@ if gluon is not None:
 
 GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
+# Shared memory one program may take on the H200 (227 KB), less a margin for the compiler's scratch (layout
+# conversions) and the mbarriers.
+SHARED_BYTES = 216 * 1024
 
-def gluon_tiles(max_seqlen: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, STAGES). Device time per call on the H200 (16 heads of 72, bf16, ms;
-    ``benchmarks/attention_gluon.py --tiles``, ``docs/benchmarks.md``): from 1024 rows 128x64 tiles with 8 warps and
-    3 stages, 0.229 for one sequence of 4096 (128x128: 0.309 with 4 stages; the Triton TMA kernel 0.269), 0.200 for
-    3600 in 4096 rows, 0.066 for 4x784 and 2048 in 2048. They take 114 registers a thread and 82 KB of shared
-    memory, so two programs fit on one SM (128x128: 164 registers, 143 KB, one program). Below, 64x64 tiles with 4
-    warps and 3 stages: 0.0088 for 196 patches in 256 rows (the TMA kernel 0.0098)."""
-    return (128, 64, 8, 3) if max_seqlen >= 1024 else (64, 64, 4, 3)
+
+class GluonTiles(NamedTuple):
+    """How ``kernel_call`` runs a call. ``pingpong``: ``gluon_pingpong.hopper_attention_pingpong_kernel``, whose
+    ``warps`` (4) are one consumer warpgroup's, with ``maxnreg`` registers per thread at launch and
+    ``consumer_regs`` per consumer thread once the producer warp gave its registers up; else
+    ``hopper_attention_kernel`` with ``warps`` warps."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    pingpong: bool = False
+    maxnreg: int | None = None
+    consumer_regs: int = 240
+
+
+# From 2048 rows: device time per call on the H200 (16 heads of 72, bf16, ms; benchmarks/attention_gluon.py,
+# docs/benchmarks.md) 0.201 for one sequence of 4096 against 0.229 for 128x64 tiles, 0.178 for 3600 patches in 4096
+# rows (0.201), 0.057 for 2048 in 2048 (0.066); 0.069 for 4x784 in 4096 rows (0.066). 128x128 tiles, 3 stages.
+PINGPONG_TILES = GluonTiles(128, 128, 4, 3, pingpong=True, maxnreg=168, consumer_regs=240)
+PINGPONG_FROM = 2048
+
+
+def gluon_tiles(max_seqlen: int, head_dim: int) -> GluonTiles:
+    """The tiles and kernel for a call. Device time per call on the H200 (16 heads of 72, bf16, ms;
+    ``benchmarks/attention_gluon.py --tiles``, ``docs/benchmarks.md``): from ``PINGPONG_FROM`` rows the ping-pong
+    kernel (``PINGPONG_TILES``) where its ring fits shared memory (``pingpong_fits``: up to 96 lanes a head). Else
+    from 1024 rows 128x64 tiles with 8 warps and 3 stages, 0.229 for one sequence of 4096 (128x128: 0.309 with 4
+    stages; the Triton TMA kernel 0.269), 0.066 for 4x784 and 2048 in 2048. They take 114 registers a thread and 82
+    KB of shared memory, so two programs fit on one SM (128x128: 164 registers, 143 KB, one program). Below, 64x64
+    tiles with 4 warps and 3 stages: 0.0088 for 196 patches in 256 rows (the TMA kernel 0.0098)."""
+    if max_seqlen >= PINGPONG_FROM and pingpong_fits(head_dim, PINGPONG_TILES):
+        return PINGPONG_TILES
+    return GluonTiles(128, 64, 8, 3) if max_seqlen >= 1024 else GluonTiles(64, 64, 4, 3)
+
+
+def pingpong_fits(head_dim: int, tiles: GluonTiles) -> bool:
+    """Whether the ping-pong kernel's q tile and k/v ring fit ``SHARED_BYTES`` (bf16/fp16): 72 lanes a head take
+    140 KB with ``PINGPONG_TILES``, 128 lanes 252 KB."""
+    d_a, d_b = head_split(head_dim)
+    width = d_a + max(d_b, 16)  # the second part's buffers exist (16 wide) even when the head has one part
+    return 2 * width * (tiles.block_m + 2 * tiles.stages * tiles.block_n) <= SHARED_BYTES
 
 
 def descriptor(t: torch.Tensor, block_n: int, width: int):
@@ -312,35 +354,41 @@ def descriptor(t: torch.Tensor, block_n: int, width: int):
 
 
 def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None,
-                padding_slot: bool = True) -> tuple[tuple[int, int, int], tuple, dict]:
-    """``(grid, args, kwargs)`` of ``hopper_attention_kernel`` writing ``out``: what ``launch_gluon_attention``
-    launches (the CPU tests compile it with ``hopper_attention_kernel.warmup(*args, **kwargs, grid=grid)``)."""
+                max_seqlen: int, scale: float, tiles: tuple | None = None,
+                padding_slot: bool = True) -> tuple[object, tuple[int, int, int], tuple, dict]:
+    """``(kernel, grid, args, kwargs)`` writing ``out``: what ``launch_gluon_attention`` launches as
+    ``kernel[grid](*args, **kwargs)`` (the CPU tests compile it with ``kernel.warmup(*args, **kwargs, grid=grid)``).
+    ``tiles``: a ``GluonTiles`` or its leading fields, ``gluon_tiles``' choice by default."""
     tokens, heads, head_dim = q.shape
-    block_m, block_n, warps, stages = tiles or gluon_tiles(max_seqlen)
+    tiles = GluonTiles(*tiles) if tiles is not None else gluon_tiles(max_seqlen, head_dim)
     d_a, d_b = head_split(head_dim)
     kb_width = max(d_b, 16)  # with d_b == 0 the second descriptors are built but never read
     num_seqs = cu_seqlens.shape[0] - 1
-    grid = (max(1, triton.cdiv(max_seqlen, block_m)), heads, num_seqs + int(padding_slot))
-    args = (q, descriptor(k, block_n, d_a), descriptor(k, block_n, kb_width), descriptor(v, block_n, d_a),
-            descriptor(v, block_n, kb_width), out, cu_seqlens, tokens, num_seqs, scale * LOG2_E,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1))
-    kwargs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, D_A=d_a, D_B=kb_width, HAS_B=d_b > 0, D_V=head_width(head_dim),
-                  STAGES=stages, num_warps=warps)
-    return grid, args, kwargs
+    grid = (max(1, triton.cdiv(max_seqlen, tiles.block_m)), heads, num_seqs + int(padding_slot))
+    args = (q, descriptor(k, tiles.block_n, d_a), descriptor(k, tiles.block_n, kb_width),
+            descriptor(v, tiles.block_n, d_a), descriptor(v, tiles.block_n, kb_width), out, cu_seqlens, tokens,
+            num_seqs, scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1))
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, D_A=d_a, D_B=kb_width, HAS_B=d_b > 0,
+                  D_V=head_width(head_dim), STAGES=tiles.stages, num_warps=tiles.warps)
+    if not tiles.pingpong:
+        return hopper_attention_kernel, grid, args, kwargs
+    from hwgraph.attention.gluon_pingpong import hopper_attention_pingpong_kernel
+
+    kwargs.update(CONSUMER_REGS=tiles.consumer_regs, maxnreg=tiles.maxnreg)
+    return hopper_attention_pingpong_kernel, grid, args, kwargs
 
 
 def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                           max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None,
+                           max_seqlen: int, scale: float, tiles: tuple | None = None,
                            padding_slot: bool = True) -> torch.Tensor:
     """Run the kernel: ``q, k, v`` ``[T, H, D]`` (fp16/bf16, unit stride on D, k and v addressable by TMA as
-    ``triton_kernel.uses_tma`` checks) -> a new ``[T, H, D]``. ``tiles``: ``(BLOCK_M, BLOCK_N, num_warps,
-    STAGES)``, ``gluon_tiles``' choice by default. ``padding_slot``: as ``launch_varlen_attention``'s."""
+    ``triton_kernel.uses_tma`` checks) -> a new ``[T, H, D]``. ``tiles``: as ``kernel_call``'s. ``padding_slot``:
+    as ``launch_varlen_attention``'s."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"the Gluon attention kernel needs triton.experimental.gluon: {GLUON_IMPORT_ERROR}")
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
-    grid, args, kwargs = kernel_call(q, k, v, out, cu_seqlens, max_seqlen, scale, tiles, padding_slot)
-    hopper_attention_kernel[grid](*args, **kwargs)
+    kernel, grid, args, kwargs = kernel_call(q, k, v, out, cu_seqlens, max_seqlen, scale, tiles, padding_slot)
+    kernel[grid](*args, **kwargs)
     return out

@@ -132,6 +132,65 @@ def test_triton_attn_takes_the_gluon_kernel_on_hopper_and_it_matches_the_referen
     assert torch.equal(poisoned, out)
 
 
+GLUON_TILES = [(128, 128, 4, 3, True, 168, 240), (128, 64, 8, 3), (64, 64, 4, 3)]  # ping-pong, then non-specialised
+
+
+@pytest.mark.parametrize("tiles", GLUON_TILES, ids=["pingpong", "128x64", "64x64"])
+@pytest.mark.parametrize(("head_dim", "dtype"), [(72, torch.bfloat16), (72, torch.float16), (64, torch.bfloat16),
+                                                 (96, torch.bfloat16), (40, torch.float16)])
+def test_each_gluon_kernel_matches_the_reference_in_a_long_budget(tiles, head_dim, dtype):
+    """Both Gluon kernels at each tile choice, in a 4096-row budget: sequences of odd and even numbers of key blocks
+    (the ping-pong consumers alternate at every block), q tiles whose second half is past the sequence (129, 64, 7:
+    that consumer stores nothing but must keep taking turns), empty slots, padding rows (zero outputs) and
+    non-finite values in the padding rows of k and v."""
+    from hwgraph.attention.gluon_kernel import gluon_available, launch_gluon_attention
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip(f"the Gluon kernel needs compute capability 9.x, this GPU has {torch.cuda.get_device_capability()}")
+    if gluon_available() is not None:
+        pytest.skip(f"no Gluon Hopper API in this Triton: {gluon_available()}")
+    batch = random_packed_batch([1930, 1600, 129, 64, 7], HEADS, head_dim, zero_length=2, padding_rows=45,
+                                max_seqlen=4096, dtype=dtype, device="cuda", seed=head_dim + 1)
+    qkv = torch.stack([batch.q, batch.k, batch.v], dim=1)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    out = launch_gluon_attention(q, k, v, batch.cu_seqlens, 4096, batch.scale, tiles=tiles)
+    assert_matches_reference(out, batch)
+    qkv[batch.total:, 1] = float("nan")
+    qkv[batch.total:, 2] = float("inf")
+    assert torch.equal(launch_gluon_attention(q, k, v, batch.cu_seqlens, 4096, batch.scale, tiles=tiles), out)
+
+
+def test_triton_attn_takes_the_pingpong_kernel_from_2048_rows_in_a_cuda_graph():
+    """The tower's 1024-token budget (4096 patch rows) replays the ping-pong kernel from a CUDA graph, with new
+    sequence boundaries copied into the captured buffers between replays."""
+    from hwgraph.attention.gluon_kernel import PINGPONG_TILES, gluon_available, gluon_tiles
+    from hwgraph.attention.triton_kernel import launch_varlen_attention, uses_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9 or gluon_available() is not None:
+        pytest.skip(f"the Gluon kernel needs compute capability 9.x and Gluon (capability "
+                    f"{torch.cuda.get_device_capability()}, Gluon: {gluon_available() or 'ok'})")
+    assert gluon_tiles(4096, HEAD_DIM) == PINGPONG_TILES
+    first = random_packed_batch([4096], HEADS, HEAD_DIM, max_seqlen=4096, dtype=torch.bfloat16, device="cuda", seed=3)
+    second = random_packed_batch([2000, 1500, 300], HEADS, HEAD_DIM, padding_rows=4096 - 3800, max_seqlen=4096,
+                                 dtype=torch.bfloat16, device="cuda", seed=4)
+    q, k, v = (t.clone() for t in (first.q, first.k, first.v))
+    cu = torch.zeros(4, dtype=torch.int32, device="cuda")
+    cu[1:] = 4096
+    assert uses_gluon(q, k, v, 4096)
+    launch_varlen_attention(q, k, v, cu, 4096, first.scale)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = launch_varlen_attention(q, k, v, cu, 4096, first.scale)
+    for batch in (first, second):
+        for static, new in ((q, batch.q), (k, batch.k), (v, batch.v)):
+            static.copy_(new)
+        cu.copy_(torch.nn.functional.pad(batch.cu_seqlens, (0, 4 - batch.cu_seqlens.numel()),
+                                         value=int(batch.cu_seqlens[-1])))
+        graph.replay()
+        assert_matches_reference(out, batch)
+
+
 def test_triton_attn_keeps_the_tma_kernel_where_it_measured_faster():
     from hwgraph.attention.triton_kernel import TMA_OVER_GLUON, uses_gluon, uses_tma
 

@@ -1,0 +1,173 @@
+"""TRITON_ATTN's Gluon kernel for long sequences on Hopper: ``hopper_attention_kernel`` warp-specialised, with
+FlashAttention-3's ping-pong between two consumer warpgroups.
+
+One program holds a 128-row q tile as two 64-row halves, each owned by a consumer warpgroup (the default partition
+and a worker), and a one-warp producer partition that fills the k/v ring by TMA. A ring slot is refilled once both
+consumers have released it (its ``empty`` mbarrier counts two arrivals), so the consumers never wait for each other
+to reuse a slot. They do take turns to issue their MMAs (two ``turn`` mbarriers, one arrival each): while one
+warpgroup's q.k and p.v run on the tensor cores, the other runs its softmax, so the softmax of one half hides
+behind the other half's MMAs instead of only behind its own p.v. Each consumer runs the key loop of
+``hopper_attention_kernel`` (its helpers come from ``gluon_kernel.py``) on its half.
+
+Measured on the H200 (16 heads of 72, bf16; ``benchmarks/attention_gluon.py``, ``docs/benchmarks.md``): 0.201 ms
+for one 4096-patch sequence against 0.229 for ``hopper_attention_kernel``'s 128x64 tiles, 0.057 against 0.066 for
+2048 patches in 2048 rows; slower for several short sequences in one budget and below 1024 rows, so
+``gluon_kernel.gluon_tiles`` takes it from 2048 rows only.
+
+Arguments, grid and the padding slot are those of ``hopper_attention_kernel``; ``gluon_kernel.kernel_call`` builds
+both calls.
+"""
+
+from __future__ import annotations
+
+from hwgraph.attention.gluon_kernel import GLUON_IMPORT_ERROR
+
+if GLUON_IMPORT_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
+
+    from hwgraph.attention.gluon_kernel import (
+        cta_barrier,
+        issue_kv,
+        load_q_part,
+        loop_state,
+        p_operands,
+        pv_async,
+        qk_async,
+        rescale,
+        softmax_step,
+        store_out,
+        wait_scores,
+        zero_padding_rows,
+        zero_tail,
+    )
+
+    CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup: the unit of Hopper's MMAs
+    PRODUCER_REGS = gl.constexpr(24)  # the producer only issues TMA loads; its registers go to the consumers
+
+    @gluon.jit
+    def load_partition(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start, col,
+                       n_blocks, STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
+        """The producer (one warp): fills each ring slot once both consumers have released it."""
+        for j in range(n_blocks):
+            mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase 1
+            issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, j, start, col, STAGES, D_A,
+                     HAS_B)
+
+    @gluon.jit
+    def take_turn(turn, HALF: gl.constexpr, issue):
+        """Wait until this consumer may issue its MMAs at issue point ``issue`` (0, 1, ..): consumer 0 issues at
+        every point first, consumer 1 after it. A fresh mbarrier passes a wait for phase 1, so consumer 0's first
+        wait passes at once."""
+        mbarrier.wait(turn.index(HALF), (issue & 1) ^ (1 - HALF))
+
+    @gluon.jit
+    def pass_turn(turn, HALF: gl.constexpr):
+        """This consumer has issued its MMAs: the other one's turn."""
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+
+    @gluon.jit
+    def consumer_partition(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start,
+                           seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                           HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
+                           HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+        """One consumer warpgroup: q rows ``rows + HALF * HALF_M ..``, the key loop of ``hopper_attention_kernel``
+        with the MMAs of each of its ``n_blocks + 1`` issue points in turn with the other consumer, and each ring
+        slot released to the producer once its p.v is done. Both consumers pass every issue point, even one whose
+        rows are all past the sequence (its q is zeros and it stores nothing), or the other would wait forever."""
+        dtype: gl.constexpr = ka_s.dtype
+        r0 = rows + HALF * HALF_M
+        qa_h = qa_s.index(HALF)
+        qb_h = qb_s.index(HALF)
+        qa_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, 0, D_A, HEAD_DIM, HALF_M,
+                               CONSUMER_WARPS))
+        qb_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, D_A, D_B, HEAD_DIM, HALF_M,
+                               CONSUMER_WARPS))
+        fence_async_shared()
+        cta_barrier()
+        s_init, o_a, o_b, m_i, l_i = loop_state(HALF_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
+
+        mbarrier.wait(ready.index(0), 0)
+        take_turn(turn, HALF, 0)
+        s = qk_async(qa_h, qb_h, ka_s, kb_s, 0, s_init, HAS_B)
+        pass_turn(turn, HALF)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
+        p_a, p_b = p_operands(p, o_a, o_b, dtype)
+        for j in range(1, n_blocks):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            take_turn(turn, HALF, j)
+            s = qk_async(qa_h, qb_h, ka_s, kb_s, slot, s_init, HAS_B)
+            o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)
+            pass_turn(turn, HALF)
+            s = wait_scores(s, HAS_B)
+            p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
+            o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
+            mbarrier.arrive(empty.index(prev), count=1)
+            o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)
+            p_a, p_b = p_operands(p, o_a, o_b, dtype)
+
+        last = (n_blocks - 1) % STAGES
+        # Both consumers zero the same v rows of the last block (to the same zeros); neither writes anything else
+        # in shared memory that the other reads.
+        zero_tail(va_s, vb_s, last, seqlen - (n_blocks - 1) * BLOCK_N, HAS_B, BLOCK_N, CONSUMER_WARPS)
+        take_turn(turn, HALF, n_blocks)
+        o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)
+        pass_turn(turn, HALF)
+        o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
+        store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
+
+    @gluon.jit(do_not_specialize=["num_seqs"])
+    def hopper_attention_pingpong_kernel(
+        Q, ka_desc, kb_desc, va_desc, vb_desc, Out, CU_SEQLENS,
+        tokens, num_seqs, qk_scale_log2,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
+        D_V: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """``hopper_attention_kernel``'s arguments; ``num_warps`` (4) is the default partition's, the first
+        consumer. ``CONSUMER_REGS``: registers per thread of each consumer once the producer gave its up."""
+        BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        dtype: gl.constexpr = ka_desc.dtype
+        block_m = gl.program_id(0)
+        head = gl.program_id(1)
+        seq = gl.program_id(2)
+        if seq >= num_seqs:
+            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM,
+                              BLOCK_M, D_V, num_warps)
+            return
+        start = gl.load(CU_SEQLENS + seq)
+        seqlen = gl.load(CU_SEQLENS + seq + 1) - start
+        rows = block_m * BLOCK_M
+        if rows >= seqlen:
+            return
+        qa_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_A], ka_desc.layout)
+        qb_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_B], kb_desc.layout)
+        ka_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], ka_desc.layout)
+        kb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], kb_desc.layout)
+        va_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], va_desc.layout)
+        vb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], vb_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        col = head * HEAD_DIM
+        n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
+        gl.warp_specialize([  # the argument tuples are written out: a tuple variable loses its constexprs
+            (consumer_partition, (0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen,
+                                  head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                                  HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
+            (consumer_partition, (1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen,
+                                  head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                                  HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
+            (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start, col,
+                              n_blocks, STAGES, D_A, HAS_B)),
+        ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
