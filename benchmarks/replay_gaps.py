@@ -1,7 +1,7 @@
 """Where does a small image's replay with TRITON_ATTN lose time between kernels?
 
 Usage: python benchmarks/replay_gaps.py [--ab [GROUPS] | --overlap [GROUPS] | --mlp-pad [GROUPS] | --gluon [GROUPS] |
-                                        --pingpong [GROUPS] | --compiled | --order]
+                                        --pingpong [GROUPS] | --census [TOKENS] | --compiled | --order]
 With TRITON_ATTN one 49-token image replays 3-10% slower than with FLASH_ATTN although its kernels sum to less
 (bench-session6-a.md: 1.743 against 1.645 ms, kernels 1.497 against 1.531). This captures the budget-64 graph (one
 sequence slot) for FLASH_ATTN and for TRITON_ATTN two ways (the TMA kernel as shipped, and the pointer kernel),
@@ -25,6 +25,8 @@ TRITON_ATTN with the Triton TMA kernel only (``use_gluon=False``), with the rela
 ``--pingpong``: the same with TRITON_ATTN as shipped (the ping-pong Gluon kernel from 2048 patch rows) against
 TRITON_ATTN with ``hopper_attention_kernel`` there instead (``without_pingpong``); GROUPS defaults to those whose
 budgets have 2048 or more rows.
+``--census``: the kernels of one image's plain replay with TRITON_ATTN (TOKENS, default 1024, in the smallest
+budget that holds it), by name: launches, summed ms and share of the replay's kernel time.
 ``--compiled``: plain against compiled replay (TRITON_ATTN, 49 and 256 tokens): replay times and the kernels
 that differ between the two graphs.
 ``--order``: one manager's encode timed twice per round, right after an eager forward (or a host sleep, or a GPU
@@ -118,6 +120,22 @@ def census(graph) -> dict[str, tuple[int, float]]:
         out[e.name][0] += 1
         out[e.name][1] += (e.time_range.end - e.time_range.start) / 1000
     return {k: tuple(v) for k, v in out.items()}
+
+
+def replay_census(device, tokens: int):
+    """The kernels of one ``tokens`` image's plain replay (TRITON_ATTN), most time first."""
+    budget = next(b for b in (64, 128, 256, 512, 1024) if b >= tokens)
+    m = EncoderGraphManager(kernel_view(preset_tower(device), "TRITON_ATTN"), budgets=[budget], max_images_per_graph=1)
+    m.capture()
+    m.encode(torch.randn(tokens * 4, 1536, device=device, dtype=torch.bfloat16), [filling_grid(tokens, 2)])
+    graph = m.graphs[budget].graph_for(1)[1]
+    replay = measure_interleaved({"replay": graph.replay}, "cuda")["replay"]
+    kernels = census(graph)
+    total = sum(ms for _, ms in kernels.values())
+    print(f"1x{tokens} in budget {budget}: replay {replay.median:.3f} / {replay.p95:.3f} ms, kernels {total:.3f} ms "
+          f"in {sum(n for n, _ in kernels.values())} launches")
+    for name, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {ms:7.3f} ms {100 * ms / total:5.1f}% {n:4d}x {ms / n * 1000:8.1f} us  {name[:110]}")
 
 
 def compiled_census(device, tokens_list=(49, 256)):
@@ -265,6 +283,9 @@ def main():
         return order_effect(device)
     if "--compiled" in sys.argv:
         return compiled_census(device)
+    if "--census" in sys.argv:
+        rest = sys.argv[sys.argv.index("--census") + 1:]
+        return replay_census(device, int(rest[0]) if rest else 1024)
     if "--gluon" in sys.argv:
         rest = sys.argv[sys.argv.index("--gluon") + 1:]
         return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024",
