@@ -303,8 +303,8 @@ SHARED_BYTES = 216 * 1024
 
 
 class GluonTiles(NamedTuple):
-    """How ``kernel_call`` runs a call. ``pingpong``: ``gluon_pingpong.hopper_attention_pingpong_kernel`` with one
-    consumer warpgroup per 64 rows of ``block_m`` (128 or 192), whose ``warps`` (4) are one consumer's, with ``maxnreg`` registers per thread at launch and
+    """How ``kernel_call`` runs a call. ``pingpong``: ``gluon_pingpong.hopper_attention_pingpong_kernel``, whose
+    ``warps`` (4) are one consumer warpgroup's, with ``maxnreg`` registers per thread at launch and
     ``consumer_regs`` per consumer thread once the producer warp gave its registers up; else
     ``hopper_attention_kernel`` with ``warps`` warps."""
 
@@ -374,10 +374,7 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
         return hopper_attention_kernel, grid, args, kwargs
     from hwgraph.attention.gluon_pingpong import hopper_attention_pingpong_kernel
 
-    if tiles.block_m not in (128, 192):
-        raise ValueError(f"the ping-pong kernel's block_m is 64 rows per consumer warpgroup, 2 or 3 of them: "
-                         f"128 or 192, not {tiles.block_m}")
-    kwargs.update(CONSUMERS=tiles.block_m // 64, CONSUMER_REGS=tiles.consumer_regs, maxnreg=tiles.maxnreg)
+    kwargs.update(CONSUMER_REGS=tiles.consumer_regs, maxnreg=tiles.maxnreg)
     return hopper_attention_pingpong_kernel, grid, args, kwargs
 
 

@@ -12,7 +12,9 @@ behind the other half's MMAs instead of only behind its own p.v. Each consumer r
 Measured on the H200 (16 heads of 72, bf16; ``benchmarks/attention_gluon.py``, ``docs/benchmarks.md``): 0.201 ms
 for one 4096-patch sequence against 0.229 for ``hopper_attention_kernel``'s 128x64 tiles, 0.057 against 0.066 for
 2048 patches in 2048 rows; slower for several short sequences in one budget and below 1024 rows, so
-``gluon_kernel.gluon_tiles`` takes it from 2048 rows only.
+``gluon_kernel.gluon_tiles`` takes it from 2048 rows only. Three consumers on 192-row tiles (FlashAttention-3's
+choice for heads up to 96 lanes; commit 1d6dcea) measured slower: 0.212 ms at 4096 patches with 64-key blocks,
+0.324 with 128-key blocks, whose consumers spill at 160 registers (``attention_gluon-3wg.log``).
 
 Arguments, grid and the padding slot are those of ``hopper_attention_kernel``; ``gluon_kernel.kernel_call`` builds
 both calls.
@@ -56,48 +58,42 @@ if GLUON_IMPORT_ERROR is None:
                      HAS_B)
 
     @gluon.jit
-    def take_turn(turn, PART: gl.constexpr, issue):
-        """Wait until consumer ``PART`` may issue its MMAs at issue point ``issue`` (0, 1, ..): at every point the
-        consumers issue in order 0, 1, ..; ``turn[PART]`` completes a phase when the consumer before it (the last
-        one, for consumer 0, at the point before) has issued. A fresh mbarrier passes a wait for phase 1, so
-        consumer 0's first wait passes at once. No consumer can arrive twice on a barrier before its owner waited
-        once: that would need the owner to have issued in between."""
-        if PART == 0:
-            mbarrier.wait(turn.index(PART), (issue & 1) ^ 1)
-        else:
-            mbarrier.wait(turn.index(PART), issue & 1)
+    def take_turn(turn, HALF: gl.constexpr, issue):
+        """Wait until this consumer may issue its MMAs at issue point ``issue`` (0, 1, ..): consumer 0 issues at
+        every point first, consumer 1 after it. A fresh mbarrier passes a wait for phase 1, so consumer 0's first
+        wait passes at once."""
+        mbarrier.wait(turn.index(HALF), (issue & 1) ^ (1 - HALF))
 
     @gluon.jit
-    def pass_turn(turn, PART: gl.constexpr, CONSUMERS: gl.constexpr):
-        """Consumer ``PART`` has issued its MMAs: the next one's turn."""
-        mbarrier.arrive(turn.index((PART + 1) % CONSUMERS), count=1)
+    def pass_turn(turn, HALF: gl.constexpr):
+        """This consumer has issued its MMAs: the other one's turn."""
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
 
     @gluon.jit
-    def consumer_partition(PART: gl.constexpr, CONSUMERS: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s,
-                           ready, empty, turn, start, seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt,
-                           stride_qh, stride_ot, stride_oh, HEAD_DIM: gl.constexpr, PART_M: gl.constexpr,
-                           D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr, STAGES: gl.constexpr,
-                           BLOCK_N: gl.constexpr):
-        """One consumer warpgroup: q rows ``rows + PART * PART_M ..``, the key loop of ``hopper_attention_kernel``
-        with the MMAs of each of its ``n_blocks + 1`` issue points in turn with the other consumers, and each ring
-        slot released to the producer once its p.v is done. Every consumer passes every issue point, even one whose
-        rows are all past the sequence (its q is zeros and it stores nothing), or the others would wait forever."""
+    def consumer_partition(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start,
+                           seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                           HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
+                           HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+        """One consumer warpgroup: q rows ``rows + HALF * HALF_M ..``, the key loop of ``hopper_attention_kernel``
+        with the MMAs of each of its ``n_blocks + 1`` issue points in turn with the other consumer, and each ring
+        slot released to the producer once its p.v is done. Both consumers pass every issue point, even one whose
+        rows are all past the sequence (its q is zeros and it stores nothing), or the other would wait forever."""
         dtype: gl.constexpr = ka_s.dtype
-        r0 = rows + PART * PART_M
-        qa_h = qa_s.index(PART)
-        qb_h = qb_s.index(PART)
-        qa_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, 0, D_A, HEAD_DIM, PART_M,
+        r0 = rows + HALF * HALF_M
+        qa_h = qa_s.index(HALF)
+        qb_h = qb_s.index(HALF)
+        qa_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, 0, D_A, HEAD_DIM, HALF_M,
                                CONSUMER_WARPS))
-        qb_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, D_A, D_B, HEAD_DIM, PART_M,
+        qb_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, D_A, D_B, HEAD_DIM, HALF_M,
                                CONSUMER_WARPS))
         fence_async_shared()
         cta_barrier()
-        s_init, o_a, o_b, m_i, l_i = loop_state(PART_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
+        s_init, o_a, o_b, m_i, l_i = loop_state(HALF_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
 
         mbarrier.wait(ready.index(0), 0)
-        take_turn(turn, PART, 0)
+        take_turn(turn, HALF, 0)
         s = qk_async(qa_h, qb_h, ka_s, kb_s, 0, s_init, HAS_B)
-        pass_turn(turn, PART, CONSUMERS)
+        pass_turn(turn, HALF)
         s = warpgroup_mma_wait(0, deps=(s,))
         p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
         p_a, p_b = p_operands(p, o_a, o_b, dtype)
@@ -105,10 +101,10 @@ if GLUON_IMPORT_ERROR is None:
             slot = j % STAGES
             prev = (j - 1) % STAGES
             mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-            take_turn(turn, PART, j)
+            take_turn(turn, HALF, j)
             s = qk_async(qa_h, qb_h, ka_s, kb_s, slot, s_init, HAS_B)
             o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)
-            pass_turn(turn, PART, CONSUMERS)
+            pass_turn(turn, HALF)
             s = wait_scores(s, HAS_B)
             p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
             o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
@@ -117,12 +113,12 @@ if GLUON_IMPORT_ERROR is None:
             p_a, p_b = p_operands(p, o_a, o_b, dtype)
 
         last = (n_blocks - 1) % STAGES
-        # Every consumer zeroes the same v rows of the last block (to the same zeros); none writes anything else in
-        # shared memory that another reads.
+        # Both consumers zero the same v rows of the last block (to the same zeros); neither writes anything else
+        # in shared memory that the other reads.
         zero_tail(va_s, vb_s, last, seqlen - (n_blocks - 1) * BLOCK_N, HAS_B, BLOCK_N, CONSUMER_WARPS)
-        take_turn(turn, PART, n_blocks)
+        take_turn(turn, HALF, n_blocks)
         o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)
-        pass_turn(turn, PART, CONSUMERS)
+        pass_turn(turn, HALF)
         o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
         store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
 
@@ -132,30 +128,27 @@ if GLUON_IMPORT_ERROR is None:
         tokens, num_seqs, qk_scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
-        D_V: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        D_V: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """``hopper_attention_kernel``'s arguments; ``num_warps`` (4) is the default partition's, the first
-        consumer. ``CONSUMERS`` (2 or 3) warpgroups take ``BLOCK_M // CONSUMERS`` q rows each. ``CONSUMER_REGS``:
-        registers per thread of each consumer once the producer gave its up."""
+        consumer. ``CONSUMER_REGS``: registers per thread of each consumer once the producer gave its up."""
         BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
-        PART_M: gl.constexpr = BLOCK_M // CONSUMERS
+        HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_desc.dtype
         block_m = gl.program_id(0)
         head = gl.program_id(1)
         seq = gl.program_id(2)
         if seq >= num_seqs:
-            ZERO_M: gl.constexpr = BLOCK_M if CONSUMERS == 2 else PART_M  # tensor shapes are powers of two
             zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM,
-                              ZERO_M, D_V, num_warps)
+                              BLOCK_M, D_V, num_warps)
             return
         start = gl.load(CU_SEQLENS + seq)
         seqlen = gl.load(CU_SEQLENS + seq + 1) - start
         rows = block_m * BLOCK_M
         if rows >= seqlen:
             return
-        qa_s = gl.allocate_shared_memory(dtype, [CONSUMERS, PART_M, D_A], ka_desc.layout)
-        qb_s = gl.allocate_shared_memory(dtype, [CONSUMERS, PART_M, D_B], kb_desc.layout)
+        qa_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_A], ka_desc.layout)
+        qb_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_B], kb_desc.layout)
         ka_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], ka_desc.layout)
         kb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], kb_desc.layout)
         va_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], va_desc.layout)
@@ -164,36 +157,19 @@ if GLUON_IMPORT_ERROR is None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=CONSUMERS)
-        turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(CONSUMERS):
+            mbarrier.init(empty.index(i), count=2)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         col = head * HEAD_DIM
         n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
-        # The argument tuples are written out: a tuple variable loses its constexprs.
-        if CONSUMERS == 2:
-            gl.warp_specialize([
-                (consumer_partition, (0, CONSUMERS, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn,
-                                      start, seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh,
-                                      stride_ot, stride_oh, HEAD_DIM, PART_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
-                (consumer_partition, (1, CONSUMERS, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn,
-                                      start, seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh,
-                                      stride_ot, stride_oh, HEAD_DIM, PART_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
-                (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start,
-                                  col, n_blocks, STAGES, D_A, HAS_B)),
-            ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        else:
-            gl.static_assert(CONSUMERS == 3, "2 or 3 consumer warpgroups")
-            gl.warp_specialize([
-                (consumer_partition, (0, CONSUMERS, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn,
-                                      start, seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh,
-                                      stride_ot, stride_oh, HEAD_DIM, PART_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
-                (consumer_partition, (1, CONSUMERS, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn,
-                                      start, seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh,
-                                      stride_ot, stride_oh, HEAD_DIM, PART_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
-                (consumer_partition, (2, CONSUMERS, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn,
-                                      start, seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh,
-                                      stride_ot, stride_oh, HEAD_DIM, PART_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
-                (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start,
-                                  col, n_blocks, STAGES, D_A, HAS_B)),
-            ], [CONSUMER_WARPS, CONSUMER_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([  # the argument tuples are written out: a tuple variable loses its constexprs
+            (consumer_partition, (0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen,
+                                  head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                                  HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
+            (consumer_partition, (1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen,
+                                  head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                                  HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
+            (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start, col,
+                              n_blocks, STAGES, D_A, HAS_B)),
+        ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
