@@ -1,0 +1,46 @@
+"""The fused rotary kernel (``hwgraph.models.qwen3_omni.fused.rotary_qk_launch``) at the tower's shapes: device time
+per call and effective bandwidth, against the unfused torch computation.
+
+Usage: python benchmarks/rotary.py
+Each cell: 20 calls captured in one CUDA graph, replayed, divided by 20 (``hwgraph.timing.graphed_ms``), for q and k
+of 16 heads of 72 in bf16 out of the qkv matmul's ``[T, 3, H, D]`` view, ``cos``/``sin`` ``[T, 72]`` float32. Bytes:
+q and k read and written once, ``cos`` and ``sin`` read once. ``max ulp``: the largest difference from the torch
+computation in units of bf16's last place (the kernel may fuse a multiply and an add, torch rounds each).
+Session 9 measured 1, 2, 4 and 8 tokens per program (``rotary-tokens-per-program.log``): one was best or within
+4% at 256 to 16384 tokens, and the kernel takes one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hwgraph.models.qwen3_omni import fused
+from hwgraph.timing import graphed_ms
+
+HEADS, DIM = 16, 72
+
+
+def max_ulp(got: torch.Tensor, want: torch.Tensor) -> float:
+    ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(2**-126)
+    return ((got.float() - want.float()).abs() / ulp).max().item()
+
+
+def main():
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    for tokens in (256, 1024, 4096, 16384):
+        qkv = torch.randn(tokens, 3 * HEADS * DIM, device="cuda", dtype=torch.bfloat16).view(tokens, 3, HEADS, DIM)
+        angles = torch.randn(tokens, DIM // 2, device="cuda")
+        cos = torch.cat((angles.cos(), angles.cos()), -1)
+        sin = torch.cat((-angles.sin(), angles.sin()), -1)
+        want = fused.rotary_qk_reference(qkv, cos, sin)
+        got = fused.rotary_qk_launch(qkv, cos, sin)
+        ulps = max(max_ulp(g, w) for g, w in zip(got, want, strict=True))
+        moved = 2 * 2 * tokens * HEADS * DIM * 2 + 2 * cos.numel() * 4
+        torch_ms = graphed_ms(lambda q=qkv, c=cos, s=sin: fused.rotary_qk_reference(q, c, s))
+        ms = graphed_ms(lambda q=qkv, c=cos, s=sin: fused.rotary_qk_launch(q, c, s))
+        print(f"{tokens} tokens: torch {torch_ms * 1000:.1f} us | kernel {ms * 1000:.1f} us "
+              f"{moved / ms / 1e9:.2f} TB/s, max ulp {ulps:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
