@@ -213,6 +213,26 @@ if gluon is not None:
             gl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :], zeros,
                      mask=(rows < tokens)[:, None] & (offs_v < HEAD_DIM)[None, :])
 
+    @gluon.jit
+    def sequence_rows(CU_SEQLENS, seq, block_m, BLOCK_M: gl.constexpr):
+        """``(start, seqlen, rows)``: sequence ``seq``'s first token and length, and the first q row (within it) of
+        m block ``block_m``."""
+        start = gl.load(CU_SEQLENS + seq)
+        seqlen = gl.load(CU_SEQLENS + seq + 1) - start
+        return start, seqlen, block_m * BLOCK_M
+
+    @gluon.jit
+    def kv_ring(ka_desc, kb_desc, va_desc, vb_desc, STAGES: gl.constexpr):
+        """The k/v ring in shared memory: ``STAGES`` slots of each part of k and v, in their descriptors' layouts."""
+        BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
+        D_A: gl.constexpr = ka_desc.block_type.shape[1]
+        D_B: gl.constexpr = kb_desc.block_type.shape[1]
+        dtype: gl.constexpr = ka_desc.dtype
+        return (gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], ka_desc.layout),
+                gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], kb_desc.layout),
+                gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], va_desc.layout),
+                gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], vb_desc.layout))
+
     @gluon.jit(do_not_specialize=["num_seqs"])
     def hopper_attention_kernel(
         Q, ka_desc, kb_desc, va_desc, vb_desc, Out, CU_SEQLENS,
@@ -230,9 +250,7 @@ if gluon is not None:
             zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM,
                               BLOCK_M, D_V, num_warps)
             return
-        start = gl.load(CU_SEQLENS + seq)
-        seqlen = gl.load(CU_SEQLENS + seq + 1) - start
-        rows = block_m * BLOCK_M
+        start, seqlen, rows = sequence_rows(CU_SEQLENS, seq, block_m, BLOCK_M)
         if rows >= seqlen:
             return
 
@@ -243,10 +261,7 @@ if gluon is not None:
         qb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D_B], kb_desc.layout,
                                          load_q_part(Q, rows, seqlen, start, head, stride_qt, stride_qh, D_A, D_B,
                                                      HEAD_DIM, BLOCK_M, num_warps))
-        ka_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], ka_desc.layout)
-        kb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], kb_desc.layout)
-        va_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], va_desc.layout)
-        vb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], vb_desc.layout)
+        ka_s, kb_s, va_s, vb_s = kv_ring(ka_desc, kb_desc, va_desc, vb_desc, STAGES)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)

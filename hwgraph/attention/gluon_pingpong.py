@@ -32,12 +32,14 @@ if GLUON_IMPORT_ERROR is None:
     from hwgraph.attention.gluon_kernel import (
         cta_barrier,
         issue_kv,
+        kv_ring,
         load_q_part,
         loop_state,
         p_operands,
         pv_async,
         qk_async,
         rescale,
+        sequence_rows,
         softmax_step,
         store_out,
         wait_scores,
@@ -142,17 +144,12 @@ if GLUON_IMPORT_ERROR is None:
             zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM,
                               BLOCK_M, D_V, num_warps)
             return
-        start = gl.load(CU_SEQLENS + seq)
-        seqlen = gl.load(CU_SEQLENS + seq + 1) - start
-        rows = block_m * BLOCK_M
+        start, seqlen, rows = sequence_rows(CU_SEQLENS, seq, block_m, BLOCK_M)
         if rows >= seqlen:
             return
         qa_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_A], ka_desc.layout)
         qb_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_B], kb_desc.layout)
-        ka_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], ka_desc.layout)
-        kb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], kb_desc.layout)
-        va_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_A], va_desc.layout)
-        vb_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_B], vb_desc.layout)
+        ka_s, kb_s, va_s, vb_s = kv_ring(ka_desc, kb_desc, va_desc, vb_desc, STAGES)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
