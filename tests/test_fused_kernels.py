@@ -57,6 +57,13 @@ def test_triton_fused_kernels_equal_the_unfused_computation_under_the_interprete
     assert "fused kernels ok" in done.stdout
 
 
+def test_the_rotary_kernel_refuses_an_odd_head_dim_by_name():
+    pytest.importorskip("triton", reason="the rotary kernel's launcher imports triton")
+    qkv = torch.zeros(2, 3, 2, 7)
+    with pytest.raises(ValueError, match="even head_dim, got 7"):
+        fused.rotary_qk_launch(qkv, torch.zeros(2, 7), torch.zeros(2, 7))
+
+
 def test_cpu_tensors_take_the_exact_unfused_path():
     qkv = torch.randn(4, 3, 2, 8)
     assert not fused.use_triton(qkv) or os.environ.get("TRITON_INTERPRET") == "1"

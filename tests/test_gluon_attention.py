@@ -126,3 +126,11 @@ def test_forcing_the_gluon_kernel_on_cpu_says_it_needs_hopper():
     with pytest.raises(RuntimeError, match="Hopper"):
         triton_kernel.launch_varlen_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, 64, batch.scale,
                                               use_gluon=True)
+
+
+def test_ping_pong_tiles_without_a_register_limit_are_refused_by_name():
+    qkv = torch.zeros(8, 3, 2, 72, dtype=torch.bfloat16)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    with pytest.raises(ValueError, match="maxnreg"):
+        gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), torch.tensor([0, 8], dtype=torch.int32), 4096, 0.1,
+                                 tiles=(128, 128, 4, 3, True))

@@ -387,6 +387,9 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
                   D_V=head_width(head_dim), STAGES=tiles.stages, num_warps=tiles.warps)
     if not tiles.pingpong:
         return hopper_attention_kernel, grid, args, kwargs
+    if tiles.maxnreg is None:
+        raise ValueError(f"the ping-pong kernel needs maxnreg (registers per thread at launch, e.g. 168 for its 12 "
+                         f"warps), got tiles {tiles}")
     from hwgraph.attention.gluon_pingpong import hopper_attention_pingpong_kernel
 
     kwargs.update(CONSUMER_REGS=tiles.consumer_regs, maxnreg=tiles.maxnreg)

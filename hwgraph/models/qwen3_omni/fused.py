@@ -55,8 +55,8 @@ def rotary_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 def rotary_qk_launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The Triton path: returns ``[2, T, H, D]`` (rotated q, then k), contiguous. One program per token: on the H200
-    2.5 us for 256 tokens and 13.4 us for 4096 (3.0 TB/s; more tokens per program measured slower,
-    ``benchmarks/rotary.py``)."""
+    2.4 us for 256 tokens and 13.1 us for 4096 (3.1 TB/s; ``benchmarks/rotary.py``; more tokens per program measured
+    slower or equal)."""
     from hwgraph.models.qwen3_omni.fused_kernels import rotary_qk_kernel
 
     tokens, _, heads, head_dim = qkv.shape
