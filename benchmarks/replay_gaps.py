@@ -81,7 +81,7 @@ VARIANTS = {"FLASH_ATTN": ("FLASH_ATTN", None), "TRITON_ATTN tma": ("TRITON_ATTN
 
 def kind_of(name: str) -> str:
     for key, label in (("flash_fwd", "flash"), ("varlen_attention", "triton attention"),
-           ("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"),
+                       ("hopper_attention", "triton attention"), ("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"),
                        ("add_layer_norm", "add+LayerNorm"), ("rotary", "rotary"), ("layer_norm", "LayerNorm")):
         if key in name:
             return label
@@ -270,37 +270,40 @@ def ab(device, spec: str, variants: dict[str, tuple[str, bool]], transforms=None
             print(f"  {group.label}: relative difference {((a - b).norm() / a.norm()).item():.1e}")
 
 
+BENCH_GROUPS = "1x49,2x49,1x98,1x256,4x64,1x1024"
+# The A/B runs: flag -> (default GROUPS, variants, transforms, launchers), ``ab``'s arguments.
+AB_RUNS = {
+    "--ab": (BENCH_GROUPS, {"FLASH_ATTN": ("FLASH_ATTN", True), "TRITON_ATTN": ("TRITON_ATTN", True)}, None, None),
+    "--overlap": (BENCH_GROUPS, {"in line": ("TRITON_ATTN", False), "overlapped": ("TRITON_ATTN", True)}, None, None),
+    "--gluon": (BENCH_GROUPS, {"Gluon": ("TRITON_ATTN", True), "Triton TMA": ("TRITON_ATTN", True)}, None,
+                {"Triton TMA": triton_only}),
+    "--pingpong": ("1x1024,2x512,4x256,1x512",
+                   {"ping-pong": ("TRITON_ATTN", True), "Gluon 128x64": ("TRITON_ATTN", True)}, None,
+                   {"Gluon 128x64": without_pingpong}),
+    "--mlp-pad": (BENCH_GROUPS, {"MLP 4304": ("TRITON_ATTN", True), "MLP 4352": ("TRITON_ATTN", True)},
+                  {"MLP 4352": lambda t: padded_mlp(t, 4352)}, None),
+}
+
+
+def flag_value(flag: str, default: str) -> str:
+    """The argument after ``flag`` on the command line, or ``default``."""
+    rest = sys.argv[sys.argv.index(flag) + 1:]
+    return rest[0] if rest else default
+
+
 def main():
     torch.manual_seed(0)
     device = torch.device("cuda")
     warm_device(device)
-    for flag, variants in (("--ab", {"FLASH_ATTN": ("FLASH_ATTN", True), "TRITON_ATTN": ("TRITON_ATTN", True)}),
-                           ("--overlap", {"in line": ("TRITON_ATTN", False), "overlapped": ("TRITON_ATTN", True)})):
+    for flag, (groups, variants, transforms, launchers) in AB_RUNS.items():
         if flag in sys.argv:
-            rest = sys.argv[sys.argv.index(flag) + 1:]
-            return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024", variants)
+            return ab(device, flag_value(flag, groups), variants, transforms, launchers)
     if "--order" in sys.argv:
         return order_effect(device)
     if "--compiled" in sys.argv:
         return compiled_census(device)
     if "--census" in sys.argv:
-        rest = sys.argv[sys.argv.index("--census") + 1:]
-        return replay_census(device, int(rest[0]) if rest else 1024)
-    if "--gluon" in sys.argv:
-        rest = sys.argv[sys.argv.index("--gluon") + 1:]
-        return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024",
-                  {"Gluon": ("TRITON_ATTN", True), "Triton TMA": ("TRITON_ATTN", True)},
-                  launchers={"Triton TMA": triton_only})
-    if "--pingpong" in sys.argv:
-        rest = sys.argv[sys.argv.index("--pingpong") + 1:]
-        return ab(device, rest[0] if rest else "1x1024,2x512,4x256,1x512",
-                  {"ping-pong": ("TRITON_ATTN", True), "Gluon 128x64": ("TRITON_ATTN", True)},
-                  launchers={"Gluon 128x64": without_pingpong})
-    if "--mlp-pad" in sys.argv:
-        rest = sys.argv[sys.argv.index("--mlp-pad") + 1:]
-        return ab(device, rest[0] if rest else "1x49,2x49,1x98,1x256,4x64,1x1024",
-                  {"MLP 4304": ("TRITON_ATTN", True), "MLP 4352": ("TRITON_ATTN", True)},
-                  {"MLP 4352": lambda t: padded_mlp(t, 4352)})
+        return replay_census(device, int(flag_value("--census", "1024")))
     base = preset_tower(device)
     grid = [filling_grid(TOKENS, 2)]
     pixels = torch.randn(TOKENS * 4, 1536, device=device, dtype=torch.bfloat16)
