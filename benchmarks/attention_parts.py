@@ -23,7 +23,8 @@ without a part, and the difference to ``shipped`` bounds what making that part f
   unit; these compute the right result, and their error against flash is printed.
 
 ``--tile 128,128,4,4,1,168,240``: ``GluonTiles`` fields for every variant (default ``PINGPONG_TILES``).
-``--kw SUM_BY_MMA=1``: a constexpr argument of the kernel for every variant.
+``--kw NAME=INT``: a constexpr argument of the kernel for every variant (commit 00ee9ad's ``SUM_BY_MMA=1``: the row
+sums on the tensor cores, p times a tile of ones, instead of adds; measured no faster, not kept).
 ``--once``: run the product kernel three times and exit (for ``ncu``).
 """
 
@@ -269,7 +270,7 @@ def main():
                 _, grid, args, kwargs = gluon_kernel.kernel_call(q, k, v, out, cu, 4096, D**-0.5, tiles)
                 kwargs.update(extra)
 
-                def call(kernel=kernel, grid=grid, args=args, kwargs=kwargs):
+                def call(kernel=kernel, grid=grid, args=args, kwargs=kwargs, out=out):
                     kernel[grid](*args, **kwargs)
                     return out
 

@@ -34,10 +34,10 @@ def main():
         flop = 2 * rows * HIDDEN * MLP
         ref = F.gelu(F.linear(x.float(), w1.float(), b1.float()), approximate="tanh")
         cases = {
-            "gelu epilogue": lambda: torch._addmm_activation(b1, x, w1.t(), use_gelu=True),
-            "bias only": lambda: F.linear(x, w1, b1),
-            "bias, then GELU": lambda: F.gelu(F.linear(x, w1, b1), approximate="tanh"),
-            "fc2": lambda: F.linear(h, w2, b2),
+            "gelu epilogue": lambda x=x: torch._addmm_activation(b1, x, w1.t(), use_gelu=True),
+            "bias only": lambda x=x: F.linear(x, w1, b1),
+            "bias, then GELU": lambda x=x: F.gelu(F.linear(x, w1, b1), approximate="tanh"),
+            "fc2": lambda h=h: F.linear(h, w2, b2),
         }
         for name, fn in cases.items():
             us = graphed_ms(fn) * 1e3

@@ -164,13 +164,12 @@ if gluon is not None:
         return o_a, o_b
 
     @gluon.jit
-    def wait_scores(s, HAS_B: gl.constexpr, MORE: gl.constexpr = 0):
-        """Wait for q.k alone: the p.v parts issued after it (and ``MORE`` commit groups after them) stay in
-        flight."""
+    def wait_scores(s, HAS_B: gl.constexpr):
+        """Wait for q.k alone: the p.v parts issued after it stay in flight."""
         if HAS_B:
-            s = warpgroup_mma_wait(2 + MORE, deps=(s,))
+            s = warpgroup_mma_wait(2, deps=(s,))
         else:
-            s = warpgroup_mma_wait(1 + MORE, deps=(s,))
+            s = warpgroup_mma_wait(1, deps=(s,))
         return s
 
     @gluon.jit

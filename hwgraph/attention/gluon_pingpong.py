@@ -27,12 +27,7 @@ from hwgraph.attention.gluon_kernel import GLUON_IMPORT_ERROR
 if GLUON_IMPORT_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
     from hwgraph.attention.gluon_kernel import (
         cta_barrier,
@@ -76,29 +71,11 @@ if GLUON_IMPORT_ERROR is None:
         """This consumer has issued its MMAs: the other one's turn."""
         mbarrier.arrive(turn.index(1 - HALF), count=1)
 
-    SUM_LANES = gl.constexpr(8)  # the narrowest MMA: p times a [BLOCK_N, 8] tile of ones
-
     @gluon.jit
-    def sum_state(ROWS: gl.constexpr):
-        """The accumulator of p's row sums on the tensor cores: ``[ROWS, SUM_LANES]``, every lane the same sum."""
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                         instr_shape=[16, SUM_LANES, 16])
-        return gl.zeros([ROWS, SUM_LANES], gl.float32, layout)
-
-    @gluon.jit
-    def sum_async(p, ones_s, o_l, SUM_BY_MMA: gl.constexpr):
-        """p's row sums added to ``o_l`` by an asynchronous MMA with the ones tile (one more commit group)."""
-        if SUM_BY_MMA:
-            p_l = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_l.type.layout, k_width=2))
-            o_l = warpgroup_mma(p_l, ones_s.permute((1, 0)), o_l, is_async=True)
-        return o_l
-
-    @gluon.jit
-    def consumer_partition(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ones_s, ready, empty, turn,
-                           start, seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot,
-                           stride_oh, HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, D_A: gl.constexpr,
-                           D_B: gl.constexpr, HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                           SUM_BY_MMA: gl.constexpr):
+    def consumer_partition(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start,
+                           seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                           HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
+                           HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
         """One consumer warpgroup: q rows ``rows + HALF * HALF_M ..``, the key loop of ``hopper_attention_kernel``
         with the MMAs of each of its ``n_blocks + 1`` issue points in turn with the other consumer, and each ring
         slot released to the producer once its p.v is done. Both consumers pass every issue point, even one whose
@@ -114,7 +91,6 @@ if GLUON_IMPORT_ERROR is None:
         fence_async_shared()
         cta_barrier()
         s_init, o_a, o_b, m_i, l_i = loop_state(HALF_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
-        o_l = sum_state(HALF_M)
 
         mbarrier.wait(ready.index(0), 0)
         take_turn(turn, HALF, 0)
@@ -123,7 +99,6 @@ if GLUON_IMPORT_ERROR is None:
         s = warpgroup_mma_wait(0, deps=(s,))
         p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
         p_a, p_b = p_operands(p, o_a, o_b, dtype)
-        p_l = p.to(dtype)
         for j in range(1, n_blocks):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -131,20 +106,13 @@ if GLUON_IMPORT_ERROR is None:
             take_turn(turn, HALF, j)
             s = qk_async(qa_h, qb_h, ka_s, kb_s, slot, s_init, HAS_B)
             o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)
-            o_l = sum_async(p_l, ones_s, o_l, SUM_BY_MMA)
             pass_turn(turn, HALF)
-            if SUM_BY_MMA:
-                s = wait_scores(s, HAS_B, 1)
-            else:
-                s = wait_scores(s, HAS_B, 0)
+            s = wait_scores(s, HAS_B)
             p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
-            o_a, o_b, o_l, p_a, p_b, p_l = warpgroup_mma_wait(0, deps=(o_a, o_b, o_l, p_a, p_b, p_l))
+            o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
             mbarrier.arrive(empty.index(prev), count=1)
             o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)
-            if SUM_BY_MMA:
-                o_l = o_l * gl.convert_layout(alpha, gl.SliceLayout(1, o_l.type.layout))[:, None]
             p_a, p_b = p_operands(p, o_a, o_b, dtype)
-            p_l = p.to(dtype)
 
         last = (n_blocks - 1) % STAGES
         # Both consumers zero the same v rows of the last block (to the same zeros); neither writes anything else
@@ -152,11 +120,8 @@ if GLUON_IMPORT_ERROR is None:
         zero_tail(va_s, vb_s, last, seqlen - (n_blocks - 1) * BLOCK_N, HAS_B, BLOCK_N, CONSUMER_WARPS)
         take_turn(turn, HALF, n_blocks)
         o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)
-        o_l = sum_async(p_l, ones_s, o_l, SUM_BY_MMA)
         pass_turn(turn, HALF)
-        o_a, o_b, o_l = warpgroup_mma_wait(0, deps=(o_a, o_b, o_l))
-        if SUM_BY_MMA:
-            l_i = gl.convert_layout(gl.max(o_l, 1), l_i.type.layout)
+        o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
         store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
 
     @gluon.jit(do_not_specialize=["num_seqs"])
@@ -166,7 +131,6 @@ if GLUON_IMPORT_ERROR is None:
         stride_qt, stride_qh, stride_ot, stride_oh,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
         D_V: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
-        SUM_BY_MMA: gl.constexpr = False,
     ):
         """``hopper_attention_kernel``'s arguments; ``num_warps`` (4) is the default partition's, the first
         consumer. ``CONSUMER_REGS``: registers per thread of each consumer once the producer gave its up."""
@@ -194,21 +158,15 @@ if GLUON_IMPORT_ERROR is None:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUM_LANES, BLOCK_N], dtype)
-        fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-        ones_s = gl.allocate_shared_memory(dtype, [SUM_LANES, BLOCK_N], ones_layout,
-                                           gl.full([SUM_LANES, BLOCK_N], 1.0, dtype, fill_layout))
-        fence_async_shared()
-        cta_barrier()
         col = head * HEAD_DIM
         n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
         gl.warp_specialize([  # the argument tuples are written out: a tuple variable loses its constexprs
-            (consumer_partition, (0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ones_s, ready, empty, turn, start,
-                                  seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot,
-                                  stride_oh, HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, SUM_BY_MMA)),
-            (consumer_partition, (1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ones_s, ready, empty, turn, start,
-                                  seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot,
-                                  stride_oh, HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, SUM_BY_MMA)),
+            (consumer_partition, (0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen,
+                                  head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                                  HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
+            (consumer_partition, (1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen,
+                                  head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                                  HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
             (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start, col,
                               n_blocks, STAGES, D_A, HAS_B)),
         ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
