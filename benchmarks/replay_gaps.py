@@ -22,9 +22,9 @@ graph, as ``hwgraph bench`` builds them), each group's steps interleaved across 
 multiple of 256: ``padded_mlp``), with the relative difference of the two outputs.
 ``--gluon``: the same with TRITON_ATTN as shipped (its Gluon kernel where ``uses_gluon`` takes it) against
 TRITON_ATTN with the Triton TMA kernel only (``use_gluon=False``), with the relative difference of the outputs.
-``--pingpong``: the same with TRITON_ATTN as shipped (the ping-pong Gluon kernel from 2048 patch rows) against
-TRITON_ATTN with ``hopper_attention_kernel`` there instead (``without_pingpong``); GROUPS defaults to those whose
-budgets have 2048 or more rows.
+``--pingpong``: the same with TRITON_ATTN as shipped (the ping-pong Gluon kernel from 2048 patch rows, and from 1024
+in a graph of one sequence slot) against TRITON_ATTN without it (``without_pingpong``: ``hopper_attention_kernel``
+from 2048 rows, the Triton TMA kernel at 1024); GROUPS defaults to those whose budgets have 1024 or more rows.
 ``--census``: the kernels of one image's plain replay with TRITON_ATTN (TOKENS, default 1024, in the smallest
 budget that holds it), by name: launches, summed ms and share of the replay's kernel time.
 ``--compiled``: plain against compiled replay (TRITON_ATTN, 49 and 256 tokens): replay times and the kernels
@@ -65,14 +65,16 @@ def triton_only(q, k, v, cu, max_seqlen, scale, **kw):
 
 
 def without_pingpong(q, k, v, cu, max_seqlen, scale, **kw):
-    """TRITON_ATTN with session 8's Gluon kernel where the ping-pong kernel would be taken (``gluon_tiles`` reads
-    ``PINGPONG_FROM`` at each call, so the captured launch is the other kernel's)."""
-    shipped_from = gluon_kernel.PINGPONG_FROM
-    gluon_kernel.PINGPONG_FROM = sys.maxsize
+    """TRITON_ATTN without the ping-pong kernel: session 8's Gluon kernel where it would be taken from 2048 rows,
+    the Triton TMA kernel where it would be taken for one sequence slot from 1024 (``gluon_tiles`` reads
+    ``PINGPONG_FROM`` and ``PINGPONG_FROM_ONE_SEQUENCE`` at each call, so the captured launch is the other
+    kernel's)."""
+    shipped = gluon_kernel.PINGPONG_FROM, gluon_kernel.PINGPONG_FROM_ONE_SEQUENCE
+    gluon_kernel.PINGPONG_FROM = gluon_kernel.PINGPONG_FROM_ONE_SEQUENCE = sys.maxsize
     try:
         return SHIPPED(q, k, v, cu, max_seqlen, scale)
     finally:
-        gluon_kernel.PINGPONG_FROM = shipped_from
+        gluon_kernel.PINGPONG_FROM, gluon_kernel.PINGPONG_FROM_ONE_SEQUENCE = shipped
 
 
 VARIANTS = {"FLASH_ATTN": ("FLASH_ATTN", None), "TRITON_ATTN tma": ("TRITON_ATTN", None),
@@ -277,9 +279,9 @@ AB_RUNS = {
     "--overlap": (BENCH_GROUPS, {"in line": ("TRITON_ATTN", False), "overlapped": ("TRITON_ATTN", True)}, None, None),
     "--gluon": (BENCH_GROUPS, {"Gluon": ("TRITON_ATTN", True), "Triton TMA": ("TRITON_ATTN", True)}, None,
                 {"Triton TMA": triton_only}),
-    "--pingpong": ("1x1024,2x512,4x256,1x512",
-                   {"ping-pong": ("TRITON_ATTN", True), "Gluon 128x64": ("TRITON_ATTN", True)}, None,
-                   {"Gluon 128x64": without_pingpong}),
+    "--pingpong": ("1x1024,2x512,4x256,1x512,1x256,4x64",
+                   {"ping-pong": ("TRITON_ATTN", True), "without": ("TRITON_ATTN", True)}, None,
+                   {"without": without_pingpong}),
     "--mlp-pad": (BENCH_GROUPS, {"MLP 4304": ("TRITON_ATTN", True), "MLP 4352": ("TRITON_ATTN", True)},
                   {"MLP 4352": lambda t: padded_mlp(t, 4352)}, None),
 }

@@ -62,7 +62,7 @@ def test_gluon_kernel_compiles_for_hopper_and_its_programs_fit_shared_memory(sm9
     tokens, heads = 300, 2
     qkv = torch.zeros(tokens, 3, heads, head_dim, dtype=torch.bfloat16)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    tiles = gluon_kernel.gluon_tiles(max_seqlen, head_dim)
+    tiles = gluon_kernel.gluon_tiles(max_seqlen, head_dim, num_seqs=1)
     kernel, grid, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q),
                                                           torch.tensor([0, tokens], dtype=torch.int32), max_seqlen,
                                                           0.1)
@@ -84,15 +84,21 @@ def test_gluon_kernel_compiles_for_hopper_and_its_programs_fit_shared_memory(sm9
         assert per_sm * compiled.metadata.shared <= 228 * 1024, f"{compiled.metadata.shared} bytes of shared memory"
 
 
-@pytest.mark.parametrize(("max_seqlen", "head_dim", "expected"), [
-    (4096, 72, gluon_kernel.PINGPONG_TILES), (2048, 72, gluon_kernel.PINGPONG_TILES),
-    (2048, 96, gluon_kernel.PINGPONG_TILES), (2047, 72, (128, 64, 8, 3)), (1024, 72, (128, 64, 8, 3)),
-    (4096, 128, (128, 64, 8, 3)),  # the ping-pong ring of 128 lanes a head does not fit shared memory
-    (1023, 72, (64, 64, 4, 3)), (256, 72, (64, 64, 4, 3))])
-def test_gluon_tiles_follow_the_measured_choice(max_seqlen, head_dim, expected):
-    tiles = gluon_kernel.gluon_tiles(max_seqlen, head_dim)
+@pytest.mark.parametrize(("max_seqlen", "head_dim", "num_seqs", "expected"), [
+    (4096, 72, None, gluon_kernel.PINGPONG_TILES), (2048, 72, 4, gluon_kernel.PINGPONG_TILES),
+    (2048, 96, None, gluon_kernel.PINGPONG_TILES), (2047, 72, 2, (128, 64, 8, 3)), (1024, 72, None, (128, 64, 8, 3)),
+    (1024, 72, 4, (128, 64, 8, 3)),
+    # one sequence slot: the ping-pong kernel from 1024 rows (0.016 against 0.021 ms for the TMA kernel)
+    (1024, 72, 1, gluon_kernel.PINGPONG_TILES), (2047, 72, 1, gluon_kernel.PINGPONG_TILES),
+    (1023, 72, 1, (64, 64, 4, 3)),
+    (4096, 128, None, (128, 64, 8, 3)),  # the ping-pong ring of 128 lanes a head does not fit shared memory
+    (1023, 72, None, (64, 64, 4, 3)), (256, 72, None, (64, 64, 4, 3))])
+def test_gluon_tiles_follow_the_measured_choice(max_seqlen, head_dim, num_seqs, expected):
+    tiles = gluon_kernel.gluon_tiles(max_seqlen, head_dim, num_seqs)
     assert tiles == gluon_kernel.GluonTiles(*expected)
-    assert tiles.pingpong is (max_seqlen >= 2048 and head_dim <= 96)
+    start = 1024 if num_seqs == 1 else 2048
+    assert tiles.pingpong is (max_seqlen >= start and head_dim <= 96)
+    assert tiles.stages == (4 if tiles.pingpong else 3)
 
 
 def test_the_gluon_kernel_is_not_taken_for_cpu_tensors():
@@ -112,13 +118,24 @@ def test_gluon_is_ready_only_on_hopper(monkeypatch, capability, ready):
         triton_kernel.gluon_ready.cache_clear()
 
 
-@pytest.mark.parametrize(("max_seqlen", "gluon"), [(256, True), (511, True), (512, False), (1024, False), (2047, False),
-                                                   (2048, True), (4096, True)])
-def test_gluon_is_taken_outside_the_range_where_the_tma_kernel_measured_faster(monkeypatch, max_seqlen, gluon):
+@pytest.mark.parametrize(("max_seqlen", "num_seqs", "gluon"), [
+    (256, None, True), (511, 2, True), (512, None, False), (1024, None, False), (2047, 4, False), (2048, None, True),
+    (4096, 4, True),
+    # one sequence slot: the ping-pong Gluon kernel from 1024 rows, inside TMA_OVER_GLUON
+    (512, 1, False), (1023, 1, False), (1024, 1, True), (2047, 1, True)])
+def test_gluon_is_taken_outside_the_range_where_the_tma_kernel_measured_faster(monkeypatch, max_seqlen, num_seqs,
+                                                                               gluon):
     monkeypatch.setattr(triton_kernel, "uses_tma", lambda q, k, v: True)
     monkeypatch.setattr(triton_kernel, "gluon_ready", lambda index: True)
     batch = random_packed_batch([5], heads=2, head_dim=72, dtype=torch.bfloat16)
-    assert triton_kernel.uses_gluon(batch.q, batch.k, batch.v, max_seqlen) is gluon
+    assert triton_kernel.uses_gluon(batch.q, batch.k, batch.v, max_seqlen, num_seqs) is gluon
+
+
+def test_one_sequence_slot_takes_the_pingpong_kernel_only_where_its_ring_fits(monkeypatch):
+    monkeypatch.setattr(triton_kernel, "uses_tma", lambda q, k, v: True)
+    monkeypatch.setattr(triton_kernel, "gluon_ready", lambda index: True)
+    batch = random_packed_batch([5], heads=2, head_dim=128, dtype=torch.bfloat16)
+    assert not triton_kernel.uses_gluon(batch.q, batch.k, batch.v, 1024, 1)  # 128 lanes: the TMA kernel
 
 
 def test_forcing_the_gluon_kernel_on_cpu_says_it_needs_hopper():

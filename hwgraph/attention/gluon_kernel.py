@@ -237,17 +237,20 @@ if gluon is not None:
     def hopper_attention_kernel(
         Q, ka_desc, kb_desc, va_desc, vb_desc, Out, CU_SEQLENS,
         tokens, num_seqs, qk_scale_log2,
-        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_qt, STRIDE_QH: gl.constexpr, stride_ot, STRIDE_OH: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
         D_V: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
+        """Head strides of q and out are constexprs: 72 lanes a head is not a multiple of 16, so as runtime values
+        Triton could not prove a head's first lane 16-byte aligned and would load q and store out 2 bytes at a
+        time."""
         BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
         dtype: gl.constexpr = ka_desc.dtype
         block_m = gl.program_id(0)
         head = gl.program_id(1)
         seq = gl.program_id(2)
         if seq >= num_seqs:
-            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM,
+            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, STRIDE_OH, HEAD_DIM,
                               BLOCK_M, D_V, num_warps)
             return
         start, seqlen, rows = sequence_rows(CU_SEQLENS, seq, block_m, BLOCK_M)
@@ -256,10 +259,10 @@ if gluon is not None:
 
         # q: pointer loads (zero past the head and the sequence) into shared memory, the MMAs' A operand.
         qa_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D_A], ka_desc.layout,
-                                         load_q_part(Q, rows, seqlen, start, head, stride_qt, stride_qh, 0, D_A,
+                                         load_q_part(Q, rows, seqlen, start, head, stride_qt, STRIDE_QH, 0, D_A,
                                                      HEAD_DIM, BLOCK_M, num_warps))
         qb_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D_B], kb_desc.layout,
-                                         load_q_part(Q, rows, seqlen, start, head, stride_qt, stride_qh, D_A, D_B,
+                                         load_q_part(Q, rows, seqlen, start, head, stride_qt, STRIDE_QH, D_A, D_B,
                                                      HEAD_DIM, BLOCK_M, num_warps))
         ka_s, kb_s, va_s, vb_s = kv_ring(ka_desc, kb_desc, va_desc, vb_desc, STAGES)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -307,7 +310,7 @@ if gluon is not None:
         o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
-        store_out(Out, o_a, o_b, l_i, rows, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
+        store_out(Out, o_a, o_b, l_i, rows, seqlen, start, head, stride_ot, STRIDE_OH, D_A, HEAD_DIM, HAS_B)
 
 
 GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -332,29 +335,35 @@ class GluonTiles(NamedTuple):
     consumer_regs: int = 240
 
 
-# From 2048 rows: device time per call on the H200 (16 heads of 72, bf16, ms; benchmarks/attention_gluon.py,
-# docs/benchmarks.md) 0.201 for one sequence of 4096 against 0.229 for 128x64 tiles, 0.178 for 3600 patches in 4096
-# rows (0.201), 0.057 for 2048 in 2048 (0.066); 0.069 for 4x784 in 4096 rows (0.066). 128x128 tiles, 3 stages.
-PINGPONG_TILES = GluonTiles(128, 128, 4, 3, pingpong=True, maxnreg=168, consumer_regs=240)
-PINGPONG_FROM = 2048
+# Device time per call on the H200 (16 heads of 72, bf16, ms; benchmarks/attention_gluon.py, docs/benchmarks.md,
+# session 10): one sequence of 4096 0.194 against 0.221 for 128x64 tiles (3600 patches in 4096 rows: 0.170 / 0.196),
+# 2048 in 2048 0.052 / 0.062, 2x1024 in 2048 0.032 / 0.035, 4x784 in 4096 0.059 / 0.057; one sequence of 1024 in
+# 1024 rows 0.016 against 0.021 for the Triton TMA kernel, but four of 256 in 1024 0.013 / 0.012. 128x128 tiles with
+# 4 stages (3 stages: 0.196 / 0.052 / 0.032 / 0.059 in the same runs).
+PINGPONG_TILES = GluonTiles(128, 128, 4, 4, pingpong=True, maxnreg=168, consumer_regs=240)
+PINGPONG_FROM = 2048  # rows of a call with several sequence slots
+PINGPONG_FROM_ONE_SEQUENCE = 1024  # rows of a call with one sequence slot
 
 
-def gluon_tiles(max_seqlen: int, head_dim: int) -> GluonTiles:
-    """The tiles and kernel for a call. Device time per call on the H200 (16 heads of 72, bf16, ms;
-    ``benchmarks/attention_gluon.py --tiles``, ``docs/benchmarks.md``): from ``PINGPONG_FROM`` rows the ping-pong
-    kernel (``PINGPONG_TILES``) where its ring fits shared memory (``pingpong_fits``: up to 96 lanes a head). Else
-    from 1024 rows 128x64 tiles with 8 warps and 3 stages, 0.229 for one sequence of 4096 (128x128: 0.309 with 4
-    stages; the Triton TMA kernel 0.269), 0.066 for 4x784 and 2048 in 2048. They take 114 registers a thread and 82
-    KB of shared memory, so two programs fit on one SM (128x128: 164 registers, 143 KB, one program). Below, 64x64
-    tiles with 4 warps and 3 stages: 0.0088 for 196 patches in 256 rows (the TMA kernel 0.0098)."""
-    if max_seqlen >= PINGPONG_FROM and pingpong_fits(head_dim, PINGPONG_TILES):
+def gluon_tiles(max_seqlen: int, head_dim: int, num_seqs: int | None = None) -> GluonTiles:
+    """The tiles and kernel for a call of ``num_seqs`` sequence slots (None: not known, taken as several).
+    Device time per call on the H200 (16 heads of 72, bf16, ms; ``benchmarks/attention_gluon.py --tiles``,
+    ``docs/benchmarks.md``): the ping-pong kernel (``PINGPONG_TILES``) from ``PINGPONG_FROM`` rows, or from
+    ``PINGPONG_FROM_ONE_SEQUENCE`` with one slot, where its ring fits shared memory (``pingpong_fits``: up to 96
+    lanes a head). Else from 1024 rows 128x64 tiles with 8 warps and 3 stages, 0.229 for one sequence of 4096
+    (128x128: 0.309 with 4 stages; the Triton TMA kernel 0.269), 0.066 for 4x784 and 2048 in 2048 (session 8). They
+    take 114 registers a thread and 82 KB of shared memory, so two programs fit on one SM (128x128: 164 registers,
+    143 KB, one program). Below, 64x64 tiles with 4 warps and 3 stages: 0.0088 for 196 patches in 256 rows (the TMA
+    kernel 0.0098)."""
+    start = PINGPONG_FROM_ONE_SEQUENCE if num_seqs == 1 else PINGPONG_FROM
+    if max_seqlen >= start and pingpong_fits(head_dim, PINGPONG_TILES):
         return PINGPONG_TILES
     return GluonTiles(128, 64, 8, 3) if max_seqlen >= 1024 else GluonTiles(64, 64, 4, 3)
 
 
 def pingpong_fits(head_dim: int, tiles: GluonTiles) -> bool:
-    """Whether the ping-pong kernel's q tile and k/v ring fit ``SHARED_BYTES`` (bf16/fp16): 72 lanes a head take
-    140 KB with ``PINGPONG_TILES``, 128 lanes 252 KB."""
+    """Whether the ping-pong kernel's q tile and k/v ring fit ``SHARED_BYTES`` (bf16/fp16): with ``PINGPONG_TILES``
+    72 lanes a head take 180 KB, 96 lanes 216 KB, 128 lanes 288 KB."""
     d_a, d_b = head_split(head_dim)
     width = d_a + max(d_b, 16)  # the second part's buffers exist (16 wide) even when the head has one part
     return 2 * width * (tiles.block_m + 2 * tiles.stages * tiles.block_n) <= SHARED_BYTES
@@ -375,10 +384,10 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     ``kernel[grid](*args, **kwargs)`` (the CPU tests compile it with ``kernel.warmup(*args, **kwargs, grid=grid)``).
     ``tiles``: a ``GluonTiles`` or its leading fields, ``gluon_tiles``' choice by default."""
     tokens, heads, head_dim = q.shape
-    tiles = GluonTiles(*tiles) if tiles is not None else gluon_tiles(max_seqlen, head_dim)
+    num_seqs = cu_seqlens.shape[0] - 1
+    tiles = GluonTiles(*tiles) if tiles is not None else gluon_tiles(max_seqlen, head_dim, num_seqs)
     d_a, d_b = head_split(head_dim)
     kb_width = max(d_b, 16)  # with d_b == 0 the second descriptors are built but never read
-    num_seqs = cu_seqlens.shape[0] - 1
     grid = (max(1, triton.cdiv(max_seqlen, tiles.block_m)), heads, num_seqs + int(padding_slot))
     args = (q, descriptor(k, tiles.block_n, d_a), descriptor(k, tiles.block_n, kb_width),
             descriptor(v, tiles.block_n, d_a), descriptor(v, tiles.block_n, kb_width), out, cu_seqlens, tokens,

@@ -73,9 +73,10 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def consumer_partition(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start,
-                           seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
-                           HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
-                           HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+                           seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh: gl.constexpr,
+                           stride_ot, stride_oh: gl.constexpr, HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr,
+                           D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr, STAGES: gl.constexpr,
+                           BLOCK_N: gl.constexpr):
         """One consumer warpgroup: q rows ``rows + HALF * HALF_M ..``, the key loop of ``hopper_attention_kernel``
         with the MMAs of each of its ``n_blocks + 1`` issue points in turn with the other consumer, and each ring
         slot released to the producer once its p.v is done. Both consumers pass every issue point, even one whose
@@ -128,12 +129,13 @@ if GLUON_IMPORT_ERROR is None:
     def hopper_attention_pingpong_kernel(
         Q, ka_desc, kb_desc, va_desc, vb_desc, Out, CU_SEQLENS,
         tokens, num_seqs, qk_scale_log2,
-        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_qt, STRIDE_QH: gl.constexpr, stride_ot, STRIDE_OH: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
         D_V: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """``hopper_attention_kernel``'s arguments; ``num_warps`` (4) is the default partition's, the first
-        consumer. ``CONSUMER_REGS``: registers per thread of each consumer once the producer gave its up."""
+        """``hopper_attention_kernel``'s arguments (the head strides constexprs, as there); ``num_warps`` (4) is the
+        default partition's, the first consumer. ``CONSUMER_REGS``: registers per thread of each consumer once the
+        producer gave its up."""
         BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
         HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_desc.dtype
@@ -141,7 +143,7 @@ if GLUON_IMPORT_ERROR is None:
         head = gl.program_id(1)
         seq = gl.program_id(2)
         if seq >= num_seqs:
-            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM,
+            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, STRIDE_OH, HEAD_DIM,
                               BLOCK_M, D_V, num_warps)
             return
         start, seqlen, rows = sequence_rows(CU_SEQLENS, seq, block_m, BLOCK_M)
@@ -162,10 +164,10 @@ if GLUON_IMPORT_ERROR is None:
         n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
         gl.warp_specialize([  # the argument tuples are written out: a tuple variable loses its constexprs
             (consumer_partition, (0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen,
-                                  head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                                  head, rows, n_blocks, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot, STRIDE_OH,
                                   HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
             (consumer_partition, (1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen,
-                                  head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                                  head, rows, n_blocks, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot, STRIDE_OH,
                                   HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
             (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start, col,
                               n_blocks, STAGES, D_A, HAS_B)),

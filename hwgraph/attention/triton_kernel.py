@@ -227,17 +227,18 @@ def load_q_parts(Q, start, rows, row_mask, head, stride_qt, stride_qh, HEAD_DIM:
 def varlen_attention_tma_kernel(
     Q, ka_desc, kb_desc, v_desc, Out, CU_SEQLENS,
     tokens, num_seqs, qk_scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_qt, STRIDE_QH: tl.constexpr, stride_ot, STRIDE_OH: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
     D_V: tl.constexpr, HAS_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """``varlen_attention_kernel`` with k and v read through TMA descriptors (same grid, same padding slot). Early
-    returns rather than nested branches keep the key loop at the top level."""
+    returns rather than nested branches keep the key loop at the top level. The head strides of q and out are
+    constexprs: as runtime values (72, not a multiple of 16) Triton would load q and store out 2 bytes at a time."""
     block_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
     if seq >= num_seqs:
-        zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_M,
+        zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, STRIDE_OH, HEAD_DIM, BLOCK_M,
                           D_V)
         return
     start = tl.load(CU_SEQLENS + seq)
@@ -248,7 +249,7 @@ def varlen_attention_tma_kernel(
     offs_v = tl.arange(0, D_V)
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < seqlen
-    q_a, q_b = load_q_parts(Q, start, rows, row_mask, head, stride_qt, stride_qh, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B,
+    q_a, q_b = load_q_parts(Q, start, rows, row_mask, head, stride_qt, STRIDE_QH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B,
                             DOT_DTYPE)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -264,7 +265,7 @@ def varlen_attention_tma_kernel(
         m_i, l_i, acc = softmax_pv_tma(s, m_i, l_i, acc, v_desc, start + full_end, col, full_end + offs_n < seqlen,
                                        qk_scale_log2, True, DOT_DTYPE)
     inv_l = 1.0 / l_i
-    out_ptr = Out + (start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh
+    out_ptr = Out + (start + rows).to(tl.int64)[:, None] * stride_ot + head * STRIDE_OH
     tl.store(out_ptr + offs_v[None, :], (acc * inv_l[:, None]).to(Out.dtype.element_ty),
              mask=row_mask[:, None] & (offs_v < HEAD_DIM)[None, :])
 
@@ -336,21 +337,33 @@ def has_tma(device_index: int) -> bool:
 # max_seqlen in [low, high): the Triton TMA kernel measured faster than the Gluon one on the H200 (ms per call,
 # ``benchmarks/attention_gluon.py --tiles``, best Gluon tile against the TMA kernel): 1x392 in 512 rows 0.0119 /
 # 0.0120, 2x196 in 512 0.0096 / 0.0098, 1x1024 in 1024 0.0245 / 0.0225, 4x256 in 1024 0.0136 / 0.0131. Outside it
-# the Gluon kernel wins: 196 in 256 rows 0.0089 / 0.0098, 2048 in 2048 0.0657 / 0.0735, 4096 0.229 / 0.270.
+# the Gluon kernel wins: 196 in 256 rows 0.0089 / 0.0098, 2048 in 2048 0.0657 / 0.0735, 4096 0.229 / 0.270. Inside
+# it, a call of one sequence slot from 1024 rows takes the ping-pong Gluon kernel (``gluon_kernel.gluon_tiles``):
+# 1x1024 in 1024 0.016 / 0.021 (session 10).
 TMA_OVER_GLUON = (512, 2048)
 
 
-def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen: int) -> bool:
-    """Whether a call takes the Gluon kernel (``gluon_kernel.py``): where the TMA kernel may run (``uses_tma``),
-    on compute capability 9.x (its warpgroup MMAs are Hopper's only), with Triton's Gluon importable, and outside
-    ``TMA_OVER_GLUON``."""
-    return uses_tma(q, k, v) and gluon_fits(q.device.index, max_seqlen)
+def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen: int,
+               num_seqs: int | None = None) -> bool:
+    """Whether a call of ``num_seqs`` sequence slots takes the Gluon kernel (``gluon_kernel.py``): where the TMA
+    kernel may run (``uses_tma``), on compute capability 9.x (its warpgroup MMAs are Hopper's only), with Triton's
+    Gluon importable, outside ``TMA_OVER_GLUON`` or where ``gluon_tiles`` takes the ping-pong kernel."""
+    return uses_tma(q, k, v) and gluon_fits(q.device.index, max_seqlen, q.shape[-1], num_seqs)
 
 
-def gluon_fits(device_index: int, max_seqlen: int) -> bool:
+def gluon_fits(device_index: int, max_seqlen: int, head_dim: int | None = None, num_seqs: int | None = None) -> bool:
     """``uses_gluon`` once ``uses_tma`` holds: Gluon ready on the device, and ``max_seqlen`` outside
-    ``TMA_OVER_GLUON``."""
-    return gluon_ready(device_index) and not TMA_OVER_GLUON[0] <= max_seqlen < TMA_OVER_GLUON[1]
+    ``TMA_OVER_GLUON``, or inside it where ``gluon_tiles(max_seqlen, head_dim, num_seqs)`` takes the ping-pong kernel
+    (one sequence slot, from 1024 rows)."""
+    if not gluon_ready(device_index):
+        return False
+    if not TMA_OVER_GLUON[0] <= max_seqlen < TMA_OVER_GLUON[1]:
+        return True
+    if head_dim is None:
+        return False
+    from hwgraph.attention.gluon_kernel import gluon_tiles
+
+    return gluon_tiles(max_seqlen, head_dim, num_seqs).pingpong
 
 
 @functools.cache
@@ -402,7 +415,8 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     tma = uses_tma(q, k, v) if use_tma is None else use_tma
     if use_gluon is None:  # uses_gluon, with uses_tma asked once per call
-        use_gluon = use_tma is None and tiles is None and tma and gluon_fits(q.device.index, max_seqlen)
+        use_gluon = (use_tma is None and tiles is None and tma
+                     and gluon_fits(q.device.index, max_seqlen, q.shape[-1], cu_seqlens.shape[0] - 1))
     if use_gluon:
         from hwgraph.attention.gluon_kernel import launch_gluon_attention
 

@@ -132,7 +132,7 @@ def test_triton_attn_takes_the_gluon_kernel_on_hopper_and_it_matches_the_referen
     assert torch.equal(poisoned, out)
 
 
-GLUON_TILES = [(128, 128, 4, 3, True, 168, 240), (128, 64, 8, 3), (64, 64, 4, 3)]  # ping-pong, then non-specialised
+GLUON_TILES = [(128, 128, 4, 4, True, 168, 240), (128, 64, 8, 3), (64, 64, 4, 3)]  # ping-pong, then non-specialised
 
 
 @pytest.mark.parametrize("tiles", GLUON_TILES, ids=["pingpong", "128x64", "64x64"])
@@ -189,6 +189,40 @@ def test_triton_attn_takes_the_pingpong_kernel_from_2048_rows_in_a_cuda_graph():
                                          value=int(batch.cu_seqlens[-1])))
         graph.replay()
         assert_matches_reference(out, batch)
+
+
+def test_one_sequence_in_a_1024_row_budget_takes_the_pingpong_kernel(monkeypatch):
+    """The 256-token budget's graph with one sequence slot (1024 patch rows) runs the ping-pong kernel (0.016
+    against 0.021 ms for the TMA kernel), which must match the reference with padding rows of garbage; with four
+    slots it stays on the TMA kernel."""
+    from hwgraph.attention import gluon_kernel
+    from hwgraph.attention.triton_kernel import launch_varlen_attention, uses_gluon
+
+    if torch.cuda.get_device_capability()[0] != 9 or gluon_kernel.gluon_available() is not None:
+        pytest.skip(f"the Gluon kernel needs compute capability 9.x and Gluon (capability "
+                    f"{torch.cuda.get_device_capability()}, Gluon: {gluon_kernel.gluon_available() or 'ok'})")
+    batch = random_packed_batch([1000], HEADS, HEAD_DIM, padding_rows=24, max_seqlen=1024, dtype=torch.bfloat16,
+                                device="cuda", seed=5)
+    qkv = torch.stack([batch.q, batch.k, batch.v], dim=1)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    assert uses_gluon(q, k, v, 1024, num_seqs=1) and not uses_gluon(q, k, v, 1024, num_seqs=4)
+    kernels = []
+    kernel_call = gluon_kernel.kernel_call
+
+    def spy(*args, **kwargs):
+        call = kernel_call(*args, **kwargs)
+        kernels.append(call[0])
+        return call
+
+    monkeypatch.setattr(gluon_kernel, "kernel_call", spy)
+    out = launch_varlen_attention(q, k, v, batch.cu_seqlens, 1024, batch.scale)
+    from hwgraph.attention.gluon_pingpong import hopper_attention_pingpong_kernel
+
+    assert kernels == [hopper_attention_pingpong_kernel]
+    assert_matches_reference(out, batch)
+    qkv[batch.total:, 1] = float("nan")
+    qkv[batch.total:, 2] = float("inf")
+    assert torch.equal(launch_varlen_attention(q, k, v, batch.cu_seqlens, 1024, batch.scale), out)
 
 
 def test_triton_attn_keeps_the_tma_kernel_where_it_measured_faster():
