@@ -45,6 +45,18 @@ CHILD = textwrap.dedent("""
             torch.testing.assert_close(got[0], want[0], **exact)
             # ... so the LayerNorm is checked against the sum the kernel actually normalised.
             torch.testing.assert_close(got[1], fused.add_layer_norm_reference(got[0], torch.zeros_like(x), norm)[1])
+        for rows, width, table_rows in ((9, 64, 36), (33, 1152, 2304), (0, 32, 4)):
+            table = torch.randn(table_rows, width).to(dtype)
+            x = torch.randn(rows, width).to(dtype)
+            indices = torch.randint(0, table_rows, (4, rows))
+            weights = torch.rand(4, rows)
+            weights[:, rows // 2:] = 0  # padding rows: weight 0 (metadata.pad)
+            got = fused.add_position_embedding(x, table, indices, weights)
+            want = fused.add_position_embedding_reference(x, table, indices, weights)
+            assert got.shape == want.shape and got.dtype == dtype
+            # float32: bit for bit. bf16: the interpreter truncates where the GPU rounds (twice here): two ulps.
+            close = {"rtol": 0, "atol": 0} if dtype == torch.float32 else {"rtol": 2**-6, "atol": 2**-6}
+            torch.testing.assert_close(got, want, **close)
     print("fused kernels ok")
 """)
 
@@ -62,6 +74,21 @@ def test_the_rotary_kernel_refuses_an_odd_head_dim_by_name():
     qkv = torch.zeros(2, 3, 2, 7)
     with pytest.raises(ValueError, match="even head_dim, got 7"):
         fused.rotary_qk_launch(qkv, torch.zeros(2, 7), torch.zeros(2, 7))
+
+
+def test_the_position_embedding_takes_the_kernel_only_for_its_layout(monkeypatch):
+    """int64 indices and float32 weights go to the kernel; int32 indices or float16 weights are not its layout,
+    so the exact unfused computation runs."""
+    calls = []
+    monkeypatch.setattr(fused, "use_triton", lambda t: True)
+    monkeypatch.setattr(fused, "add_position_embedding_launch", lambda *args: calls.append(args) or args[0])
+    x, table = torch.randn(3, 8), torch.randn(5, 8)
+    indices, weights = torch.randint(0, 5, (4, 3)), torch.rand(4, 3)
+    assert fused.add_position_embedding(x, table, indices, weights) is x and len(calls) == 1
+    for i, w in ((indices.int(), weights), (indices, weights.half())):
+        torch.testing.assert_close(fused.add_position_embedding(x, table, i, w),
+                                   fused.add_position_embedding_reference(x, table, i, w), rtol=0, atol=0)
+    assert len(calls) == 1
 
 
 def test_cpu_tensors_take_the_exact_unfused_path():
@@ -104,3 +131,9 @@ def test_fused_kernels_on_the_gpu_equal_the_unfused_computation(dtype):
         ulp = {"rtol": 2**-7, "atol": 2e-3} if dtype == torch.bfloat16 else {"rtol": 2**-10, "atol": 1e-3}
         torch.testing.assert_close(fused.linear_gelu_tanh(x, fc1),
                                    torch.nn.functional.gelu(fc1(x), approximate="tanh"), **ulp)
+        # Position embedding: products and their sum in float32, in the corners' order, no contraction: bit for bit.
+        table = torch.randn(2304, 1152, device="cuda", dtype=dtype)
+        indices = torch.randint(0, 2304, (4, tokens), device="cuda")
+        weights = torch.rand(4, tokens, device="cuda")
+        torch.testing.assert_close(fused.add_position_embedding(x, table, indices, weights),
+                                   fused.add_position_embedding_reference(x, table, indices, weights), rtol=0, atol=0)

@@ -8,7 +8,9 @@ LayerNorm. Here:
   writes them contiguous (float32 math, as transformers does);
 - ``add_layer_norm``: one Triton kernel adds the residual and normalises the sum (LayerNorm of the rounded sum,
   as the unfused pair computes it);
-- ``linear_gelu_tanh``: fc1 with its tanh-GELU as the cuBLASLt epilogue (``torch._addmm_activation``).
+- ``linear_gelu_tanh``: fc1 with its tanh-GELU as the cuBLASLt epilogue (``torch._addmm_activation``);
+- ``add_position_embedding``: one Triton kernel blends the four learned position rows of each patch and adds them
+  to the patch embedding (five kernels unfused, one of them writing ``[4, rows, hidden]`` float32 products).
 
 Each has a plain torch fallback, used on CPU, without Triton, and when ``HWGRAPH_FUSED=0``; the fallbacks are the
 exact unfused computations, so the CPU tower stays equal to transformers. The Triton kernels are ``torch.library``
@@ -129,6 +131,56 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNor
     args = (x, delta, norm.weight, norm.bias, float(norm.eps))
     out = add_layer_norm_op(*args) if torch.compiler.is_compiling() else add_layer_norm_launch(*args)
     return out[0], out[1]
+
+
+# ---------------------------------------------------------------- position embedding
+def add_position_embedding_reference(x: torch.Tensor, table: torch.Tensor, indices: torch.Tensor,
+                                     weights: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[R, hidden]`` plus the bilinear blend of ``table``'s rows: ``indices``/``weights`` ``[4, R]`` (int64,
+    float32). The products and their sum are float32 (the weights are, as in transformers); the blend is rounded to
+    ``x``'s dtype before the add."""
+    pos = (F.embedding(indices, table) * weights[:, :, None]).sum(0)
+    return x + pos.to(x.dtype)
+
+
+def add_position_embedding_launch(x: torch.Tensor, table: torch.Tensor, indices: torch.Tensor,
+                                  weights: torch.Tensor) -> torch.Tensor:
+    """The Triton path: one program per row; returns a new ``[R, hidden]``. Floating-point contraction is off, so
+    each product is rounded before it is added, as in the unfused multiply and sum."""
+    from hwgraph.models.qwen3_omni.fused_kernels import add_position_embedding_kernel
+
+    rows, width = x.shape
+    out = torch.empty((rows, width), device=x.device, dtype=x.dtype)
+    if rows:
+        add_position_embedding_kernel[(rows,)](x, table, indices, weights, out, x.stride(0), table.stride(0),
+                                               indices.stride(0), weights.stride(0), N=width,
+                                               CORNERS=indices.shape[0], BLOCK=next_pow2(width),
+                                               enable_fp_fusion=False)
+    return out
+
+
+@torch.library.custom_op("hwgraph::add_position_embedding", mutates_args=())
+def add_position_embedding_op(x: torch.Tensor, table: torch.Tensor, indices: torch.Tensor,
+                              weights: torch.Tensor) -> torch.Tensor:
+    return add_position_embedding_launch(x, table, indices, weights)
+
+
+@add_position_embedding_op.register_fake
+def _(x, table, indices, weights):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def add_position_embedding(x: torch.Tensor, table: torch.Tensor, indices: torch.Tensor,
+                           weights: torch.Tensor) -> torch.Tensor:
+    """``add_position_embedding_reference``, in one kernel on GPUs."""
+    fusable = (use_triton(x) and x.dim() == 2 and table.dim() == 2 and x.stride(-1) == 1 and table.stride(-1) == 1
+               and table.shape[1] == x.shape[1] and indices.dtype == torch.int64 and weights.dtype == torch.float32
+               and indices.shape == weights.shape and indices.shape[1] == x.shape[0]
+               and indices.stride(-1) == 1 and weights.stride(-1) == 1)
+    if not fusable:
+        return add_position_embedding_reference(x, table, indices, weights)
+    args = (x, table, indices, weights)
+    return add_position_embedding_op(*args) if torch.compiler.is_compiling() else add_position_embedding_launch(*args)
 
 
 # ---------------------------------------------------------------- fc1 + tanh-GELU

@@ -53,3 +53,21 @@ def add_layer_norm_kernel(x, delta, weight, bias, out, stride_x, stride_d, plane
     b = tl.load(bias + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out + plane + r * N + offs, (diff * rstd * w + b).to(out.dtype.element_ty), mask=m)
 
+
+
+@triton.jit
+def add_position_embedding_kernel(x, table, indices, weights, out, stride_x, stride_t, stride_i, stride_w,
+                                  N: tl.constexpr, CORNERS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: ``pos = sum_c table[indices[c, r]] * weights[c, r]`` in float32 (corners in order, as
+    the unfused sum adds them), rounded to the activation dtype, then ``out = x + pos`` rounded again."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    pos = tl.zeros([BLOCK], tl.float32)
+    for c in tl.static_range(CORNERS):
+        row = tl.load(indices + c * stride_i + r)
+        w = tl.load(weights + c * stride_w + r)
+        pos = pos + tl.load(table + row * stride_t + offs, mask=m, other=0.0).to(tl.float32) * w
+    pos = pos.to(out.dtype.element_ty).to(tl.float32)
+    a = tl.load(x + r * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + r * N + offs, (a + pos).to(out.dtype.element_ty), mask=m)

@@ -16,6 +16,7 @@ from torch import nn
 from hwgraph.attention.base import KernelSpec, VarlenAttention
 from hwgraph.capability import Capability
 from hwgraph.models.qwen3_omni.config import VisionConfig, check_config, preset_config, resolve_config
+from hwgraph.models.qwen3_omni.fused import add_position_embedding
 from hwgraph.models.qwen3_omni.layers import AxialRotary, PatchEmbed, PatchMerger, VisionBlock
 from hwgraph.models.qwen3_omni.metadata import VisionMetadata, prepare_metadata
 from hwgraph.models.qwen3_omni.output import VisionOutput
@@ -193,8 +194,8 @@ class Qwen3OmniVisionTower(nn.Module):
         # Padding rows never mix into real ones (attention keeps sequences apart, every other step works per row or
         # per aligned merge group), so the kernel may leave them unspecified and skip zeroing them in every block.
         attend = getattr(self._attention[1], "padding_unspecified", self._attention[1])
-        x = self.patch_embed(pixel_values)
-        x = x + self.position_embeddings(metadata.pos_indices, metadata.pos_weights).to(x.dtype)
+        x = add_position_embedding(self.patch_embed(pixel_values), self.pos_embed.weight, metadata.pos_indices,
+                                   metadata.pos_weights)
         cos, sin = self.rotary_pos_emb(metadata.rotary_positions)
         deepstack = []
         side = self.merge_stream(x.device, x.shape[0])
@@ -247,11 +248,6 @@ class Qwen3OmniVisionTower(nn.Module):
         """The function ``forward_with_metadata`` runs for each block by default (``VisionBlock.forward_fused``),
         for callers that wrap it, e.g. compile it once for all blocks."""
         return VisionBlock.forward_fused
-
-    def position_embeddings(self, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Bilinear blend of the learned position table: ``[4, R]`` indices and weights -> ``[R, hidden]``
-        (float32 when the table is lower precision: the weights are float32, as in transformers)."""
-        return (self.pos_embed(indices) * weights[:, :, None]).sum(0)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw) -> VisionOutput:
         """Eager forward: ``prepare_metadata(grid_thw)`` then ``forward_with_metadata``."""
