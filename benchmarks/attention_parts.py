@@ -127,30 +127,21 @@ def tree_reduce(x, MAX: gl.constexpr):
     return gl.convert_layout(y, gl.SliceLayout(1, x.type.layout))
 '''
 
-VARIANTS = {
-    "shipped": "",
-    "noexp": SOFTMAX_HEAD + '''
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
-    p = s * qk_scale_log2 - m_new[:, None]
-    alpha = m_i - m_new
-    l_i = l_i * alpha + gl.sum(p, 1)
+def softmax(row_max="gl.max(s, 1)", m_new=None, exp_p="gl.exp2({})", exp_alpha="gl.exp2({})",
+            row_sum="gl.sum(p, 1)") -> str:
+    """``softmax_step`` with one of its parts replaced (each argument is source text; the exponentials' take the
+    argument at ``{}``)."""
+    m_new = m_new or f"gl.maximum(m_i, {row_max} * qk_scale_log2)"
+    return SOFTMAX_HEAD + f"""
+    m_new = {m_new}
+    p = {exp_p.format("s * qk_scale_log2 - m_new[:, None]")}
+    alpha = {exp_alpha.format("m_i - m_new")}
+    l_i = l_i * alpha + {row_sum}
     return p, m_new, l_i, alpha
-''',
-    "nomax": SOFTMAX_HEAD + '''
-    m_new = gl.full_like(m_i, 8.0)
-    p = gl.exp2(s * qk_scale_log2 - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
-''',
-    "nosum": SOFTMAX_HEAD + '''
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
-    p = gl.exp2(s * qk_scale_log2 - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + 1.0
-    return p, m_new, l_i, alpha
-''',
-    "nosoftmax": '''
+"""
+
+
+NO_SOFTMAX = '''
 @gluon.jit
 def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr):
     return s, m_i, l_i, m_i
@@ -159,7 +150,14 @@ def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.const
 @gluon.jit
 def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
     return o_a, o_b
-''',
+'''
+
+VARIANTS = {
+    "shipped": "",
+    "noexp": softmax(exp_p="{}", exp_alpha="{}"),
+    "nomax": softmax(m_new="gl.full_like(m_i, 8.0)"),
+    "nosum": softmax(row_sum="1.0"),
+    "nosoftmax": NO_SOFTMAX,
     "nopvb": '''
 @gluon.jit
 def pv_async(p_a, p_b, va_s, vb_s, slot, o_a, o_b, HAS_B: gl.constexpr):
@@ -172,16 +170,7 @@ def wait_scores(s, HAS_B: gl.constexpr):
     return warpgroup_mma_wait(1, deps=(s,))
 ''',
     "noload": NOLOAD,
-    "nosoftmax+noload": NOLOAD + """
-@gluon.jit
-def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr):
-    return s, m_i, l_i, m_i
-
-
-@gluon.jit
-def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
-    return o_a, o_b
-""",
+    "nosoftmax+noload": NOLOAD + NO_SOFTMAX,
     "noturn": '''
 @gluon.jit
 def take_turn(turn, HALF: gl.constexpr, issue):
@@ -192,34 +181,10 @@ def take_turn(turn, HALF: gl.constexpr, issue):
 def pass_turn(turn, HALF: gl.constexpr):
     pass
 ''',
-    "treemax": TREE + SOFTMAX_HEAD + '''
-    m_new = gl.maximum(m_i, tree_reduce(s, True) * qk_scale_log2)
-    p = gl.exp2(s * qk_scale_log2 - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
-''',
-    "treemax+treesum": TREE + SOFTMAX_HEAD + '''
-    m_new = gl.maximum(m_i, tree_reduce(s, True) * qk_scale_log2)
-    p = gl.exp2(s * qk_scale_log2 - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tree_reduce(p, False)
-    return p, m_new, l_i, alpha
-''',
-    "poly50": POLY + SOFTMAX_HEAD + '''
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
-    p = mixed_exp2(s * qk_scale_log2 - m_new[:, None], False)
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
-''',
-    "poly25": POLY + SOFTMAX_HEAD + '''
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
-    p = mixed_exp2(s * qk_scale_log2 - m_new[:, None], True)
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
-''',
+    "treemax": TREE + softmax(row_max="tree_reduce(s, True)"),
+    "treemax+treesum": TREE + softmax(row_max="tree_reduce(s, True)", row_sum="tree_reduce(p, False)"),
+    "poly50": POLY + softmax(exp_p="mixed_exp2({}, False)"),
+    "poly25": POLY + softmax(exp_p="mixed_exp2({}, True)"),
 }
 
 IMPORTS = ("\nfrom triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma\n")
