@@ -13,8 +13,8 @@ next head, or are zeros past the last one); q's lanes past the head are zero, so
 lanes past the head are never stored. Same grid: ``(m blocks, heads, sequences + 1)``, the last slot zeroing the
 rows past ``cu_seqlens[-1]``.
 
-From 2048 rows ``gluon_tiles`` takes a warp-specialised form of this kernel instead (``gluon_pingpong.py``, built
-from the helpers here); ``kernel_call`` builds the call of either.
+From 2048 rows (from 1024 in a call of one sequence slot) ``gluon_tiles`` takes a warp-specialised form of this
+kernel instead (``gluon_pingpong.py``, built from the helpers here); ``kernel_call`` builds the call of either.
 
 Importing this module imports ``triton.experimental.gluon``; ``gluon_available()`` says whether that worked.
 Gluon has no interpreter: the kernel runs on NVIDIA GPUs of compute capability 9.x only (its MMAs are Hopper's).

@@ -9,10 +9,12 @@ warpgroup's q.k and p.v run on the tensor cores, the other runs its softmax, so 
 behind the other half's MMAs instead of only behind its own p.v. Each consumer runs the key loop of
 ``hopper_attention_kernel`` (its helpers come from ``gluon_kernel.py``) on its half.
 
-Measured on the H200 (16 heads of 72, bf16; ``benchmarks/attention_gluon.py``, ``docs/benchmarks.md``): 0.201 ms
-for one 4096-patch sequence against 0.229 for ``hopper_attention_kernel``'s 128x64 tiles, 0.057 against 0.066 for
-2048 patches in 2048 rows; slower for several short sequences in one budget and below 1024 rows, so
-``gluon_kernel.gluon_tiles`` takes it from 2048 rows only. Three consumers on 192-row tiles (FlashAttention-3's
+Measured on the H200 (16 heads of 72, bf16; ``benchmarks/attention_gluon.py``, ``docs/benchmarks.md``, session
+10, 4 ring stages): 0.189 ms for one 4096-patch sequence against 0.221 for ``hopper_attention_kernel``'s 128x64
+tiles, 0.050 against 0.062 for 2048 patches in 2048 rows, 0.016 for one sequence of 1024 in 1024 rows against 0.021
+for the Triton TMA kernel; slower for several short sequences in one budget (four of 256 in 1024 rows: 0.013 against
+the TMA kernel's 0.012) and below 1024 rows, so ``gluon_kernel.gluon_tiles`` takes it from 2048 rows, or from 1024
+in a call of one sequence slot. Three consumers on 192-row tiles (FlashAttention-3's
 choice for heads up to 96 lanes; commit 1d6dcea) measured slower: 0.212 ms at 4096 patches with 64-key blocks,
 0.324 with 128-key blocks, whose consumers spill at 160 registers (``attention_gluon-3wg.log``).
 

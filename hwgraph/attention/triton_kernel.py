@@ -17,11 +17,11 @@ H200, one sequence of 4096 patches (16 heads of 72, bf16) takes 0.271 ms with it
 and 0.351 with ATen's flash kernel (``benchmarks/attention_hd72.py``, ``docs/benchmarks.md``).
 
 On Hopper itself (compute capability 9.x, Triton with Gluon) kernels written in Gluon serve the same calls outside
-``TMA_OVER_GLUON``: they order their asynchronous MMAs around the softmax themselves. From 2048 rows a
-warp-specialised kernel whose two consumer warpgroups take turns on the tensor cores (``gluon_pingpong.py``) takes
-0.201 ms for the 4096-patch sequence, below that ``gluon_kernel.py``'s (0.229 ms there;
-``benchmarks/attention_gluon.py``). ``launch_varlen_attention`` picks among them (``uses_gluon``, ``uses_tma``,
-``gluon_kernel.gluon_tiles``).
+``TMA_OVER_GLUON``: they order their asynchronous MMAs around the softmax themselves. From 2048 rows (and from
+1024 in a call of one sequence slot, inside that range) a warp-specialised kernel whose two consumer warpgroups take
+turns on the tensor cores (``gluon_pingpong.py``) takes 0.194 ms for the 4096-patch sequence, below that
+``gluon_kernel.py``'s (0.221 ms there; ``benchmarks/attention_gluon.py``, session 10).
+``launch_varlen_attention`` picks among them (``uses_gluon``, ``uses_tma``, ``gluon_kernel.gluon_tiles``).
 """
 
 from __future__ import annotations
