@@ -151,3 +151,31 @@ def test_ping_pong_tiles_without_a_register_limit_are_refused_by_name():
     with pytest.raises(ValueError, match="maxnreg"):
         gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), torch.tensor([0, 8], dtype=torch.int32), 4096, 0.1,
                                  tiles=(128, 128, 4, 3, True))
+
+
+@needs_gluon
+def test_a_q_whose_heads_are_not_adjacent_is_copied_for_the_constexpr_head_stride(monkeypatch):
+    """The kernels take q's and out's head strides as constexprs: a q seen through a transpose of ``[H, T, D]``
+    (head stride T * D) is copied to adjacent heads first, so the kernel compiles once per head width, not once per
+    token count; a one-head view passes the head width whatever its stride."""
+    seen = []
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    def spy(q, k, v, out, *rest, **kwargs):
+        seen.append((triton_kernel.head_stride(q), triton_kernel.head_stride(out), q.is_contiguous()))
+        return NoLaunch(), (1, 1, 1), (), {}
+
+    monkeypatch.setattr(gluon_kernel, "kernel_call", spy)
+    heads_first = torch.randn(2, 5, 72, dtype=torch.bfloat16)
+    q = heads_first.transpose(0, 1)  # [T, H, D] with head stride 5 * 72
+    assert triton_kernel.head_stride(q) == 360
+    kv = torch.zeros(5, 2, 2, 72, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    gluon_kernel.launch_gluon_attention(q, kv[:, 0], kv[:, 1], cu, 64, 0.1)
+    qkv = torch.zeros(5, 3, 2, 72, dtype=torch.bfloat16)  # the tower's layout: a view, heads adjacent, not copied
+    gluon_kernel.launch_gluon_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, 64, 0.1)
+    assert seen == [(72, 72, True), (72, 72, False)]
+    assert triton_kernel.head_stride(torch.randn(1, 5, 72).transpose(0, 1)) == 72

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from hwgraph.attention.triton_kernel import LOG2_E, head_split, head_width
+from hwgraph.attention.triton_kernel import LOG2_E, head_split, head_stride, head_width, heads_adjacent_q
 
 try:
     from triton.experimental import gluon
@@ -391,7 +391,7 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     grid = (max(1, triton.cdiv(max_seqlen, tiles.block_m)), heads, num_seqs + int(padding_slot))
     args = (q, descriptor(k, tiles.block_n, d_a), descriptor(k, tiles.block_n, kb_width),
             descriptor(v, tiles.block_n, d_a), descriptor(v, tiles.block_n, kb_width), out, cu_seqlens, tokens,
-            num_seqs, scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1))
+            num_seqs, scale * LOG2_E, q.stride(0), head_stride(q), out.stride(0), head_stride(out))
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, D_A=d_a, D_B=kb_width, HAS_B=d_b > 0,
                   D_V=head_width(head_dim), STAGES=tiles.stages, num_warps=tiles.warps)
     if not tiles.pingpong:
@@ -413,6 +413,7 @@ def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     as ``launch_varlen_attention``'s."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"the Gluon attention kernel needs triton.experimental.gluon: {GLUON_IMPORT_ERROR}")
+    q = heads_adjacent_q(q)  # its head stride is a constexpr: one compile per head width
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out

@@ -384,6 +384,20 @@ def head_descriptor(t: torch.Tensor, block_n: int, width: int):
     return TensorDescriptor(t, [tokens, heads * head_dim], [t.stride(0), 1], [block_n, width])
 
 
+def head_stride(t: torch.Tensor) -> int:
+    """``t``'s stride between heads as the TMA and Gluon kernels take it, a constexpr (so that Triton knows a head's
+    alignment): one head has only head 0, so any value serves, and it passes the head width, compiling no kernel of
+    its own for whatever stride a one-head view has."""
+    return t.stride(1) if t.shape[1] > 1 else t.shape[-1]
+
+
+def heads_adjacent_q(q: torch.Tensor) -> torch.Tensor:
+    """``q`` with its heads adjacent (head stride = head width), copied only when they are not: the kernels that take
+    the head stride as a constexpr then compile once per head width, not once per token count of a ``[H, T, D]``
+    layout seen through a transpose."""
+    return q if head_stride(q) == q.shape[-1] else q.contiguous()
+
+
 def tma_tiles(max_seqlen: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the TMA kernel. Device time per call on the H200 (16 heads of
     72, bf16, ms; ``benchmarks/attention_hd72.py --tiles`` and ``--small``, ``docs/benchmarks.md``): 128x128 tiles
@@ -417,6 +431,8 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if use_gluon is None:  # uses_gluon, with uses_tma asked once per call
         use_gluon = (use_tma is None and tiles is None and tma
                      and gluon_fits(q.device.index, max_seqlen, q.shape[-1], cu_seqlens.shape[0] - 1))
+    if use_gluon or tma:
+        q = heads_adjacent_q(q)
     if use_gluon:
         from hwgraph.attention.gluon_kernel import launch_gluon_attention
 
@@ -450,7 +466,7 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
             q, head_descriptor(k, block_n, d_a), head_descriptor(k, block_n, kb_width),
             head_descriptor(v, block_n, d_v), out, cu_seqlens,
             tokens, num_seqs, scale * LOG2_E,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            q.stride(0), head_stride(q), out.stride(0), head_stride(out),
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, D_A=d_a, D_B=kb_width, D_V=d_v, HAS_B=d_b > 0,
             DOT_DTYPE=dot_dtype, num_warps=warps, num_stages=stages,
         )

@@ -54,7 +54,6 @@ def add_layer_norm_kernel(x, delta, weight, bias, out, stride_x, stride_d, plane
     tl.store(out + plane + r * N + offs, (diff * rstd * w + b).to(out.dtype.element_ty), mask=m)
 
 
-
 @triton.jit
 def add_position_embedding_kernel(x, table, indices, weights, out, stride_x, stride_t, stride_i, stride_w,
                                   N: tl.constexpr, CORNERS: tl.constexpr, BLOCK: tl.constexpr):
