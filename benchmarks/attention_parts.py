@@ -1,7 +1,6 @@
 """Where the ping-pong attention kernel's time goes: variants that leave one part of its key loop out.
 
-Usage: python benchmarks/attention_parts.py [--variants NAME,NAME,...] [--tile GLUONTILES] [--kw NAME=INT]
-                                               [--once]
+Usage: python benchmarks/attention_parts.py [--variants NAME,NAME,...] [--tile GLUONTILES] [--once]
 One 4096-patch sequence (16 heads of 72, bf16; the 1024-token image's attention), 20 calls in one CUDA graph, ms
 per call. Each variant is ``hwgraph/attention/gluon_pingpong.py``'s source with one helper overridden, loaded as its
 own module. Variants other than ``shipped`` and ``poly*`` compute a wrong result on purpose: they time the kernel
@@ -23,8 +22,8 @@ without a part, and the difference to ``shipped`` bounds what making that part f
   unit; these compute the right result, and their error against flash is printed.
 
 ``--tile 128,128,4,4,1,168,240``: ``GluonTiles`` fields for every variant (default ``PINGPONG_TILES``).
-``--kw NAME=INT``: a constexpr argument of the kernel for every variant (commit 00ee9ad's ``SUM_BY_MMA=1``: the row
-sums on the tensor cores, p times a tile of ones, instead of adds; measured no faster, not kept).
+The row sums on the tensor cores (p times a tile of ones, instead of adds) were measured with this script and the
+kernel's ``SUM_BY_MMA`` constexpr at commit 00ee9ad (its ``--kw SUM_BY_MMA=1``): no faster, not kept.
 ``--once``: run the product kernel three times and exit (for ``ncu``).
 """
 
@@ -217,12 +216,7 @@ def main():
     tiles = gluon_kernel.PINGPONG_TILES
     if "--tile" in sys.argv:
         tiles = gluon_kernel.GluonTiles(*(int(x) for x in sys.argv[sys.argv.index("--tile") + 1].split(",")))
-    extra = {}  # --kw NAME=INT: a constexpr of the kernel for every variant
-    for i, a in enumerate(sys.argv):
-        if a == "--kw":
-            key, value = sys.argv[i + 1].split("=")
-            extra[key] = int(value)
-    print(f"variants with {tiles} {extra}", flush=True)
+    print(f"variants with {tiles}", flush=True)
     want = flash(q, k, v, cu, 4096)[:real].float()
     product = graphed_ms(lambda: launch_varlen_attention(q, k, v, cu, 4096, D**-0.5))
     print(f"1x4096 ({gflop:.2f} GFLOP): TRITON_ATTN as shipped {product:.4f} ms {gflop / product:.0f} TFLOP/s",
@@ -233,7 +227,6 @@ def main():
                 kernel = variant_kernel(name, Path(tmp))
                 out = torch.empty_like(q)
                 _, grid, args, kwargs = gluon_kernel.kernel_call(q, k, v, out, cu, 4096, D**-0.5, tiles)
-                kwargs.update(extra)
 
                 def call(kernel=kernel, grid=grid, args=args, kwargs=kwargs, out=out):
                     kernel[grid](*args, **kwargs)

@@ -56,16 +56,16 @@ def sm90():
 
 @needs_gluon
 @pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
-@pytest.mark.parametrize(("head_dim", "max_seqlen"), [(72, 4096), (72, 1024), (72, 256), (64, 4096), (96, 2048),
-                                                      (40, 4096), (128, 4096), (128, 256)])
-def test_gluon_kernel_compiles_for_hopper_and_its_programs_fit_shared_memory(sm90, head_dim, max_seqlen):
+@pytest.mark.parametrize(("head_dim", "max_seqlen", "slots"), [
+    (72, 4096, 1), (72, 1024, 1), (72, 1024, 2), (72, 256, 1), (64, 4096, 1), (96, 2048, 1), (40, 4096, 1),
+    (128, 4096, 1), (128, 256, 1)])
+def test_gluon_kernel_compiles_for_hopper_and_its_programs_fit_shared_memory(sm90, head_dim, max_seqlen, slots):
     tokens, heads = 300, 2
     qkv = torch.zeros(tokens, 3, heads, head_dim, dtype=torch.bfloat16)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    tiles = gluon_kernel.gluon_tiles(max_seqlen, head_dim, num_seqs=1)
-    kernel, grid, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q),
-                                                          torch.tensor([0, tokens], dtype=torch.int32), max_seqlen,
-                                                          0.1)
+    tiles = gluon_kernel.gluon_tiles(max_seqlen, head_dim, num_seqs=slots)
+    cu_seqlens = torch.tensor([0] + [tokens] * slots, dtype=torch.int32)
+    kernel, grid, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), cu_seqlens, max_seqlen, 0.1)
     compiled = kernel.warmup(*args, **kwargs, grid=grid)
     ptx = compiled.asm["ptx"]
     assert ptx.count("wgmma.mma_async") > 0 and "cp.async.bulk.tensor" in ptx  # Hopper MMAs fed by TMA

@@ -351,7 +351,7 @@ def uses_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen: in
     return uses_tma(q, k, v) and gluon_fits(q.device.index, max_seqlen, q.shape[-1], num_seqs)
 
 
-def gluon_fits(device_index: int, max_seqlen: int, head_dim: int | None = None, num_seqs: int | None = None) -> bool:
+def gluon_fits(device_index: int, max_seqlen: int, head_dim: int, num_seqs: int | None = None) -> bool:
     """``uses_gluon`` once ``uses_tma`` holds: Gluon ready on the device, and ``max_seqlen`` outside
     ``TMA_OVER_GLUON``, or inside it where ``gluon_tiles(max_seqlen, head_dim, num_seqs)`` takes the ping-pong kernel
     (one sequence slot, from 1024 rows)."""
@@ -359,8 +359,6 @@ def gluon_fits(device_index: int, max_seqlen: int, head_dim: int | None = None, 
         return False
     if not TMA_OVER_GLUON[0] <= max_seqlen < TMA_OVER_GLUON[1]:
         return True
-    if head_dim is None:
-        return False
     from hwgraph.attention.gluon_kernel import gluon_tiles
 
     return gluon_tiles(max_seqlen, head_dim, num_seqs).pingpong
@@ -431,12 +429,12 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if use_gluon is None:  # uses_gluon, with uses_tma asked once per call
         use_gluon = (use_tma is None and tiles is None and tma
                      and gluon_fits(q.device.index, max_seqlen, q.shape[-1], cu_seqlens.shape[0] - 1))
-    if use_gluon or tma:
-        q = heads_adjacent_q(q)
     if use_gluon:
         from hwgraph.attention.gluon_kernel import launch_gluon_attention
 
         return launch_gluon_attention(q, k, v, cu_seqlens, max_seqlen, scale, tiles=tiles, padding_slot=padding_slot)
+    if tma:  # its head stride is a constexpr (launch_gluon_attention does the same for the Gluon kernels)
+        q = heads_adjacent_q(q)
     tokens, heads, head_dim = q.shape
     out = torch.empty_like(q)
     if tokens == 0:
