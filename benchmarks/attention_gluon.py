@@ -2,11 +2,12 @@
 ATen flash, at the tower's shapes (16 heads of 72, bf16).
 
 Usage: python benchmarks/attention_gluon.py [--quick] [--tiles]
-                                           [--tile BLOCK_M,BLOCK_N,WARPS,STAGES[,PINGPONG,MAXNREG,CONSUMER_REGS] ...]
+                                           [--tile BLOCK_M,BLOCK_N,WARPS,STAGES[,PINGPONG,MAXNREG,CONSUMER_REGS,
+                                                   PERSISTENT] ...]
 Every run shows ``gluon_tiles``' choice (the ping-pong kernel, ``gluon_pingpong.py``, from 2048 rows) next to
 ``hopper_attention_kernel`` with 128x64 tiles, the Triton TMA kernel and flash. ``--tile``: a ``GluonTiles``
-(PINGPONG 1 for the ping-pong kernel). Session 8's warp-specialised variant without ping-pong is in this file at
-commit 7c34f41 (``--ws``).
+(PINGPONG 1 for the ping-pong kernel, PERSISTENT 0 for its grid of one program per tile). Session 8's
+warp-specialised variant without ping-pong is in this file at commit 7c34f41 (``--ws``).
 Each cell is the device time of one call (20 calls captured in one CUDA graph, replayed, divided by 20) and the
 relative L2 error of its real rows against flash, batches shaped as the manager builds them (q, k, v strided views
 of one qkv tensor, max_seqlen the budget's patch count, padding rows after the last image). Every case also checks

@@ -154,6 +154,25 @@ def test_ping_pong_tiles_without_a_register_limit_are_refused_by_name():
 
 
 @needs_gluon
+@pytest.mark.parametrize(("seqs", "persistent", "programs"), [
+    ((4096,), True, 132), ((4096,), False, 32 * 16), ((1024,), True, 8 * 16), ((784,) * 4, True, 132),
+    ((784,) * 4, False, 32 * 16 * 4)])
+def test_the_pingpong_grid_has_one_program_per_sm_when_persistent(monkeypatch, seqs, persistent, programs):
+    """The ping-pong kernel's grid is one-dimensional over its work tiles (q blocks of the budget x heads x
+    sequence slots): persistent, at most one program per SM, each taking every 132nd tile; else one per tile."""
+    monkeypatch.setattr(gluon_kernel, "sm_count", lambda device: 132)
+    heads, rows = 16, 4096
+    q = k = v = torch.zeros(rows, heads, 72, dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, *torch.tensor(seqs).cumsum(0).tolist()], dtype=torch.int32)
+    tiles = gluon_kernel.PINGPONG_TILES._replace(persistent=persistent)
+    max_seqlen = 1024 if seqs == (1024,) else rows
+    kernel, grid, _, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), cu_seqlens, max_seqlen, 0.1,
+                                                       tiles, padding_slot=False)
+    assert kernel is gluon_pingpong.hopper_attention_pingpong_kernel
+    assert grid == (programs,)
+    assert (kwargs["heads"], kwargs["m_blocks"], kwargs["PADDING"]) == (heads, max_seqlen // 128, False)
+
+
 def test_a_q_whose_heads_are_not_adjacent_is_copied_for_the_constexpr_head_stride(monkeypatch):
     """The kernels take q's and out's head strides as constexprs: a q seen through a transpose of ``[H, T, D]``
     (head stride T * D) is copied to adjacent heads first, so the kernel compiles once per head width, not once per

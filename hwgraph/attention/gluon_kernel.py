@@ -13,8 +13,9 @@ next head, or are zeros past the last one); q's lanes past the head are zero, so
 lanes past the head are never stored. Same grid: ``(m blocks, heads, sequences + 1)``, the last slot zeroing the
 rows past ``cu_seqlens[-1]``.
 
-From 2048 rows (from 1024 in a call of one sequence slot) ``gluon_tiles`` takes a warp-specialised form of this
-kernel instead (``gluon_pingpong.py``, built from the helpers here); ``kernel_call`` builds the call of either.
+From 2048 rows (from 1024 in a call of one sequence slot) ``gluon_tiles`` takes a warp-specialised, persistent
+form of this kernel instead (``gluon_pingpong.py``, built from the helpers here); ``kernel_call`` builds the call of
+either.
 
 Importing this module imports ``triton.experimental.gluon``; ``gluon_available()`` says whether that worked.
 Gluon has no interpreter: the kernel runs on NVIDIA GPUs of compute capability 9.x only (its MMAs are Hopper's).
@@ -22,6 +23,7 @@ Gluon has no interpreter: the kernel runs on NVIDIA GPUs of compute capability 9
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -59,13 +61,10 @@ if gluon is not None:
     tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
     @gluon.jit
-    def issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, bars, block, row0, col,
-                 STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
-        """Start the TMA loads of key block ``block`` (rows ``row0 + block * BLOCK_N ..``) into its ring slot."""
-        BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
-        slot = block % STAGES
+    def issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, bars, slot, row, col,
+                 D_A: gl.constexpr, HAS_B: gl.constexpr):
+        """Start the TMA loads of the key block at token ``row`` (lanes from ``col``) into ring slot ``slot``."""
         bar = bars.index(slot)
-        row = row0 + block * BLOCK_N
         if HAS_B:
             mbarrier.expect(bar, 2 * ka_desc.block_type.nbytes + 2 * kb_desc.block_type.nbytes)
             tma_load(ka_desc, [row, col], bar, ka_s.index(slot))
@@ -200,17 +199,19 @@ if gluon is not None:
             store_out_part(Out, o_b, inv_l, rows, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM)
 
     @gluon.jit
-    def zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh,
+    def zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, unit, units_step, heads, stride_ot, stride_oh,
                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_V: gl.constexpr, num_warps: gl.constexpr):
-        """The extra grid slot: rows ``[cu_seqlens[-1], tokens)`` belong to no sequence; write zeros there."""
+        """Rows ``[cu_seqlens[-1], tokens)`` belong to no sequence; write zeros there. The work comes in units of
+        ``BLOCK_M`` rows of one head (unit ``u``: row block ``u // heads``, head ``u % heads``); this program writes
+        units ``unit, unit + units_step, ..``."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D_V // 8), D_V // 8], [num_warps, 1], [1, 0])
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         offs_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, layout))
         first = gl.load(CU_SEQLENS + num_seqs)
         zeros = gl.zeros([BLOCK_M, D_V], Out.dtype.element_ty, layout)
-        for row_start in range(first + block_m * BLOCK_M, tokens, BLOCK_M * gl.num_programs(0)):
-            rows = (row_start + offs_m).to(gl.int64)
-            gl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :], zeros,
+        for u in range(unit, gl.cdiv(tokens - first, BLOCK_M) * heads, units_step):
+            rows = (first + (u // heads) * BLOCK_M + offs_m).to(gl.int64)
+            gl.store(Out + rows[:, None] * stride_ot + (u % heads) * stride_oh + offs_v[None, :], zeros,
                      mask=(rows < tokens)[:, None] & (offs_v < HEAD_DIM)[None, :])
 
     @gluon.jit
@@ -250,8 +251,9 @@ if gluon is not None:
         head = gl.program_id(1)
         seq = gl.program_id(2)
         if seq >= num_seqs:
-            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, STRIDE_OH, HEAD_DIM,
-                              BLOCK_M, D_V, num_warps)
+            heads = gl.num_programs(1)
+            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m * heads + head, gl.num_programs(0) * heads,
+                              heads, stride_ot, STRIDE_OH, HEAD_DIM, BLOCK_M, D_V, num_warps)
             return
         start, seqlen, rows = sequence_rows(CU_SEQLENS, seq, block_m, BLOCK_M)
         if rows >= seqlen:
@@ -275,8 +277,8 @@ if gluon is not None:
         n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
         for i in gl.static_range(STAGES):
             if i < n_blocks:
-                issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, bars, i, start, col, STAGES,
-                         D_A, HAS_B)
+                issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, bars, i, start + i * BLOCK_N,
+                         col, D_A, HAS_B)
 
         s_init, o_a, o_b, m_i, l_i = loop_state(BLOCK_M, BLOCK_N, D_A, D_B, num_warps)
 
@@ -301,8 +303,8 @@ if gluon is not None:
             # Block j-1's slot is free once every warp is past its p.v: refill it.
             cta_barrier()
             if j - 1 + STAGES < n_blocks:
-                issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, bars, j - 1 + STAGES, start,
-                         col, STAGES, D_A, HAS_B)
+                issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, bars, prev,
+                         start + (j - 1 + STAGES) * BLOCK_N, col, D_A, HAS_B)
 
         last = (n_blocks - 1) % STAGES
         zero_tail(va_s, vb_s, last, seqlen - (n_blocks - 1) * BLOCK_N, HAS_B, BLOCK_N, num_warps)
@@ -323,8 +325,8 @@ SHARED_BYTES = 216 * 1024
 class GluonTiles(NamedTuple):
     """How ``kernel_call`` runs a call. ``pingpong``: ``gluon_pingpong.hopper_attention_pingpong_kernel``, whose
     ``warps`` (4) are one consumer warpgroup's, with ``maxnreg`` registers per thread at launch and
-    ``consumer_regs`` per consumer thread once the producer warp gave its registers up; else
-    ``hopper_attention_kernel`` with ``warps`` warps."""
+    ``consumer_regs`` per consumer thread once the producer warp gave its registers up, and with ``persistent`` one
+    program per SM (else one per work tile); else ``hopper_attention_kernel`` with ``warps`` warps."""
 
     block_m: int
     block_n: int
@@ -333,14 +335,17 @@ class GluonTiles(NamedTuple):
     pingpong: bool = False
     maxnreg: int | None = None
     consumer_regs: int = 240
+    persistent: bool = False
 
 
 # Device time per call on the H200 (16 heads of 72, bf16, ms; benchmarks/attention_gluon.py, docs/benchmarks.md,
 # session 10): one sequence of 4096 0.194 against 0.221 for 128x64 tiles (3600 patches in 4096 rows: 0.170 / 0.196),
 # 2048 in 2048 0.052 / 0.062, 2x1024 in 2048 0.032 / 0.035, 4x784 in 4096 0.059 / 0.057; one sequence of 1024 in
 # 1024 rows 0.016 against 0.021 for the Triton TMA kernel, but four of 256 in 1024 0.013 / 0.012. 128x128 tiles with
-# 4 stages (3 stages: 0.196 / 0.052 / 0.032 / 0.059 in the same runs).
-PINGPONG_TILES = GluonTiles(128, 128, 4, 4, pingpong=True, maxnreg=168, consumer_regs=240)
+# 4 stages (3 stages: 0.196 / 0.052 / 0.032 / 0.059 in the same runs). Persistent since session 11
+# (benchmarks/attention_ab.py): 4x784 in 4096 0.053, 2x1024 in 2048 0.0295, one sequence of 4096 unchanged, one of
+# 1024 in 1024 rows 0.0164 against 0.0158.
+PINGPONG_TILES = GluonTiles(128, 128, 4, 4, pingpong=True, maxnreg=168, consumer_regs=240, persistent=True)
 PINGPONG_FROM = 2048  # rows of a call with several sequence slots
 PINGPONG_FROM_ONE_SEQUENCE = 1024  # rows of a call with one sequence slot
 
@@ -401,8 +406,25 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
                          f"warps), got tiles {tiles}")
     from hwgraph.attention.gluon_pingpong import hopper_attention_pingpong_kernel
 
-    kwargs.update(CONSUMER_REGS=tiles.consumer_regs, maxnreg=tiles.maxnreg)
-    return hopper_attention_pingpong_kernel, grid, args, kwargs
+    n_tiles = grid[0] * heads * num_seqs
+    sms = sm_count(q.device)
+    programs = min(n_tiles, sms) if tiles.persistent and sms is not None else n_tiles
+    kwargs.update(heads=heads, m_blocks=grid[0], PADDING=padding_slot, CONSUMER_REGS=tiles.consumer_regs,
+                  maxnreg=tiles.maxnreg)
+    return hopper_attention_pingpong_kernel, (max(1, programs),), args, kwargs
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device (a persistent kernel's programs); None off CUDA (the CPU compile
+    tests, which launch nothing)."""
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -1,5 +1,5 @@
 """TRITON_ATTN's Gluon kernel for long sequences on Hopper: ``hopper_attention_kernel`` warp-specialised, with
-FlashAttention-3's ping-pong between two consumer warpgroups.
+FlashAttention-3's ping-pong between two consumer warpgroups, and persistent.
 
 One program holds a 128-row q tile as two 64-row halves, each owned by a consumer warpgroup (the default partition
 and a worker), and a one-warp producer partition that fills the k/v ring by TMA. A ring slot is refilled once both
@@ -9,17 +9,27 @@ warpgroup's q.k and p.v run on the tensor cores, the other runs its softmax, so 
 behind the other half's MMAs instead of only behind its own p.v. Each consumer runs the key loop of
 ``hopper_attention_kernel`` (its helpers come from ``gluon_kernel.py``) on its half.
 
-Measured on the H200 (16 heads of 72, bf16; ``benchmarks/attention_gluon.py``, ``docs/benchmarks.md``, session
-10, 4 ring stages): 0.189 ms for one 4096-patch sequence against 0.221 for ``hopper_attention_kernel``'s 128x64
-tiles, 0.050 against 0.062 for 2048 patches in 2048 rows, 0.016 for one sequence of 1024 in 1024 rows against 0.021
-for the Triton TMA kernel; slower for several short sequences in one budget (four of 256 in 1024 rows: 0.013 against
-the TMA kernel's 0.012) and below 1024 rows, so ``gluon_kernel.gluon_tiles`` takes it from 2048 rows, or from 1024
-in a call of one sequence slot. Three consumers on 192-row tiles (FlashAttention-3's
-choice for heads up to 96 lanes; commit 1d6dcea) measured slower: 0.212 ms at 4096 patches with 64-key blocks,
-0.324 with 128-key blocks, whose consumers spill at 160 registers (``attention_gluon-3wg.log``).
+The grid is one-dimensional over work tiles (q block, head, sequence slot; q block fastest). With
+``GluonTiles.persistent`` (``PINGPONG_TILES``) there is one program per SM, each taking every SM-count-th tile;
+the ring and the turns run on across a program's tiles, so the producer loads the next tile's first key blocks
+while the consumers finish the current one, and a budget's empty tiles (q blocks past a short sequence, empty
+slots) cost a few scalar loads instead of a program each.
 
-Arguments, grid and the padding slot are those of ``hopper_attention_kernel``; ``gluon_kernel.kernel_call`` builds
-both calls.
+Measured on the H200 (16 heads of 72, bf16, µs per call, the tower's calls without the padding slot;
+``benchmarks/attention_ab.py --base 64cd2ec``, ``docs/benchmarks.md``, session 11), persistent against one program
+per tile (session 10's grid): four sequences of 784 in 4096 rows 53.3 against 58.2, two of 1024 in 2048 29.5
+against 31.3, one of 4096 191-192 against 191-194 (equal), one of 1024 in 1024 rows 16.4 against 15.8 (slower).
+Against the other kernels (session 10): 0.189 ms for one 4096-patch sequence against 0.221 for
+``hopper_attention_kernel``'s 128x64 tiles, 0.050 against 0.062 for 2048 patches in 2048 rows, 0.016 for one
+sequence of 1024 in 1024 rows against 0.021 for the Triton TMA kernel; slower for several short sequences in one
+budget (four of 256 in 1024 rows: 0.013 against the TMA kernel's 0.012) and below 1024 rows, so
+``gluon_kernel.gluon_tiles`` takes it from 2048 rows, or from 1024 in a call of one sequence slot. Three consumers on
+192-row tiles (FlashAttention-3's choice for heads up to 96 lanes; commit 1d6dcea) measured slower: 0.212 ms at
+4096 patches with 64-key blocks, 0.324 with 128-key blocks, whose consumers spill at 160 registers
+(``attention_gluon-3wg.log``).
+
+Arguments are those of ``hopper_attention_kernel`` plus the tile counts; ``gluon_kernel.kernel_call`` builds both
+calls.
 """
 
 from __future__ import annotations
@@ -53,13 +63,31 @@ if GLUON_IMPORT_ERROR is None:
     PRODUCER_REGS = gl.constexpr(24)  # the producer only issues TMA loads; its registers go to the consumers
 
     @gluon.jit
-    def load_partition(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start, col,
-                       n_blocks, STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
-        """The producer (one warp): fills each ring slot once both consumers have released it."""
-        for j in range(n_blocks):
-            mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase 1
-            issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, j, start, col, STAGES, D_A,
-                     HAS_B)
+    def tile_rows(CU_SEQLENS, tile, heads, m_blocks, BLOCK_M: gl.constexpr):
+        """``(start, seqlen, rows, head)`` of work tile ``tile``: tiles run m block fastest, then head, then
+        sequence, so the tiles in flight at once share a few heads' k and v in L2."""
+        start, seqlen, rows = sequence_rows(CU_SEQLENS, tile // (m_blocks * heads), tile % m_blocks, BLOCK_M)
+        return start, seqlen, rows, (tile // m_blocks) % heads
+
+    @gluon.jit
+    def load_partition(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, CU_SEQLENS,
+                       heads, m_blocks, n_tiles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
+        """The producer (one warp): for each of this program's tiles, fills each ring slot once both consumers
+        have released it. The ring runs on across tiles, so the next tile's first key blocks load while the
+        consumers finish this one."""
+        BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
+        block = 0  # key blocks loaded so far by this program: the ring position
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, heads, m_blocks, BLOCK_M)
+            if rows < seqlen:
+                n_blocks = gl.cdiv(seqlen, BLOCK_N)
+                for j in range(n_blocks):
+                    g = block + j
+                    mbarrier.wait(empty.index(g % STAGES), ((g // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase 1
+                    issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, g % STAGES,
+                             start + j * BLOCK_N, head * HEAD_DIM, D_A, HAS_B)
+                block += n_blocks
 
     @gluon.jit
     def take_turn(turn, HALF: gl.constexpr, issue):
@@ -74,83 +102,95 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.arrive(turn.index(1 - HALF), count=1)
 
     @gluon.jit
-    def consumer_partition(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start,
-                           seqlen, head, rows, n_blocks, qk_scale_log2, stride_qt, stride_qh: gl.constexpr,
-                           stride_ot, stride_oh: gl.constexpr, HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr,
+    def consumer_partition(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn,
+                           CU_SEQLENS, heads, m_blocks, n_tiles, qk_scale_log2, stride_qt, stride_qh: gl.constexpr,
+                           stride_ot, stride_oh: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                            D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr, STAGES: gl.constexpr,
                            BLOCK_N: gl.constexpr):
-        """One consumer warpgroup: q rows ``rows + HALF * HALF_M ..``, the key loop of ``hopper_attention_kernel``
-        with the MMAs of each of its ``n_blocks + 1`` issue points in turn with the other consumer, and each ring
-        slot released to the producer once its p.v is done. Both consumers pass every issue point, even one whose
-        rows are all past the sequence (its q is zeros and it stores nothing), or the other would wait forever."""
+        """One consumer warpgroup: for each of this program's tiles, q rows ``rows + HALF * BLOCK_M // 2 ..``, the
+        key loop of ``hopper_attention_kernel`` with the MMAs of each of its ``n_blocks + 1`` issue points in turn
+        with the other consumer, and each ring slot released to the producer once its p.v is done. Both consumers
+        pass every issue point, even one whose rows are all past the sequence (its q is zeros and it stores
+        nothing), or the other would wait forever."""
+        HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_s.dtype
-        r0 = rows + HALF * HALF_M
         qa_h = qa_s.index(HALF)
         qb_h = qb_s.index(HALF)
-        qa_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, 0, D_A, HEAD_DIM, HALF_M,
-                               CONSUMER_WARPS))
-        qb_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, D_A, D_B, HEAD_DIM, HALF_M,
-                               CONSUMER_WARPS))
-        fence_async_shared()
-        cta_barrier()
-        s_init, o_a, o_b, m_i, l_i = loop_state(HALF_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
+        block = 0  # key blocks consumed so far by this program: the ring position
+        issue = 0  # issue points passed so far: the turn barriers' phase
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, heads, m_blocks, BLOCK_M)
+            if rows < seqlen:
+                # This consumer's MMAs of the previous tile are complete: its q buffer is free.
+                r0 = rows + HALF * HALF_M
+                qa_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, 0, D_A, HEAD_DIM, HALF_M,
+                                       CONSUMER_WARPS))
+                qb_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, D_A, D_B, HEAD_DIM, HALF_M,
+                                       CONSUMER_WARPS))
+                fence_async_shared()
+                cta_barrier()
+                s_init, o_a, o_b, m_i, l_i = loop_state(HALF_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
+                n_blocks = gl.cdiv(seqlen, BLOCK_N)
 
-        mbarrier.wait(ready.index(0), 0)
-        take_turn(turn, HALF, 0)
-        s = qk_async(qa_h, qb_h, ka_s, kb_s, 0, s_init, HAS_B)
-        pass_turn(turn, HALF)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
-        p_a, p_b = p_operands(p, o_a, o_b, dtype)
-        for j in range(1, n_blocks):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-            take_turn(turn, HALF, j)
-            s = qk_async(qa_h, qb_h, ka_s, kb_s, slot, s_init, HAS_B)
-            o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)
-            pass_turn(turn, HALF)
-            s = wait_scores(s, HAS_B)
-            p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
-            o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
-            mbarrier.arrive(empty.index(prev), count=1)
-            o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)
-            p_a, p_b = p_operands(p, o_a, o_b, dtype)
+                mbarrier.wait(ready.index(block % STAGES), (block // STAGES) & 1)
+                take_turn(turn, HALF, issue)
+                s = qk_async(qa_h, qb_h, ka_s, kb_s, block % STAGES, s_init, HAS_B)
+                pass_turn(turn, HALF)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
+                p_a, p_b = p_operands(p, o_a, o_b, dtype)
+                for j in range(1, n_blocks):
+                    g = block + j
+                    slot = g % STAGES
+                    prev = (g - 1) % STAGES
+                    mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+                    take_turn(turn, HALF, issue + j)
+                    s = qk_async(qa_h, qb_h, ka_s, kb_s, slot, s_init, HAS_B)
+                    o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)
+                    pass_turn(turn, HALF)
+                    s = wait_scores(s, HAS_B)
+                    p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
+                    o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
+                    mbarrier.arrive(empty.index(prev), count=1)
+                    o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)
+                    p_a, p_b = p_operands(p, o_a, o_b, dtype)
 
-        last = (n_blocks - 1) % STAGES
-        # Both consumers zero the same v rows of the last block (to the same zeros); neither writes anything else
-        # in shared memory that the other reads.
-        zero_tail(va_s, vb_s, last, seqlen - (n_blocks - 1) * BLOCK_N, HAS_B, BLOCK_N, CONSUMER_WARPS)
-        take_turn(turn, HALF, n_blocks)
-        o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)
-        pass_turn(turn, HALF)
-        o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
-        store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
+                last = (block + n_blocks - 1) % STAGES
+                # Both consumers zero the same v rows of the last block (to the same zeros); neither writes anything
+                # else in shared memory that the other reads.
+                zero_tail(va_s, vb_s, last, seqlen - (n_blocks - 1) * BLOCK_N, HAS_B, BLOCK_N, CONSUMER_WARPS)
+                take_turn(turn, HALF, issue + n_blocks)
+                o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)
+                pass_turn(turn, HALF)
+                o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
+                mbarrier.arrive(empty.index(last), count=1)
+                store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
+                block += n_blocks
+                issue += n_blocks + 1
 
-    @gluon.jit(do_not_specialize=["num_seqs"])
+    @gluon.jit(do_not_specialize=["num_seqs", "heads", "m_blocks"])
     def hopper_attention_pingpong_kernel(
         Q, ka_desc, kb_desc, va_desc, vb_desc, Out, CU_SEQLENS,
         tokens, num_seqs, qk_scale_log2,
         stride_qt, STRIDE_QH: gl.constexpr, stride_ot, STRIDE_OH: gl.constexpr,
+        heads, m_blocks,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
-        D_V: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        D_V: gl.constexpr, STAGES: gl.constexpr, PADDING: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
-        """``hopper_attention_kernel``'s arguments (the head strides constexprs, as there); ``num_warps`` (4) is the
-        default partition's, the first consumer. ``CONSUMER_REGS``: registers per thread of each consumer once the
-        producer gave its up."""
+        """``hopper_attention_kernel``'s arguments (the head strides constexprs, as there), but a one-dimensional
+        grid over work tiles: ``m_blocks`` q blocks of ``BLOCK_M`` rows per sequence slot, ``heads`` heads and
+        ``num_seqs`` slots; program ``i`` of ``P`` takes tiles ``i, i + P, ..`` (persistent when ``P`` is the
+        number of SMs). ``PADDING``: the programs also zero the rows past ``cu_seqlens[-1]`` (the padding slot of
+        ``hopper_attention_kernel``'s grid). ``num_warps`` (4) is the default partition's, the first consumer.
+        ``CONSUMER_REGS``: registers per thread of each consumer once the producer gave its up."""
         BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
         HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_desc.dtype
-        block_m = gl.program_id(0)
-        head = gl.program_id(1)
-        seq = gl.program_id(2)
-        if seq >= num_seqs:
-            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, STRIDE_OH, HEAD_DIM,
-                              BLOCK_M, D_V, num_warps)
-            return
-        start, seqlen, rows = sequence_rows(CU_SEQLENS, seq, block_m, BLOCK_M)
-        if rows >= seqlen:
-            return
+        if PADDING:
+            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, gl.program_id(0), gl.num_programs(0), heads,
+                              stride_ot, STRIDE_OH, HEAD_DIM, BLOCK_M, D_V, num_warps)
+        n_tiles = m_blocks * heads * num_seqs
         qa_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_A], ka_desc.layout)
         qb_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_B], kb_desc.layout)
         ka_s, kb_s, va_s, vb_s = kv_ring(ka_desc, kb_desc, va_desc, vb_desc, STAGES)
@@ -162,15 +202,13 @@ if GLUON_IMPORT_ERROR is None:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
-        col = head * HEAD_DIM
-        n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
         gl.warp_specialize([  # the argument tuples are written out: a tuple variable loses its constexprs
-            (consumer_partition, (0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen,
-                                  head, rows, n_blocks, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot, STRIDE_OH,
-                                  HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
-            (consumer_partition, (1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, start, seqlen,
-                                  head, rows, n_blocks, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot, STRIDE_OH,
-                                  HEAD_DIM, HALF_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
-            (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, start, col,
-                              n_blocks, STAGES, D_A, HAS_B)),
+            (consumer_partition, (0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, CU_SEQLENS,
+                                  heads, m_blocks, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
+                                  STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
+            (consumer_partition, (1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, CU_SEQLENS,
+                                  heads, m_blocks, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
+                                  STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
+            (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, CU_SEQLENS,
+                              heads, m_blocks, n_tiles, HEAD_DIM, BLOCK_M, STAGES, D_A, HAS_B)),
         ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

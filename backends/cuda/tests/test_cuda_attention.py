@@ -132,10 +132,13 @@ def test_triton_attn_takes_the_gluon_kernel_on_hopper_and_it_matches_the_referen
     assert torch.equal(poisoned, out)
 
 
-GLUON_TILES = [(128, 128, 4, 4, True, 168, 240), (128, 64, 8, 3), (64, 64, 4, 3)]  # ping-pong, then non-specialised
+# The ping-pong kernel persistent (one program per SM, several tiles each) and with one program per tile, then the
+# non-specialised kernel.
+GLUON_TILES = [(128, 128, 4, 4, True, 168, 240, True), (128, 128, 4, 4, True, 168, 240, False), (128, 64, 8, 3),
+               (64, 64, 4, 3)]
 
 
-@pytest.mark.parametrize("tiles", GLUON_TILES, ids=["pingpong", "128x64", "64x64"])
+@pytest.mark.parametrize("tiles", GLUON_TILES, ids=["pingpong-persistent", "pingpong", "128x64", "64x64"])
 @pytest.mark.parametrize(("head_dim", "dtype"), [(72, torch.bfloat16), (72, torch.float16), (64, torch.bfloat16),
                                                  (96, torch.bfloat16), (40, torch.float16)])
 def test_each_gluon_kernel_matches_the_reference_in_a_long_budget(tiles, head_dim, dtype):
@@ -223,6 +226,29 @@ def test_one_sequence_in_a_1024_row_budget_takes_the_pingpong_kernel(monkeypatch
     qkv[batch.total:, 1] = float("nan")
     qkv[batch.total:, 2] = float("inf")
     assert torch.equal(launch_varlen_attention(q, k, v, batch.cu_seqlens, 1024, batch.scale), out)
+
+
+@pytest.mark.parametrize(("max_seqlen", "use_gluon"), [(1024, False), (256, True), (4096, True)])
+def test_a_q_whose_heads_are_not_adjacent_gives_the_same_result(max_seqlen, use_gluon):
+    """The TMA and Gluon kernels take q's head stride as a constexpr, so a q stored head-major ([H, T, D] seen as
+    [T, H, D]) is copied to adjacent heads first: the result equals that of the adjacent q, bit for bit."""
+    from hwgraph.attention import gluon_kernel
+    from hwgraph.attention.triton_kernel import launch_varlen_attention, uses_tma
+
+    if torch.cuda.get_device_capability()[0] != 9 or gluon_kernel.gluon_available() is not None:
+        pytest.skip(f"the TMA and Gluon kernels need compute capability 9.x and Gluon (capability "
+                    f"{torch.cuda.get_device_capability()}, Gluon: {gluon_kernel.gluon_available() or 'ok'})")
+    batch = random_packed_batch([max_seqlen - 40, 17], HEADS, HEAD_DIM, padding_rows=23, max_seqlen=max_seqlen,
+                                dtype=torch.bfloat16, device="cuda", seed=max_seqlen)
+    qkv = torch.stack([batch.q, batch.k, batch.v], dim=1)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    head_major = q.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(head_major, q) and head_major.stride(1) != HEAD_DIM and uses_tma(head_major, k, v)
+    got = launch_varlen_attention(head_major, k, v, batch.cu_seqlens, max_seqlen, batch.scale, use_gluon=use_gluon)
+    assert_matches_reference(got, batch)
+    assert got.stride(1) == HEAD_DIM  # the kernel ran on the copy (empty_like keeps a head-major q's layout)
+    want = launch_varlen_attention(q, k, v, batch.cu_seqlens, max_seqlen, batch.scale, use_gluon=use_gluon)
+    assert torch.equal(got, want)
 
 
 def test_triton_attn_keeps_the_tma_kernel_where_it_measured_faster():
