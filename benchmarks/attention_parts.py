@@ -84,14 +84,14 @@ def mixed_exp2(x, QUARTER: gl.constexpr):
 NOLOAD = '''
 @gluon.jit
 def load_partition(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, CU_SEQLENS,
-                   heads, m_blocks, n_tiles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
+                   HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, n_tiles, HEAD_DIM: gl.constexpr,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
     """Loads the first STAGES blocks of each program only; later blocks reuse what their slot holds (no L2
     traffic)."""
     BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
     block = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, heads, m_blocks, BLOCK_M)
+        start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, HEADS, M_BLOCKS, BLOCK_M)
         if rows < seqlen:
             n_blocks = gl.cdiv(seqlen, BLOCK_N)
             for j in range(n_blocks):

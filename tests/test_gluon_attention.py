@@ -170,7 +170,7 @@ def test_the_pingpong_grid_has_one_program_per_sm_when_persistent(monkeypatch, s
                                                        tiles, padding_slot=False)
     assert kernel is gluon_pingpong.hopper_attention_pingpong_kernel
     assert grid == (programs,)
-    assert (kwargs["heads"], kwargs["m_blocks"], kwargs["PADDING"]) == (heads, max_seqlen // 128, False)
+    assert (kwargs["HEADS"], kwargs["M_BLOCKS"], kwargs["PADDING"]) == (heads, max_seqlen // 128, False)
 
 
 def test_a_q_whose_heads_are_not_adjacent_is_copied_for_the_constexpr_head_stride(monkeypatch):

@@ -409,7 +409,7 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     n_tiles = grid[0] * heads * num_seqs
     sms = sm_count(q.device)
     programs = min(n_tiles, sms) if tiles.persistent and sms is not None else n_tiles
-    kwargs.update(heads=heads, m_blocks=grid[0], PADDING=padding_slot, CONSUMER_REGS=tiles.consumer_regs,
+    kwargs.update(HEADS=heads, M_BLOCKS=grid[0], PADDING=padding_slot, CONSUMER_REGS=tiles.consumer_regs,
                   maxnreg=tiles.maxnreg)
     return hopper_attention_pingpong_kernel, (max(1, programs),), args, kwargs
 

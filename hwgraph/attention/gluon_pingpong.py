@@ -63,23 +63,25 @@ if GLUON_IMPORT_ERROR is None:
     PRODUCER_REGS = gl.constexpr(24)  # the producer only issues TMA loads; its registers go to the consumers
 
     @gluon.jit
-    def tile_rows(CU_SEQLENS, tile, heads, m_blocks, BLOCK_M: gl.constexpr):
+    def tile_rows(CU_SEQLENS, tile, HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, BLOCK_M: gl.constexpr):
         """``(start, seqlen, rows, head)`` of work tile ``tile``: tiles run m block fastest, then head, then
-        sequence, so the tiles in flight at once share a few heads' k and v in L2."""
-        start, seqlen, rows = sequence_rows(CU_SEQLENS, tile // (m_blocks * heads), tile % m_blocks, BLOCK_M)
-        return start, seqlen, rows, (tile // m_blocks) % heads
+        sequence, so the tiles in flight at once share a few heads' k and v in L2. The counts are constexprs: a
+        division by a runtime value costs the producer and consumers about 0.4 µs a tile before their first load
+        (``docs/benchmarks.md``, session 11)."""
+        start, seqlen, rows = sequence_rows(CU_SEQLENS, tile // (M_BLOCKS * HEADS), tile % M_BLOCKS, BLOCK_M)
+        return start, seqlen, rows, (tile // M_BLOCKS) % HEADS
 
     @gluon.jit
     def load_partition(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, CU_SEQLENS,
-                       heads, m_blocks, n_tiles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
+                       HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, n_tiles, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
         """The producer (one warp): for each of this program's tiles, fills each ring slot once both consumers
         have released it. The ring runs on across tiles, so the next tile's first key blocks load while the
         consumers finish this one."""
         BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
         block = 0  # key blocks loaded so far by this program: the ring position
         for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, heads, m_blocks, BLOCK_M)
+            start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, HEADS, M_BLOCKS, BLOCK_M)
             if rows < seqlen:
                 n_blocks = gl.cdiv(seqlen, BLOCK_N)
                 for j in range(n_blocks):
@@ -103,7 +105,8 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def consumer_partition(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn,
-                           CU_SEQLENS, heads, m_blocks, n_tiles, qk_scale_log2, stride_qt, stride_qh: gl.constexpr,
+                           CU_SEQLENS, HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, n_tiles,
+                           qk_scale_log2, stride_qt, stride_qh: gl.constexpr,
                            stride_ot, stride_oh: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                            D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr, STAGES: gl.constexpr,
                            BLOCK_N: gl.constexpr):
@@ -119,7 +122,7 @@ if GLUON_IMPORT_ERROR is None:
         block = 0  # key blocks consumed so far by this program: the ring position
         issue = 0  # issue points passed so far: the turn barriers' phase
         for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, heads, m_blocks, BLOCK_M)
+            start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, HEADS, M_BLOCKS, BLOCK_M)
             if rows < seqlen:
                 # This consumer's MMAs of the previous tile are complete: its q buffer is free.
                 r0 = rows + HALF * HALF_M
@@ -168,18 +171,18 @@ if GLUON_IMPORT_ERROR is None:
                 block += n_blocks
                 issue += n_blocks + 1
 
-    @gluon.jit(do_not_specialize=["num_seqs", "heads", "m_blocks"])
+    @gluon.jit(do_not_specialize=["num_seqs"])
     def hopper_attention_pingpong_kernel(
         Q, ka_desc, kb_desc, va_desc, vb_desc, Out, CU_SEQLENS,
         tokens, num_seqs, qk_scale_log2,
         stride_qt, STRIDE_QH: gl.constexpr, stride_ot, STRIDE_OH: gl.constexpr,
-        heads, m_blocks,
+        HEADS: gl.constexpr, M_BLOCKS: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
         D_V: gl.constexpr, STAGES: gl.constexpr, PADDING: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """``hopper_attention_kernel``'s arguments (the head strides constexprs, as there), but a one-dimensional
-        grid over work tiles: ``m_blocks`` q blocks of ``BLOCK_M`` rows per sequence slot, ``heads`` heads and
+        grid over work tiles: ``M_BLOCKS`` q blocks of ``BLOCK_M`` rows per sequence slot, ``HEADS`` heads and
         ``num_seqs`` slots; program ``i`` of ``P`` takes tiles ``i, i + P, ..`` (persistent when ``P`` is the
         number of SMs). ``PADDING``: the programs also zero the rows past ``cu_seqlens[-1]`` (the padding slot of
         ``hopper_attention_kernel``'s grid). ``num_warps`` (4) is the default partition's, the first consumer.
@@ -188,9 +191,9 @@ if GLUON_IMPORT_ERROR is None:
         HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_desc.dtype
         if PADDING:
-            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, gl.program_id(0), gl.num_programs(0), heads,
+            zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, gl.program_id(0), gl.num_programs(0), HEADS,
                               stride_ot, STRIDE_OH, HEAD_DIM, BLOCK_M, D_V, num_warps)
-        n_tiles = m_blocks * heads * num_seqs
+        n_tiles = M_BLOCKS * HEADS * num_seqs
         qa_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_A], ka_desc.layout)
         qb_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_B], kb_desc.layout)
         ka_s, kb_s, va_s, vb_s = kv_ring(ka_desc, kb_desc, va_desc, vb_desc, STAGES)
@@ -204,11 +207,11 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.init(turn.index(i), count=1)
         gl.warp_specialize([  # the argument tuples are written out: a tuple variable loses its constexprs
             (consumer_partition, (0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, CU_SEQLENS,
-                                  heads, m_blocks, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
+                                  HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
                                   STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
             (consumer_partition, (1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, CU_SEQLENS,
-                                  heads, m_blocks, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
+                                  HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
                                   STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
             (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, CU_SEQLENS,
-                              heads, m_blocks, n_tiles, HEAD_DIM, BLOCK_M, STAGES, D_A, HAS_B)),
+                              HEADS, M_BLOCKS, n_tiles, HEAD_DIM, BLOCK_M, STAGES, D_A, HAS_B)),
         ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
