@@ -343,8 +343,8 @@ class GluonTiles(NamedTuple):
 # 2048 in 2048 0.052 / 0.062, 2x1024 in 2048 0.032 / 0.035, 4x784 in 4096 0.059 / 0.057; one sequence of 1024 in
 # 1024 rows 0.016 against 0.021 for the Triton TMA kernel, but four of 256 in 1024 0.013 / 0.012. 128x128 tiles with
 # 4 stages (3 stages: 0.196 / 0.052 / 0.032 / 0.059 in the same runs). Persistent since session 11
-# (benchmarks/attention_ab.py): 4x784 in 4096 0.053, 2x1024 in 2048 0.0295, one sequence of 4096 unchanged, one of
-# 1024 in 1024 rows 0.0164 against 0.0158.
+# (benchmarks/attention_ab.py): 4x784 in 4096 0.0515, 2x1024 in 2048 0.030, one sequence of 4096 unchanged, one of
+# 1024 in 1024 rows 0.0167 against 0.0164.
 PINGPONG_TILES = GluonTiles(128, 128, 4, 4, pingpong=True, maxnreg=168, consumer_regs=240, persistent=True)
 PINGPONG_FROM = 2048  # rows of a call with several sequence slots
 PINGPONG_FROM_ONE_SEQUENCE = 1024  # rows of a call with one sequence slot

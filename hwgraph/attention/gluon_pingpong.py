@@ -17,8 +17,9 @@ slots) cost a few scalar loads instead of a program each.
 
 Measured on the H200 (16 heads of 72, bf16, µs per call, the tower's calls without the padding slot;
 ``benchmarks/attention_ab.py --base 64cd2ec``, ``docs/benchmarks.md``, session 11), persistent against one program
-per tile (session 10's grid): four sequences of 784 in 4096 rows 53.3 against 58.2, two of 1024 in 2048 29.5
-against 31.3, one of 4096 191-192 against 191-194 (equal), one of 1024 in 1024 rows 16.4 against 15.8 (slower).
+per tile (session 10's grid): four sequences of 784 in 4096 rows 51.5 against 58.5, two of 1024 in 2048 30.0
+against 31.9, one of 4096 190-191 against 192-194 (equal within spread), one of 1024 in 1024 rows 16.7 against 16.4
+(one tile per program either way: the tile decode and loop cost).
 Against the other kernels (session 10): 0.189 ms for one 4096-patch sequence against 0.221 for
 ``hopper_attention_kernel``'s 128x64 tiles, 0.050 against 0.062 for 2048 patches in 2048 rows, 0.016 for one
 sequence of 1024 in 1024 rows against 0.021 for the Triton TMA kernel; slower for several short sequences in one
