@@ -83,26 +83,14 @@ def mixed_exp2(x, QUARTER: gl.constexpr):
 
 NOLOAD = '''
 @gluon.jit
-def load_partition(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, CU_SEQLENS,
-                   HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, n_tiles, HEAD_DIM: gl.constexpr,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
-    """Loads the first STAGES blocks of each program only; later blocks reuse what their slot holds (no L2
-    traffic)."""
-    BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
-    block = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, HEADS, M_BLOCKS, BLOCK_M)
-        if rows < seqlen:
-            n_blocks = gl.cdiv(seqlen, BLOCK_N)
-            for j in range(n_blocks):
-                g = block + j
-                mbarrier.wait(empty.index(g % STAGES), ((g // STAGES) & 1) ^ 1)
-                if g < STAGES:
-                    issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, g % STAGES,
-                             start + j * BLOCK_N, head * HEAD_DIM, D_A, HAS_B)
-                else:
-                    mbarrier.arrive(ready.index(g % STAGES), count=1)
-            block += n_blocks
+def fill_slot(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, block, row, col,
+              STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
+    """Loads a program's first STAGES key blocks only; later blocks reuse what their slot holds (no L2 traffic)."""
+    mbarrier.wait(empty.index(block % STAGES), ((block // STAGES) & 1) ^ 1)
+    if block < STAGES:
+        issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, block, row, col, D_A, HAS_B)
+    else:
+        mbarrier.arrive(ready.index(block % STAGES), count=1)
 '''
 
 TREE = '''

@@ -73,6 +73,15 @@ if GLUON_IMPORT_ERROR is None:
         return start, seqlen, rows, (tile // M_BLOCKS) % HEADS
 
     @gluon.jit
+    def fill_slot(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, block, row, col,
+                  STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
+        """Wait until both consumers have released the ring slot of this program's key block ``block``, then
+        start loading the key block at token ``row`` into it."""
+        mbarrier.wait(empty.index(block % STAGES), ((block // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase 1
+        issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, block % STAGES, row, col, D_A,
+                 HAS_B)
+
+    @gluon.jit
     def load_partition(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, CU_SEQLENS,
                        HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, n_tiles, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
@@ -86,10 +95,8 @@ if GLUON_IMPORT_ERROR is None:
             if rows < seqlen:
                 n_blocks = gl.cdiv(seqlen, BLOCK_N)
                 for j in range(n_blocks):
-                    g = block + j
-                    mbarrier.wait(empty.index(g % STAGES), ((g // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase 1
-                    issue_kv(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, g % STAGES,
-                             start + j * BLOCK_N, head * HEAD_DIM, D_A, HAS_B)
+                    fill_slot(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, block + j,
+                              start + j * BLOCK_N, head * HEAD_DIM, STAGES, D_A, HAS_B)
                 block += n_blocks
 
     @gluon.jit
