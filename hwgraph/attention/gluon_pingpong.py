@@ -113,11 +113,10 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def consumer_partition(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn,
-                           CU_SEQLENS, HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, n_tiles,
-                           qk_scale_log2, stride_qt, stride_qh: gl.constexpr,
-                           stride_ot, stride_oh: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                           D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr, STAGES: gl.constexpr,
-                           BLOCK_N: gl.constexpr):
+                           CU_SEQLENS, HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, n_tiles, qk_scale_log2,
+                           stride_qt, stride_qh: gl.constexpr, stride_ot, stride_oh: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
+                           HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
         """One consumer warpgroup: for each of this program's tiles, q rows ``rows + HALF * BLOCK_M // 2 ..``, the
         key loop of ``hopper_attention_kernel`` with the MMAs of each of its ``n_blocks + 1`` issue points in turn
         with the other consumer, and each ring slot released to the producer once its p.v is done. Both consumers
