@@ -415,16 +415,12 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def sm_count(device: torch.device) -> int | None:
     """Streaming multiprocessors of a CUDA device (a persistent kernel's programs); None off CUDA (the CPU compile
     tests, which launch nothing)."""
     if device.type != "cuda":
         return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

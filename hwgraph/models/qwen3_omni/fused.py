@@ -26,6 +26,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from hwgraph.attention.varlen_inputs import eager_or_op
+
 FUSED_ENV = "HWGRAPH_FUSED"
 
 
@@ -86,7 +88,7 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[
     """Rotated ``q``, ``k`` ``[T, H, D]`` from the ``[T, 3, H, D]`` qkv view (see ``rotary_qk_reference``)."""
     if not use_triton(qkv) or qkv.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
         return rotary_qk_reference(qkv, cos, sin)
-    out = rotary_qk_op(qkv, cos, sin) if torch.compiler.is_compiling() else rotary_qk_launch(qkv, cos, sin)
+    out = eager_or_op(rotary_qk_op, rotary_qk_launch)(qkv, cos, sin)
     return out[0], out[1]
 
 
@@ -129,7 +131,7 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNor
     if not fusable:
         return add_layer_norm_reference(x, delta, norm)
     args = (x, delta, norm.weight, norm.bias, float(norm.eps))
-    out = add_layer_norm_op(*args) if torch.compiler.is_compiling() else add_layer_norm_launch(*args)
+    out = eager_or_op(add_layer_norm_op, add_layer_norm_launch)(*args)
     return out[0], out[1]
 
 
@@ -179,8 +181,7 @@ def add_position_embedding(x: torch.Tensor, table: torch.Tensor, indices: torch.
                and indices.stride(-1) == 1 and weights.stride(-1) == 1)
     if not fusable:
         return add_position_embedding_reference(x, table, indices, weights)
-    args = (x, table, indices, weights)
-    return add_position_embedding_op(*args) if torch.compiler.is_compiling() else add_position_embedding_launch(*args)
+    return eager_or_op(add_position_embedding_op, add_position_embedding_launch)(x, table, indices, weights)
 
 
 # ---------------------------------------------------------------- fc1 + tanh-GELU
