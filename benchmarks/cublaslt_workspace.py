@@ -14,7 +14,10 @@ rounds alternate default, 0, default, 0, ... Each process captures the TRITON_AT
 (as ``hwgraph bench`` builds them: budgets doubling from 64, up to 4 images a graph) and prints, per group, the
 median and p95 of the replay of the graph that holds it (the groups' replays interleaved in shuffled rounds), the
 memset nodes and kernels of one profiled replay, and a digest of the step's outputs (all images, DeepStack
-included), so that the settings' outputs can be compared bit for bit.
+included), so that the settings' outputs can be compared bit for bit. Last, per group, ``ENQUEUED`` steps
+(``manager.encode``) called back to back without waiting for the GPU: the host's time per call, and the wait for
+the GPU after the last. A host that can queue steps ahead spends its per-step cost in the calls and leaves the rest
+to the wait; one that cannot waits in each call for the GPU to finish the previous replay.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 ENV = "CUBLASLT_WORKSPACE_SIZE"
 SETTINGS = {"default": None, "workspace 0": "0"}
+ENQUEUED = 10
 
 
 def child(spec: str) -> dict:
@@ -63,6 +68,15 @@ def child(spec: str) -> dict:
     replay = measure_interleaved({k: g.replay for k, g in graphs.items()}, device)
     for label, lat in replay.items():
         out[label].update(median=lat.median, p95=lat.p95)
+    for group in groups:  # host time to enqueue ENQUEUED steps without waiting for any, then the wait for them
+        pixels, grid = inputs[group.label]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(ENQUEUED):
+            manager.encode(pixels, grid)
+        queued = time.perf_counter()
+        torch.cuda.synchronize()
+        out[group.label].update(enqueue=(queued - start) * 1e3 / ENQUEUED, drain=(time.perf_counter() - queued) * 1e3)
     return out
 
 
@@ -91,7 +105,8 @@ def main():
             runs.append((label, result))
             print(f"round {round_}, {label}: " + "; ".join(
                 f"{g} (budget {r['budget']}) replay {r['median']:.3f} / {r['p95']:.3f} ms, {r['memsets']} memsets, "
-                f"{r['kernels']} kernels, outputs {r['digest']}" for g, r in result.items()), flush=True)
+                f"{r['kernels']} kernels, outputs {r['digest']}, host {r['enqueue']:.3f} ms a call to enqueue "
+                f"{ENQUEUED} steps, then {r['drain']:.3f} ms waiting for them" for g, r in result.items()), flush=True)
     for group in runs[0][1]:
         digests = {r[group]["digest"] for _, r in runs}
         medians = {label: [r[group]["median"] for lab, r in runs if lab == label] for label in SETTINGS}
