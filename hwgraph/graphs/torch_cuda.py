@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -44,6 +46,19 @@ def torch_version_capability(backend: str, found: str | None, minimum: str = MIN
         return Capability.unavailable(f"the {backend} graph backend needs torch >= {minimum}, found {found or 'none'}; "
                                       f"upgrade torch")
     return Capability.available()
+
+
+@contextlib.contextmanager
+def environment_defaults(values: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """Set each of ``values`` in the process environment for the block, unless the process has set it already (the
+    user's choice stands), and remove what it set afterwards. Yields what it set."""
+    applied = {name: value for name, value in values.items() if name not in os.environ}
+    os.environ.update(applied)
+    try:
+        yield applied
+    finally:
+        for name in applied:
+            os.environ.pop(name, None)
 
 
 class TorchCudaCapturedGraph(CapturedGraph):
@@ -96,6 +111,9 @@ class TorchCudaGraphBackend(GraphBackend):
     warmup_runs: ClassVar[int] = 2
     #: Replay once after capture and compare with an eager run (ROCm: a broken capture may not raise).
     check_replay_after_capture: ClassVar[bool] = False
+    #: Process environment variables set while a graph is captured, after the warm-up, each unless the process has
+    #: set it itself (``environment_defaults``); the CUDA plugin's says how cuBLASLt picks its kernels.
+    capture_environment: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, device: torch.device | str | None = None, mode: str | None = None):
         super().__init__(device, mode)
@@ -152,7 +170,10 @@ class TorchCudaGraphBackend(GraphBackend):
         with runtime.device(self.device):
             stream = self.capture_stream()  # one stream for every capture, as sharing a pool across graphs asks
             self.warm_up(fn, stream)
-            captured = self.capture_on(fn, pool, stream)
+            with environment_defaults(self.capture_environment) as applied:
+                if applied:
+                    log.debug("capturing with %s set", applied)
+                captured = self.capture_on(fn, pool, stream)
             if self.check_replay_after_capture:
                 self.check_replay(captured, fn)
         return captured

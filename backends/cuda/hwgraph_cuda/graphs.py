@@ -8,8 +8,27 @@ from hwgraph.platform import detect
 
 
 class CudaGraphBackend(TorchCudaGraphBackend):
+    """CUDA graphs. The capture itself (not its warm-up) runs with ``CUBLASLT_WORKSPACE_SIZE=0`` unless the process
+    sets that variable itself.
+
+    With a workspace, cuBLASLt runs the larger products (the tower's qkv and fc1 at 4096 rows on the H200) with a
+    dynamically scheduled kernel that zeroes a counter in its workspace before each launch. A captured graph keeps
+    those memsets as memset nodes. Each one delays its product by about 4.5 µs, and launching the graph costs the
+    host about 0.95 ms instead of 0.17 (54 memsets in the 1024-token graph; ``benchmarks/cublaslt_workspace.py``,
+    ``docs/benchmarks.md``, session 12).
+
+    Without a workspace, cuBLASLt takes the statically scheduled variant of the same tiles, with the same results
+    bit for bit. PyTorch reads the variable at each cuBLASLt call, so it only applies while the graph is captured;
+    eager calls keep the process's workspace.
+
+    The warm-up runs first, with the workspace as the process has it. PyTorch allocates a stream's workspace at that
+    stream's first cuBLAS call, with the size read then, so every stream the captured function uses already holds a
+    full-size workspace when the capture asks for none.
+    """
+
     name = "cuda"
     modes = ("full",)
+    capture_environment = {"CUBLASLT_WORKSPACE_SIZE": "0"}
 
     @classmethod
     def capability(cls, device=None) -> Capability:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from hwgraph.graphs import CaptureError, HostSyncError
 
@@ -132,3 +135,39 @@ def test_a_released_graph_refuses_to_replay(backend, buffers):
     graph.release()
     with pytest.raises(RuntimeError, match="released"):
         graph.replay()
+
+
+def memsets_in_replay(graph) -> int:
+    """The memset activities of one profiled replay of ``graph`` (after an unprofiled one)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return sum("Memset" in e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def test_capture_takes_cublaslt_kernels_without_workspace_memsets(backend, monkeypatch):
+    """The tower's qkv product at 4096 rows: captured with the process's cuBLASLt workspace, the graph zeroes the
+    kernel's tile counter with a memset before it (on the H200); captured by the plugin (``capture_environment``),
+    it has no memset, and the product equals the eager one (default workspace) bit for bit."""
+    from hwgraph_cuda.graphs import CudaGraphBackend
+
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
+    torch.manual_seed(0)
+    x = torch.randn(4096, 1152, device=backend.device, dtype=torch.bfloat16)
+    weight = torch.randn(3456, 1152, device=backend.device, dtype=torch.bfloat16) * 0.03
+    bias = torch.randn(3456, device=backend.device, dtype=torch.bfloat16)
+
+    def fn():
+        return F.linear(x, weight, bias)
+
+    plain = type("PlainCapture", (CudaGraphBackend,), {"capture_environment": {}})()
+    if memsets_in_replay(plain.capture(fn)) == 0:
+        pytest.skip(f"cuBLASLt takes no workspace-counter kernel for this product on {torch.cuda.get_device_name()}")
+    graph = backend.capture(fn)
+    assert memsets_in_replay(graph) == 0
+    graph.replay()
+    backend.synchronize()
+    assert torch.equal(graph.outputs, fn())
+    assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import types
 
@@ -170,6 +171,53 @@ def test_chosen_automatically_on_a_simulated_npu(npu):
 def test_the_probe_describes_both_modes():
     spec = probe()
     assert (spec.name, spec.kinds, spec.modes, spec.priority) == ("npu", ("npu",), ("aclgraph", "torchair"), 100)
+
+
+CAPTURE_VARIABLE = "HWGRAPH_TEST_CAPTURE_VARIABLE"
+
+
+class EnvironmentBackend(NpuGraphBackend):
+    """The shared ``torch.cuda`` capture path (as the CUDA plugin takes it) with a capture environment."""
+
+    capture_environment = {CAPTURE_VARIABLE: "0"}
+
+
+def environment_seen(npu, fail_in_capture: bool = False):
+    """A function to capture that records, per call, whether it is captured and the variable's value."""
+    seen = []
+
+    def fn():
+        seen.append((npu.capturing, os.environ.get(CAPTURE_VARIABLE)))
+        if fail_in_capture and npu.capturing:
+            raise RuntimeError("boom")
+        return torch.ones(2)
+
+    return fn, seen
+
+
+def test_the_capture_environment_is_set_for_the_capture_alone(monkeypatch, npu):
+    monkeypatch.delenv(CAPTURE_VARIABLE, raising=False)
+    fn, seen = environment_seen(npu)
+    EnvironmentBackend(device="npu:0").capture(fn)
+    assert seen == [(False, None), (False, None), (True, "0")]  # two warm-ups without it, the capture with it
+    assert CAPTURE_VARIABLE not in os.environ
+
+
+def test_the_capture_environment_is_removed_after_a_failed_capture(monkeypatch, npu):
+    monkeypatch.delenv(CAPTURE_VARIABLE, raising=False)
+    fn, seen = environment_seen(npu, fail_in_capture=True)
+    with pytest.raises(CaptureError, match="boom"):
+        EnvironmentBackend(device="npu:0").capture(fn)
+    assert seen[-1] == (True, "0")
+    assert CAPTURE_VARIABLE not in os.environ
+
+
+def test_a_variable_the_process_sets_itself_stands_during_capture(monkeypatch, npu):
+    monkeypatch.setenv(CAPTURE_VARIABLE, "4096")
+    fn, seen = environment_seen(npu)
+    EnvironmentBackend(device="npu:0").capture(fn)
+    assert seen == [(False, "4096"), (False, "4096"), (True, "4096")]
+    assert os.environ[CAPTURE_VARIABLE] == "4096"
 
 
 def test_aclgraph_capture_warms_up_on_the_capture_stream_then_captures_into_the_pool(npu):
