@@ -37,10 +37,11 @@ ENQUEUED = 10
 
 def child(spec: str) -> dict:
     import torch
-    from replay_gaps import device_events, preset_tower  # benchmarks/, the script's directory
+    from replay_gaps import preset_tower  # benchmarks/, the script's directory
 
     from hwgraph.bench import covering_budgets, group_inputs, kernel_view, parse_groups, warm_device
     from hwgraph.manager import EncoderGraphManager
+    from hwgraph.profiling import replay_activities
     from hwgraph.timing import measure_interleaved
 
     torch.manual_seed(0)
@@ -61,7 +62,7 @@ def child(spec: str) -> dict:
                 digest.update(t.contiguous().view(torch.int16).cpu().numpy().tobytes())
         budget = min(b for b in budgets if b >= group.total)
         graphs[group.label] = manager.graphs[budget].graph_for(group.count)[1]
-        events = device_events(graphs[group.label])
+        events = replay_activities(graphs[group.label])
         out[group.label] = {"digest": digest.hexdigest()[:16], "budget": budget,
                             "memsets": sum("Memset" in e.name for e in events),
                             "kernels": sum("Memset" not in e.name and "Memcpy" not in e.name for e in events)}

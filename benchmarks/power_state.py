@@ -21,11 +21,12 @@ import sys
 import time
 
 import torch
-from replay_gaps import device_events, preset_tower  # benchmarks/, the script's directory
+from replay_gaps import preset_tower  # benchmarks/, the script's directory
 
 from hwgraph.bench import kernel_view, warm_device
 from hwgraph.budgets import filling_grid
 from hwgraph.manager import EncoderGraphManager
+from hwgraph.profiling import replay_activities
 from hwgraph.timing import measure_interleaved
 
 
@@ -66,7 +67,7 @@ def main():
 
     poll(3, f"{tag} back-to-back replays", graph.replay)
     lat = measure_interleaved({"replay": graph.replay}, "cuda")
-    ev = device_events(graph)
+    ev = replay_activities(graph)
     kern = [e for e in ev if "Memset" not in e.name]
     att = [e for e in ev if "attention" in e.name]
     ksum = sum(e.time_range.end - e.time_range.start for e in kern) / 1000

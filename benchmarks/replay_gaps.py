@@ -42,13 +42,13 @@ import time
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from hwgraph.attention import gluon_kernel, triton_kernel
 from hwgraph.bench import eager_call, group_inputs, kernel_view, parse_groups, warm_device
 from hwgraph.budgets import filling_grid
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+from hwgraph.profiling import replay_activities
 from hwgraph.timing import measure_interleaved
 
 TOKENS, BUDGET = 49, 64
@@ -90,20 +90,9 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def device_events(graph) -> list:
-    """The CUDA activities of one profiled replay of ``graph`` (after an unprofiled one), in start order."""
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                  key=lambda e: e.time_range.start)
-
-
 def gap_profile(graph) -> tuple[float, int, dict]:
     """Summed kernel ms, kernel count, and {kernel kind: (summed idle ms before it, its summed ms)}."""
-    kernels = [e for e in device_events(graph) if "Memcpy" not in e.name and "Memset" not in e.name]
+    kernels = [e for e in replay_activities(graph) if "Memcpy" not in e.name and "Memset" not in e.name]
     per_kind = defaultdict(lambda: [0.0, 0.0])
     total = 0.0
     for before, after in zip([None] + kernels[:-1], kernels, strict=True):
@@ -118,7 +107,7 @@ def gap_profile(graph) -> tuple[float, int, dict]:
 def census(graph) -> dict[str, tuple[int, float]]:
     """{kernel name: (launches, summed ms)} of one profiled replay."""
     out = defaultdict(lambda: [0, 0.0])
-    for e in device_events(graph):
+    for e in replay_activities(graph):
         out[e.name][0] += 1
         out[e.name][1] += (e.time_range.end - e.time_range.start) / 1000
     return {k: tuple(v) for k, v in out.items()}

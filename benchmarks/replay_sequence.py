@@ -14,11 +14,12 @@ import os
 import sys
 
 import torch
-from replay_gaps import device_events, preset_tower  # benchmarks/, the script's directory
+from replay_gaps import preset_tower  # benchmarks/, the script's directory
 
 from hwgraph.bench import kernel_view, warm_device
 from hwgraph.budgets import filling_grid
 from hwgraph.manager import EncoderGraphManager
+from hwgraph.profiling import replay_activities
 from hwgraph.timing import measure_interleaved
 
 dev = torch.device("cuda")
@@ -33,7 +34,7 @@ out = m.encode(pixels, [filling_grid(tokens, 2)])[0].embeds.float()
 torch.save(out.cpu(), f"/tmp/out_{os.environ.get('TAG','x')}.pt")
 graph = m.graphs[budget].graph_for(1)[1]
 lat = measure_interleaved({"replay": graph.replay}, "cuda")
-ev = device_events(graph)
+ev = replay_activities(graph)
 memsets = [e for e in ev if "Memset" in e.name]
 kern = [e for e in ev if "Memset" not in e.name and "Memcpy" not in e.name]
 ksum = sum((e.time_range.end - e.time_range.start) for e in kern) / 1000

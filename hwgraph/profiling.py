@@ -67,3 +67,14 @@ def kernel_time(fn: Callable[[], object], device, warmup: int = 1) -> KernelTime
     if not kernels:
         return KernelTime(None, 0, "unavailable: the profiler recorded no device activity")
     return KernelTime(sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels), "device kernels")
+
+
+def replay_activities(graph) -> list:
+    """The device activities (kernels, copies, memsets) of one profiled replay of a captured CUDA graph (anything
+    with ``replay()``; one unprofiled replay first), in start order."""
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)

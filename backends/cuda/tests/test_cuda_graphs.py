@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from hwgraph.graphs import CaptureError, HostSyncError
+from hwgraph.profiling import replay_activities
 
 pytestmark = pytest.mark.cuda
 
@@ -138,13 +138,8 @@ def test_a_released_graph_refuses_to_replay(backend, buffers):
 
 
 def memsets_in_replay(graph) -> int:
-    """The memset activities of one profiled replay of ``graph`` (after an unprofiled one)."""
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    return sum("Memset" in e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    """The memset activities of one profiled replay of ``graph``."""
+    return sum("Memset" in e.name for e in replay_activities(graph))
 
 
 def test_capture_takes_cublaslt_kernels_without_workspace_memsets(backend, monkeypatch):
