@@ -60,10 +60,12 @@ def child(spec: str) -> dict:
         for image in manager.encode(pixels, grid):
             for t in (image.embeds, *image.deepstack):
                 digest.update(t.contiguous().view(torch.int16).cpu().numpy().tobytes())
-        budget = min(b for b in budgets if b >= group.total)
-        graphs[group.label] = manager.graphs[budget].graph_for(group.count)[1]
+        entry, why = manager.select_graph(grid, group.total)
+        if entry is None:
+            raise SystemExit(f"{group.label} would not replay: {why}")
+        graphs[group.label] = entry.graph_for(group.count)[1]
         events = replay_activities(graphs[group.label])
-        out[group.label] = {"digest": digest.hexdigest()[:16], "budget": budget,
+        out[group.label] = {"digest": digest.hexdigest()[:16], "budget": entry.budget,
                             "memsets": sum("Memset" in e.name for e in events),
                             "kernels": sum("Memset" not in e.name and "Memcpy" not in e.name for e in events)}
     replay = measure_interleaved({k: g.replay for k, g in graphs.items()}, device)

@@ -21,11 +21,9 @@ import sys
 import time
 
 import torch
-from replay_gaps import preset_tower  # benchmarks/, the script's directory
+from replay_gaps import one_image_graph, preset_tower  # benchmarks/, the script's directory
 
-from hwgraph.bench import kernel_view, warm_device
-from hwgraph.budgets import filling_grid
-from hwgraph.manager import EncoderGraphManager
+from hwgraph.bench import warm_device
 from hwgraph.profiling import replay_activities
 from hwgraph.timing import measure_interleaved
 
@@ -54,16 +52,12 @@ def main():
     dev = torch.device("cuda")
     warm_device(dev)
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
-    budget = next(b for b in (64, 128, 256, 512, 1024) if b >= tokens)
     tower = preset_tower(dev)
-    m = EncoderGraphManager(kernel_view(tower, "TRITON_ATTN"), budgets=[budget], max_images_per_graph=1)
-    m.capture()
     gen = torch.Generator().manual_seed(1)
     pixels = torch.randn(tokens * 4, 1536, generator=gen).to(dev, torch.bfloat16)
-    out = m.encode(pixels, [filling_grid(tokens, 2)])[0].embeds.float()
+    _manager, _, graph, out = one_image_graph(tower, tokens, pixels)
     tag = os.environ.get("TAG", "x")
-    torch.save(out.cpu(), f"/tmp/out_{tag}.pt")
-    graph = m.graphs[budget].graph_for(1)[1]
+    torch.save(out.float().cpu(), f"/tmp/out_{tag}.pt")
 
     poll(3, f"{tag} back-to-back replays", graph.replay)
     lat = measure_interleaved({"replay": graph.replay}, "cuda")

@@ -113,13 +113,21 @@ def census(graph) -> dict[str, tuple[int, float]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
+def one_image_graph(tower, tokens: int, pixels: torch.Tensor) -> tuple[EncoderGraphManager, int, object, torch.Tensor]:
+    """``(manager, budget, graph, embeds)``: a TRITON_ATTN manager with the smallest budget holding one
+    ``tokens``-token image (one slot), captured and run once on ``pixels``; that budget, the image's graph and the
+    merged embeddings of the run. Keep the manager while replaying the graph: it holds the graph's static inputs."""
+    budget = next(b for b in (64, 128, 256, 512, 1024) if b >= tokens)
+    m = EncoderGraphManager(kernel_view(tower, "TRITON_ATTN"), budgets=[budget], max_images_per_graph=1)
+    m.capture()
+    embeds = m.encode(pixels, [filling_grid(tokens, 2)])[0].embeds
+    return m, budget, m.graphs[budget].graph_for(1)[1], embeds
+
+
 def replay_census(device, tokens: int):
     """The kernels of one ``tokens`` image's plain replay (TRITON_ATTN), most time first."""
-    budget = next(b for b in (64, 128, 256, 512, 1024) if b >= tokens)
-    m = EncoderGraphManager(kernel_view(preset_tower(device), "TRITON_ATTN"), budgets=[budget], max_images_per_graph=1)
-    m.capture()
-    m.encode(torch.randn(tokens * 4, 1536, device=device, dtype=torch.bfloat16), [filling_grid(tokens, 2)])
-    graph = m.graphs[budget].graph_for(1)[1]
+    pixels = torch.randn(tokens * 4, 1536, device=device, dtype=torch.bfloat16)
+    _manager, budget, graph, _ = one_image_graph(preset_tower(device), tokens, pixels)
     replay = measure_interleaved({"replay": graph.replay}, "cuda")["replay"]
     kernels = census(graph)
     total = sum(ms for _, ms in kernels.values())

@@ -14,11 +14,9 @@ import os
 import sys
 
 import torch
-from replay_gaps import preset_tower  # benchmarks/, the script's directory
+from replay_gaps import one_image_graph, preset_tower  # benchmarks/, the script's directory
 
-from hwgraph.bench import kernel_view, warm_device
-from hwgraph.budgets import filling_grid
-from hwgraph.manager import EncoderGraphManager
+from hwgraph.bench import warm_device
 from hwgraph.profiling import replay_activities
 from hwgraph.timing import measure_interleaved
 
@@ -26,13 +24,9 @@ dev = torch.device("cuda")
 warm_device(dev)
 tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
 show = "--show" in sys.argv
-budget = next(b for b in (64, 128, 256, 512, 1024) if b >= tokens)
-m = EncoderGraphManager(kernel_view(preset_tower(dev), "TRITON_ATTN"), budgets=[budget], max_images_per_graph=1)
-m.capture()
 pixels = torch.randn(tokens * 4, 1536, device=dev, dtype=torch.bfloat16)
-out = m.encode(pixels, [filling_grid(tokens, 2)])[0].embeds.float()
-torch.save(out.cpu(), f"/tmp/out_{os.environ.get('TAG','x')}.pt")
-graph = m.graphs[budget].graph_for(1)[1]
+_manager, _, graph, out = one_image_graph(preset_tower(dev), tokens, pixels)
+torch.save(out.float().cpu(), f"/tmp/out_{os.environ.get('TAG','x')}.pt")
 lat = measure_interleaved({"replay": graph.replay}, "cuda")
 ev = replay_activities(graph)
 memsets = [e for e in ev if "Memset" in e.name]

@@ -22,8 +22,7 @@ from replay_gaps import census, preset_tower  # benchmarks/, the script's direct
 
 from hwgraph.bench import group_inputs, kernel_view, parse_groups, warm_device
 from hwgraph.manager import EncoderGraphManager
-from hwgraph.models.qwen3_omni.fused import rotary_qk
-from hwgraph.models.qwen3_omni.fused_kernels import add_layer_norm_kernel
+from hwgraph.models.qwen3_omni.fused import add_layer_norm_launch, rotary_qk
 from hwgraph.timing import measure_interleaved
 
 SIDE = {}
@@ -34,14 +33,6 @@ def side_stream(dev):
     if dev not in SIDE:
         SIDE[dev] = torch.cuda.Stream(dev)
     return SIDE[dev]
-
-
-def add_ln_into(x, delta, norm, out, plane):
-    """``fused.add_layer_norm``'s kernel writing into a chunk of caller-given planes: the sums at ``out``, the
-    normalised rows ``plane`` elements after them."""
-    rows, width = x.shape
-    add_layer_norm_kernel[(rows,)](x, delta, norm.weight, norm.bias, out, x.stride(0), delta.stride(0), plane,
-                                   float(norm.eps), N=width, BLOCK=2048, num_warps=4)
 
 
 def make_split(tower, parts, split_qkv, min_rows=2048):
@@ -76,12 +67,13 @@ def make_split(tower, parts, split_qkv, min_rows=2048):
         for i, (a, b) in enumerate(bounds):
             with torch.cuda.stream(main if i % 2 == 0 else side):
                 p = F.linear(out[a:b], attn.proj.weight, attn.proj.bias)
-                add_ln_into(x[a:b], p, block.norm2, buf1[0, a:b], T * C)
+                add_layer_norm_launch(x[a:b], p, block.norm2.weight, block.norm2.bias, block.norm2.eps, buf1[:, a:b])
                 d = block.mlp.forward(buf1[1, a:b])
                 if next_norm is None:
                     torch.add(buf1[0, a:b], d, out=buf2[0, a:b])
                 else:
-                    add_ln_into(buf1[0, a:b], d, next_norm, buf2[0, a:b], T * C)
+                    add_layer_norm_launch(buf1[0, a:b], d, next_norm.weight, next_norm.bias, next_norm.eps,
+                                          buf2[:, a:b])
                     if next_qkv is not None:
                         torch.addmm(nb.attn.qkv.bias, buf2[1, a:b], nb.attn.qkv.weight.t(), out=next_qkv[a:b])
         main.wait_stream(side)

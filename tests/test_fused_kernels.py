@@ -45,6 +45,13 @@ CHILD = textwrap.dedent("""
             torch.testing.assert_close(got[0], want[0], **exact)
             # ... so the LayerNorm is checked against the sum the kernel actually normalised.
             torch.testing.assert_close(got[1], fused.add_layer_norm_reference(got[0], torch.zeros_like(x), norm)[1])
+            # Written into rows 2 .. 2 + rows of larger planes: the same values there, nothing around them touched.
+            planes = torch.full((2, rows + 4, width), 7.0).to(dtype)
+            rows_of = planes[:, 2:2 + rows]
+            assert fused.add_layer_norm_launch(x, delta, norm.weight, norm.bias, norm.eps, rows_of) is rows_of
+            for plane, part in zip(rows_of, got, strict=True):
+                torch.testing.assert_close(plane, part, rtol=0, atol=0)
+            assert (planes[:, :2] == 7).all() and (planes[:, 2 + rows:] == 7).all()
         for rows, width, table_rows in ((9, 64, 36), (33, 1152, 2304), (0, 32, 4)):
             table = torch.randn(table_rows, width).to(dtype)
             x = torch.randn(rows, width).to(dtype)
@@ -74,6 +81,13 @@ def test_the_rotary_kernel_refuses_an_odd_head_dim_by_name():
     qkv = torch.zeros(2, 3, 2, 7)
     with pytest.raises(ValueError, match="even head_dim, got 7"):
         fused.rotary_qk_launch(qkv, torch.zeros(2, 7), torch.zeros(2, 7))
+
+
+def test_add_layer_norm_into_planes_of_another_shape_names_the_shape_it_needs():
+    pytest.importorskip("triton", reason="the add + LayerNorm kernel's launcher imports triton")
+    x, norm = torch.zeros(5, 8), torch.nn.LayerNorm(8)
+    with pytest.raises(ValueError, match=r"out must be \[2, 5, 8\] with contiguous rows, got shape \(2, 5, 4\)"):
+        fused.add_layer_norm_launch(x, x, norm.weight, norm.bias, norm.eps, torch.empty(2, 5, 8)[:, :, :4])
 
 
 def test_the_position_embedding_takes_the_kernel_only_for_its_layout(monkeypatch):

@@ -100,15 +100,20 @@ def add_layer_norm_reference(x: torch.Tensor, delta: torch.Tensor, norm: torch.n
 
 
 def add_layer_norm_launch(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                          eps: float) -> torch.Tensor:
-    """The Triton path: returns ``[2, rows, N]``: the sum, then its LayerNorm."""
+                          eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton path: returns ``[2, rows, N]``: the sum, then its LayerNorm. ``out``: where to write them (a new
+    tensor by default), rows contiguous; its two planes may lie anywhere, e.g. rows of a larger ``[2, R, N]``."""
     from hwgraph.models.qwen3_omni.fused_kernels import add_layer_norm_kernel
 
     rows, width = x.shape
-    out = torch.empty((2, rows, width), device=x.device, dtype=x.dtype)
+    if out is None:
+        out = torch.empty((2, rows, width), device=x.device, dtype=x.dtype)
+    elif out.shape != (2, rows, width) or out.stride(1) != width or out.stride(2) != 1:
+        raise ValueError(f"out must be [2, {rows}, {width}] with contiguous rows, got shape {tuple(out.shape)} and "
+                         f"strides {out.stride()}")
     if rows:
         block = next_pow2(width)
-        add_layer_norm_kernel[(rows,)](x, delta, weight, bias, out, x.stride(0), delta.stride(0), rows * width, eps,
+        add_layer_norm_kernel[(rows,)](x, delta, weight, bias, out, x.stride(0), delta.stride(0), out.stride(0), eps,
                                        N=width, BLOCK=block, num_warps=4 if block <= 2048 else 8)
     return out
 
