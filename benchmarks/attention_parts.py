@@ -20,6 +20,15 @@ without a part, and the difference to ``shipped`` bounds what making that part f
 - ``poly50`` / ``poly25``: half / a quarter of the exponentials as a degree-3 polynomial on the FMA units
   (FlashAttention-4's split between the multi-function unit and the FMA units), the rest on the multi-function
   unit; these compute the right result, and their error against flash is printed.
+- ``norescale``: the accumulators never rescaled (wrong result: bounds what skipping rescales can gain);
+- ``lazyrescale``: a row's maximum moves only when a block's exceeds it by more than 8 (log2 units: p stays below
+  256), so most blocks' correction is exactly 1, and the accumulators are rescaled only when some row of the
+  warpgroup's needs it (FlashAttention-4's conditional rescaling); right result;
+- ``earlyrescale``: the accumulators rescaled after q.k is issued, before p.v (FlashAttention-3's order: the
+  rescale runs while the tensor cores do q.k) instead of after p.v's wait; right result, the same arithmetic;
+  ``earlyrescale+lazyrescale`` both;
+- ``warprescale``: lazyrescale's rows, the skip decided per warp by a vote (no exchange between warps) and taken by
+  a branch in PTX around each eight accumulators' multiplies; right result.
 
 ``--tile 128,128,4,4,1,168,240``: ``GluonTiles`` fields for every variant (default ``PINGPONG_TILES``).
 The row sums on the tensor cores (p times a tile of ones, instead of adds) were measured with this script and the
@@ -149,6 +158,74 @@ def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
     return o_a, o_b
 '''
 
+LAZY = softmax(m_new="gl.where(gl.max(s, 1) * qk_scale_log2 > m_i + 8.0, gl.max(s, 1) * qk_scale_log2, m_i)") + '''
+
+@gluon.jit
+def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
+    if gl.min(alpha, 0) < 1.0:
+        o_a = o_a * gl.convert_layout(alpha, gl.SliceLayout(1, o_a.type.layout))[:, None]
+        if HAS_B:
+            o_b = o_b * gl.convert_layout(alpha, gl.SliceLayout(1, o_b.type.layout))[:, None]
+    return o_a, o_b
+'''
+
+# lazyrescale's rows, with the skip decided per warp (a vote, no exchange between warps) and taken by a branch in
+# PTX around each eight accumulators' multiplies.
+WARP_VOTE = '''
+@gluon.jit
+def warp_needs(alpha):
+    """1.0 in every row of a warp where some row's correction is below 1, else 0.0 (``vote.sync.any``)."""
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .pred p, q; setp.lt.f32 p, $2, 0f3F800000; setp.lt.f32 q, $3, 0f3F800000; or.pred p, p, q; "
+        "vote.sync.any.pred p, p, 0xffffffff; selp.f32 $0, 0f3F800000, 0f00000000, p; mov.b32 $1, $0; }",
+        constraints="=r,=r,r,r", args=[alpha], dtype=gl.float32, is_pure=True, pack=2)
+
+
+@gluon.jit
+def scale_if(o, alpha, need):
+    """o times alpha (per row) where the warp needs it; eight accumulators a branch."""
+    layout: gl.constexpr = gl.SliceLayout(1, o.type.layout)
+    a = gl.convert_layout(alpha, layout)[:, None] + gl.zeros_like(o)
+    n = gl.convert_layout(need, layout)[:, None] + gl.zeros_like(o)
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.eq.f32 p, $16, 0f00000000; "
+        "mov.b32 $0, $8; mov.b32 $1, $9; mov.b32 $2, $10; mov.b32 $3, $11; "
+        "mov.b32 $4, $12; mov.b32 $5, $13; mov.b32 $6, $14; mov.b32 $7, $15; "
+        "@p bra.uni SKIP; "
+        "mul.f32 $0, $8, $24; mul.f32 $1, $9, $25; mul.f32 $2, $10, $26; mul.f32 $3, $11, $27; "
+        "mul.f32 $4, $12, $28; mul.f32 $5, $13, $29; mul.f32 $6, $14, $30; mul.f32 $7, $15, $31; "
+        "SKIP: }",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", args=[o, n, a],
+        dtype=gl.float32, is_pure=True, pack=8)
+
+
+@gluon.jit
+def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
+    need = warp_needs(alpha)
+    o_a = scale_if(o_a, alpha, need)
+    if HAS_B:
+        o_b = scale_if(o_b, alpha, need)
+    return o_a, o_b
+'''
+
+NO_RESCALE = '''
+@gluon.jit
+def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
+    return o_a, o_b
+'''
+
+# Edits of gluon_pingpong.py's source (old text, new text), for variants that reorder the consumer's loop.
+LOOP = "                    "
+EARLY_RESCALE = [
+    (f"{LOOP}o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)\n", ""),
+    (f"{LOOP}o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)\n",
+     f"{LOOP}o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)\n{LOOP}o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)\n"),
+    ("                o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)\n",
+     "                o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)\n"
+     "                o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)\n"),
+]
+EDITS = {"earlyrescale": EARLY_RESCALE, "earlyrescale+lazyrescale": EARLY_RESCALE}
+
 VARIANTS = {
     "shipped": "",
     "noexp": softmax(exp_p="{}", exp_alpha="{}"),
@@ -182,6 +259,11 @@ def pass_turn(turn, HALF: gl.constexpr):
     "treemax+treesum": TREE + softmax(row_max="tree_reduce(s, True)", row_sum="tree_reduce(p, False)"),
     "poly50": POLY + softmax(exp_p="mixed_exp2({}, False)"),
     "poly25": POLY + softmax(exp_p="mixed_exp2({}, True)"),
+    "norescale": NO_RESCALE,
+    "lazyrescale": LAZY,
+    "earlyrescale": "",
+    "earlyrescale+lazyrescale": LAZY,
+    "warprescale": LAZY + WARP_VOTE,
 }
 
 IMPORTS = ("\nfrom triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma\n")
@@ -190,7 +272,12 @@ IMPORTS = ("\nfrom triton.experimental.gluon.language.nvidia.hopper import warpg
 def variant_kernel(name: str, folder: Path):
     """The ping-pong kernel of a module made of gluon_pingpong.py's source and the variant's overrides (later
     definitions of the helpers' names, which the kernel's globals then resolve to)."""
-    source = inspect.getsource(gluon_pingpong) + IMPORTS + VARIANTS[name]
+    source = inspect.getsource(gluon_pingpong)
+    for old, new in EDITS.get(name, ()):
+        if source.count(old) != 1:
+            raise ValueError(f"variant {name}: expected one {old!r} in gluon_pingpong.py")
+        source = source.replace(old, new)
+    source += IMPORTS + VARIANTS[name]
     path = folder / f"pingpong_{name}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"pingpong_{name}", path)
