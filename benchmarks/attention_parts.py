@@ -216,13 +216,13 @@ def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
 
 # Edits of gluon_pingpong.py's source (old text, new text), for variants that reorder the consumer's loop.
 LOOP = "                    "
+PV_IN_LOOP = f"{LOOP}o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)\n"
+PV_LAST = "                o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)\n"
+RESCALE = "o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)\n"
 EARLY_RESCALE = [
-    (f"{LOOP}o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)\n", ""),
-    (f"{LOOP}o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)\n",
-     f"{LOOP}o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)\n{LOOP}o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)\n"),
-    ("                o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)\n",
-     "                o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)\n"
-     "                o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)\n"),
+    (LOOP + RESCALE, ""),
+    (PV_IN_LOOP, LOOP + RESCALE + PV_IN_LOOP),
+    (PV_LAST, "                " + RESCALE + PV_LAST),
 ]
 EDITS = {"earlyrescale": EARLY_RESCALE, "earlyrescale+lazyrescale": EARLY_RESCALE}
 
