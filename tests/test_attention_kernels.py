@@ -142,6 +142,48 @@ def test_interpreted_triton_tma_kernel_matches_reference(tiles, dtype, head_dim)
     assert_matches_reference(out, batch)
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_overflow_fixup_rewrites_exactly_the_flagged_query_blocks(dtype):
+    """The ping-pong kernel's fallback (``launch_overflow_fixup``): the 64-row query blocks whose flag is set get the
+    reference's values, every other row keeps what it held, and flags past a sequence's rows (or of an empty slot)
+    are never acted on."""
+    from hwgraph.attention.triton_kernel import launch_overflow_fixup
+    from hwgraph.testing.reference import ATTENTION_TOLERANCES
+
+    batch = random_packed_batch([130, 64, 1], heads=2, head_dim=72, zero_length=1, padding_rows=9, max_seqlen=256,
+                                dtype=dtype, seed=11)
+    blocks, slots, heads = 4, 4, 2  # 256 rows of budget in 64-row blocks; three sequences and an empty slot
+    flags = torch.zeros(slots, heads, blocks, dtype=torch.int32)
+    chosen = [(0, 0, 1), (0, 1, 2), (1, 1, 0), (2, 0, 0)]  # (slot, head, block): rows 64-127, 128-129, all, all
+    for slot, head, block in chosen:
+        flags[slot, head, block] = 1
+    flags[2, 1, 3] = flags[3, 0, 0] = flags[1, 0, 2] = 1  # past the sequence's one row, the empty slot, past 64
+    out = torch.full_like(batch.q, 7.0)
+    launch_overflow_fixup(batch.q, batch.k, batch.v, out, batch.cu_seqlens, flags.flatten(), blocks, 64,
+                          batch.scale)
+    want = varlen_reference(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.scale)
+    atol, rtol = ATTENTION_TOLERANCES[dtype]
+    rewritten = torch.zeros(out.shape[:2], dtype=torch.bool)
+    bounds = batch.cu_seqlens.tolist()
+    for slot, head, block in chosen:
+        rows = slice(bounds[slot] + 64 * block, min(bounds[slot] + 64 * (block + 1), bounds[slot + 1]))
+        rewritten[rows, head] = True
+    got = out.to(torch.float64)
+    torch.testing.assert_close(got[rewritten], want[rewritten], atol=atol, rtol=rtol)
+    assert rewritten.sum() == 64 + 2 + 64 + 1
+    assert torch.equal(out[~rewritten], torch.full_like(out[~rewritten], 7.0))
+
+
+def test_overflow_fixup_rejects_flags_too_short_for_the_grid():
+    launch_overflow_fixup = pytest.importorskip("hwgraph.attention.triton_kernel").launch_overflow_fixup
+    batch = random_packed_batch([10, 3], heads=2, head_dim=72, max_seqlen=64)
+    with pytest.raises(ValueError, match=r"at least blocks \* heads \* slots = 2 \* 2 \* 2 entries, got torch.int32 "
+                                         r"with 7"):
+        launch_overflow_fixup(batch.q, batch.k, batch.v, torch.empty_like(batch.q), batch.cu_seqlens,
+                              torch.zeros(7, dtype=torch.int32), 2, 64, batch.scale)
+
+
 def test_triton_attn_takes_the_tma_kernel_only_on_nvidia_hopper_with_aligned_k_and_v():
     triton_kernel = pytest.importorskip("hwgraph.attention.triton_kernel")
     batch = random_packed_batch([5], heads=2, head_dim=72, dtype=torch.bfloat16)

@@ -198,3 +198,23 @@ def test_a_q_whose_heads_are_not_adjacent_is_copied_for_the_constexpr_head_strid
     gluon_kernel.launch_gluon_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, 64, 0.1)
     assert seen == [(72, 72, True), (72, 72, False)]
     assert triton_kernel.head_stride(torch.randn(1, 5, 72).transpose(0, 1)) == 72
+
+
+@needs_gluon
+@pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
+def test_pingpong_kernel_call_rejects_overflow_flags_too_short_and_ignores_them_without_fixed_shifts(sm90):
+    """bf16 from 2048 rows reads the flags it is given and names the size it needs; fp16 (the online softmax) gets
+    a placeholder instead, so its caller needs none."""
+    qkv = torch.zeros(4096, 3, 16, 72, dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, 4096], dtype=torch.int32)
+    short = torch.zeros(5, dtype=torch.int32)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    with pytest.raises(ValueError, match=r"flags must be int32 with at least 1024 entries \(two per work tile\), "
+                                         r"got torch.int32 with 5"):
+        gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), cu_seqlens, 4096, 0.1, flags=short)
+    half = qkv.to(torch.float16)
+    _, _, args, kwargs = gluon_kernel.kernel_call(half[:, 0], half[:, 1], half[:, 2], torch.empty_like(half[:, 0]),
+                                                  cu_seqlens, 4096, 0.1, flags=short)
+    assert args[7] is cu_seqlens and kwargs["FIXED_SHIFT"] is False
+    _, _, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), cu_seqlens, 4096, 0.1)
+    assert args[7].dtype == torch.int32 and args[7].numel() == 1024 and kwargs["FIXED_SHIFT"] is True

@@ -29,7 +29,14 @@ from typing import NamedTuple
 import torch
 import triton
 
-from hwgraph.attention.triton_kernel import LOG2_E, head_split, head_stride, head_width, heads_adjacent_q
+from hwgraph.attention.triton_kernel import (
+    LOG2_E,
+    head_split,
+    head_stride,
+    head_width,
+    heads_adjacent_q,
+    launch_overflow_fixup,
+)
 
 try:
     from triton.experimental import gluon
@@ -383,11 +390,14 @@ def descriptor(t: torch.Tensor, block_n: int, width: int):
 
 
 def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, scale: float, tiles: tuple | None = None,
-                padding_slot: bool = True) -> tuple[object, tuple[int, int, int], tuple, dict]:
+                max_seqlen: int, scale: float, tiles: tuple | None = None, padding_slot: bool = True,
+                flags: torch.Tensor | None = None) -> tuple[object, tuple[int, int, int], tuple, dict]:
     """``(kernel, grid, args, kwargs)`` writing ``out``: what ``launch_gluon_attention`` launches as
     ``kernel[grid](*args, **kwargs)`` (the CPU tests compile it with ``kernel.warmup(*args, **kwargs, grid=grid)``).
-    ``tiles``: a ``GluonTiles`` or its leading fields, ``gluon_tiles``' choice by default."""
+    ``tiles``: a ``GluonTiles`` or its leading fields, ``gluon_tiles``' choice by default. ``flags``: the ping-pong
+    kernel's int32 overflow flags (``overflow_blocks`` per slot and head), read where ``uses_fixed_shift``; a new
+    buffer when None. Without ``triton_kernel.launch_overflow_fixup`` after it, such a call is right only where its
+    flags are zero (``launch_gluon_attention`` launches both)."""
     tokens, heads, head_dim = q.shape
     num_seqs = cu_seqlens.shape[0] - 1
     tiles = GluonTiles(*tiles) if tiles is not None else gluon_tiles(max_seqlen, head_dim, num_seqs)
@@ -407,10 +417,19 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     from hwgraph.attention.gluon_pingpong import hopper_attention_pingpong_kernel
 
     n_tiles = grid[0] * heads * num_seqs
+    fixed_shift = uses_fixed_shift(q.dtype, max_seqlen)
+    if not fixed_shift:
+        flags = cu_seqlens  # a placeholder pointer: the kernel compiled without FIXED_SHIFT writes no flags
+    elif flags is None:
+        flags = torch.empty(2 * n_tiles, dtype=torch.int32, device=q.device)
+    elif flags.dtype != torch.int32 or flags.numel() < 2 * n_tiles:
+        raise ValueError(f"the ping-pong kernel's flags must be int32 with at least {2 * n_tiles} entries (two per "
+                         f"work tile), got {flags.dtype} with {flags.numel()}")
+    args = args[:7] + (flags,) + args[7:]
     sms = sm_count(q.device)
     programs = min(n_tiles, sms) if tiles.persistent and sms is not None else n_tiles
     kwargs.update(HEADS=heads, M_BLOCKS=grid[0], PADDING=padding_slot, CONSUMER_REGS=tiles.consumer_regs,
-                  maxnreg=tiles.maxnreg)
+                  FIXED_SHIFT=fixed_shift, maxnreg=tiles.maxnreg)
     return hopper_attention_pingpong_kernel, (max(1, programs),), args, kwargs
 
 
@@ -435,6 +454,35 @@ def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
-    kernel, grid, args, kwargs = kernel_call(q, k, v, out, cu_seqlens, max_seqlen, scale, tiles, padding_slot)
+    tiles = GluonTiles(*tiles) if tiles is not None else gluon_tiles(max_seqlen, q.shape[-1], cu_seqlens.shape[0] - 1)
+    flags = None
+    if tiles.pingpong and uses_fixed_shift(q.dtype, max_seqlen):
+        blocks = overflow_blocks(max_seqlen, tiles.block_m)
+        flags = torch.empty(blocks * q.shape[1] * (cu_seqlens.shape[0] - 1), dtype=torch.int32, device=q.device)
+    kernel, grid, args, kwargs = kernel_call(q, k, v, out, cu_seqlens, max_seqlen, scale, tiles, padding_slot, flags)
     kernel[grid](*args, **kwargs)
+    if flags is not None:  # recompute the q blocks whose rows the ping-pong kernel's fixed shifts could not hold
+        launch_overflow_fixup(q, k, v, out, cu_seqlens, flags, blocks, tiles.block_m // 2, scale)
     return out
+
+
+# The ping-pong kernel's fixed softmax shifts from this many rows of a call (bf16). Per call on the H200 (16 heads
+# of 72, ``benchmarks/attention_ab.py --base``, session 13, µs, online softmax -> fixed shifts with the fixup
+# launch): one sequence of 4096 191-192 -> 174, of 3600 in 4096 rows 168 -> 154.5, of 2048 in 2048 50.5 -> 47.5;
+# four of 784 in 4096 and two of 1024 in 2048 equal; one of 1024 in 1024 rows 16.5 -> 17.3-17.6 (the fixup's launch
+# outweighs eight key blocks' savings).
+FIXED_SHIFT_FROM = 2048
+
+
+def uses_fixed_shift(dtype: torch.dtype, max_seqlen: int) -> bool:
+    """Whether a ping-pong call shifts each row's softmax by its first key block's maximum (``gluon_pingpong``'s
+    ``FIXED_SHIFT``; flagged blocks recomputed by ``triton_kernel.launch_overflow_fixup``): bf16, whose p.v operand
+    holds p up to 2**127, from ``FIXED_SHIFT_FROM`` rows. fp16 would overflow at 2**16 and keeps the online
+    softmax."""
+    return dtype == torch.bfloat16 and max_seqlen >= FIXED_SHIFT_FROM
+
+
+def overflow_blocks(max_seqlen: int, block_m: int) -> int:
+    """The ping-pong kernel's overflow flags per sequence slot and head: one per half of each ``block_m``-row q
+    block (each consumer's rows)."""
+    return 2 * max(1, triton.cdiv(max_seqlen, block_m))

@@ -112,16 +112,51 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.arrive(turn.index(1 - HALF), count=1)
 
     @gluon.jit
-    def consumer_partition(HALF: gl.constexpr, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn,
+    def shifted_step(s, shift, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr):
+        """The softmax of the raw scores of keys ``kv_start ..`` against each row's fixed ``shift`` (its first key
+        block's maximum): ``(p, l)``. No running maximum, so no correction and no rescale of the accumulators; p
+        may exceed 1, which float32 and bfloat16 hold up to 2**127 with the same relative precision.
+        ``overflow_flag`` catches a row whose scores rise that far above its shift. Only a block that runs past
+        the sequence's end masks its scores."""
+        if kv_start + BLOCK_N > seqlen:
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            s = gl.where(((kv_start + offs_n) < seqlen)[None, :], s, float("-inf"))
+        p = gl.exp2(s * qk_scale_log2 - shift[:, None])
+        return p, l_i + gl.sum(p, 1)
+
+    @gluon.jit
+    def not_finite(x):
+        """1 where ``x`` is infinite or NaN (NaN compares false), else 0."""
+        return gl.where(gl.abs(x) < float("inf"), 0, 1)
+
+    @gluon.jit
+    def overflow_flag(o_a, o_b, l_i, HAS_B: gl.constexpr):
+        """1 when a row's sum or accumulators left the finite range (a score more than about 2**7 above its row's
+        shift, in log2 units), else 0: the half-tile goes to ``triton_kernel.overflow_fixup_kernel``. Finite
+        results are right: p's magnitude costs no relative precision."""
+        flag = gl.max(not_finite(l_i), 0)
+        flag = gl.maximum(flag, gl.max(gl.max(not_finite(o_a), 1), 0))
+        if HAS_B:
+            flag = gl.maximum(flag, gl.max(gl.max(not_finite(o_b), 1), 0))
+        return flag
+
+    @gluon.jit
+    def consumer_partition(HALF: gl.constexpr, Q, Out, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn,
                            CU_SEQLENS, HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, n_tiles, qk_scale_log2,
                            stride_qt, stride_qh: gl.constexpr, stride_ot, stride_oh: gl.constexpr,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
-                           HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+                           HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                           FIXED_SHIFT: gl.constexpr):
         """One consumer warpgroup: for each of this program's tiles, q rows ``rows + HALF * BLOCK_M // 2 ..``, the
         key loop of ``hopper_attention_kernel`` with the MMAs of each of its ``n_blocks + 1`` issue points in turn
         with the other consumer, and each ring slot released to the producer once its p.v is done. Both consumers
         pass every issue point, even one whose rows are all past the sequence (its q is zeros and it stores
-        nothing), or the other would wait forever."""
+        nothing), or the other would wait forever.
+
+        ``FIXED_SHIFT`` (``gluon_kernel.uses_fixed_shift``): each row's softmax shift is its first key block's
+        maximum for all its keys (``shifted_step``), with no running maximum and no rescale of the accumulators,
+        and the consumer writes its half-tile's ``overflow_flag`` to ``FLAGS[2 * tile + HALF]``. Without it, the
+        online softmax of ``hopper_attention_kernel``, and FLAGS is not touched."""
         HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_s.dtype
         qa_h = qa_s.index(HALF)
@@ -147,6 +182,7 @@ if GLUON_IMPORT_ERROR is None:
                 s = qk_async(qa_h, qb_h, ka_s, kb_s, block % STAGES, s_init, HAS_B)
                 pass_turn(turn, HALF)
                 s = warpgroup_mma_wait(0, deps=(s,))
+                # FIXED_SHIFT: the first key block's row maxima stay the rows' shifts (shifted_step).
                 p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
                 p_a, p_b = p_operands(p, o_a, o_b, dtype)
                 for j in range(1, n_blocks):
@@ -159,10 +195,14 @@ if GLUON_IMPORT_ERROR is None:
                     o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)
                     pass_turn(turn, HALF)
                     s = wait_scores(s, HAS_B)
-                    p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
+                    if FIXED_SHIFT:
+                        p, l_i = shifted_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
+                    else:
+                        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
                     o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
                     mbarrier.arrive(empty.index(prev), count=1)
-                    o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)
+                    if not FIXED_SHIFT:
+                        o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)
                     p_a, p_b = p_operands(p, o_a, o_b, dtype)
 
                 last = (block + n_blocks - 1) % STAGES
@@ -175,25 +215,28 @@ if GLUON_IMPORT_ERROR is None:
                 o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
                 mbarrier.arrive(empty.index(last), count=1)
                 store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
+                if FIXED_SHIFT:  # this half-tile's 64-row block: (slot * HEADS + head) * 2 * M_BLOCKS + 2 * m + HALF
+                    gl.store(FLAGS + 2 * tile + HALF, overflow_flag(o_a, o_b, l_i, HAS_B))
                 block += n_blocks
                 issue += n_blocks + 1
 
     @gluon.jit(do_not_specialize=["num_seqs"])
     def hopper_attention_pingpong_kernel(
-        Q, ka_desc, kb_desc, va_desc, vb_desc, Out, CU_SEQLENS,
+        Q, ka_desc, kb_desc, va_desc, vb_desc, Out, CU_SEQLENS, FLAGS,
         tokens, num_seqs, qk_scale_log2,
         stride_qt, STRIDE_QH: gl.constexpr, stride_ot, STRIDE_OH: gl.constexpr,
         HEADS: gl.constexpr, M_BLOCKS: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
         D_V: gl.constexpr, STAGES: gl.constexpr, PADDING: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        FIXED_SHIFT: gl.constexpr, num_warps: gl.constexpr,
     ):
         """``hopper_attention_kernel``'s arguments (the head strides constexprs, as there), but a one-dimensional
         grid over work tiles: ``M_BLOCKS`` q blocks of ``BLOCK_M`` rows per sequence slot, ``HEADS`` heads and
         ``num_seqs`` slots; program ``i`` of ``P`` takes tiles ``i, i + P, ..`` (persistent when ``P`` is the
         number of SMs). ``PADDING``: the programs also zero the rows past ``cu_seqlens[-1]`` (the padding slot of
         ``hopper_attention_kernel``'s grid). ``num_warps`` (4) is the default partition's, the first consumer.
-        ``CONSUMER_REGS``: registers per thread of each consumer once the producer gave its up."""
+        ``CONSUMER_REGS``: registers per thread of each consumer once the producer gave its up. ``FLAGS``: int32, two
+        per work tile (``consumer_partition``); ``FIXED_SHIFT``: as there."""
         BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
         HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_desc.dtype
@@ -213,12 +256,12 @@ if GLUON_IMPORT_ERROR is None:
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         gl.warp_specialize([  # the argument tuples are written out: a tuple variable loses its constexprs
-            (consumer_partition, (0, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, CU_SEQLENS,
+            (consumer_partition, (0, Q, Out, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, CU_SEQLENS,
                                   HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
-                                  STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
-            (consumer_partition, (1, Q, Out, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, CU_SEQLENS,
+                                  STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, FIXED_SHIFT)),
+            (consumer_partition, (1, Q, Out, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, CU_SEQLENS,
                                   HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
-                                  STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N)),
+                                  STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, FIXED_SHIFT)),
             (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, CU_SEQLENS,
                               HEADS, M_BLOCKS, n_tiles, HEAD_DIM, BLOCK_M, STAGES, D_A, HAS_B)),
         ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -109,6 +109,24 @@ def varlen_attention_kernel(
     block_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
+    if seq < num_seqs:
+        start = tl.load(CU_SEQLENS + seq)
+        seqlen = tl.load(CU_SEQLENS + seq + 1) - start
+        attend_query_block(Q, K, V, Out, start, seqlen, block_m, head, qk_scale_log2, stride_qt, stride_qh,
+                           stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, HEAD_DIM, BLOCK_M,
+                           BLOCK_N, D_A, D_B, D_V, HAS_B, A_PADDED, DOT_DTYPE)
+    else:
+        zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_M,
+                          D_V)
+
+
+@triton.jit
+def attend_query_block(Q, K, V, Out, start, seqlen, block_m, head, qk_scale_log2, stride_qt, stride_qh, stride_kt,
+                       stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
+                       D_V: tl.constexpr, HAS_B: tl.constexpr, A_PADDED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Rows ``block_m * BLOCK_M ..`` of the sequence at token ``start`` (``seqlen`` tokens) for one head, through
+    pointer loads: ``varlen_attention_kernel``'s program, and ``overflow_fixup_kernel``'s recompute."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_a = tl.arange(0, D_A)
     # For q.k the head is split in two power-of-two parts (72 = 64 + 8 in a 16-wide tile) instead of one padded to
@@ -119,39 +137,62 @@ def varlen_attention_kernel(
     a_mask = offs_a < HEAD_DIM
     b_mask = offs_b < HEAD_DIM
     v_mask = offs_v < HEAD_DIM
+    rows = block_m * BLOCK_M + offs_m
+    row_mask = rows < seqlen
+    q_rows = (start + rows).to(tl.int64)
+    q_a, q_b = load_q_parts(Q, start, rows, row_mask, head, stride_qt, stride_qh, HEAD_DIM, BLOCK_M, D_A, D_B,
+                            HAS_B, DOT_DTYPE)
 
-    if seq < num_seqs:
-        start = tl.load(CU_SEQLENS + seq)
-        seqlen = tl.load(CU_SEQLENS + seq + 1) - start
-        rows = block_m * BLOCK_M + offs_m
-        row_mask = rows < seqlen
-        q_rows = (start + rows).to(tl.int64)
-        q_a, q_b = load_q_parts(Q, start, rows, row_mask, head, stride_qt, stride_qh, HEAD_DIM, BLOCK_M, D_A, D_B,
-                                HAS_B, DOT_DTYPE)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_V], tl.float32)
+    # A query block wholly past this sequence's end (the grid is sized for max_seqlen) skips the key loop.
+    kv_end = tl.where(block_m * BLOCK_M < seqlen, seqlen, 0)
+    full_end = kv_end // BLOCK_N * BLOCK_N
+    for kv_start in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = attend_key_block(
+            q_a, q_b, m_i, l_i, acc, K, V, start, kv_start, seqlen, head, qk_scale_log2,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_a, offs_b, offs_v, a_mask, b_mask, v_mask,
+            HEAD_DIM, BLOCK_N, D_A, D_B, D_V, HAS_B, False, A_PADDED, D_V > HEAD_DIM, DOT_DTYPE)
+    if full_end < kv_end:
+        m_i, l_i, acc = attend_key_block(
+            q_a, q_b, m_i, l_i, acc, K, V, start, full_end, seqlen, head, qk_scale_log2,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_a, offs_b, offs_v, a_mask, b_mask, v_mask,
+            HEAD_DIM, BLOCK_N, D_A, D_B, D_V, HAS_B, True, True, True, DOT_DTYPE)
+    inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+    out_ptr = Out + q_rows[:, None] * stride_ot + head * stride_oh
+    tl.store(out_ptr + offs_v[None, :], (acc * inv_l[:, None]).to(Out.dtype.element_ty),
+             mask=row_mask[:, None] & v_mask[None, :])
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-        # A query block wholly past this sequence's end (the grid is sized for max_seqlen) skips the key loop.
-        kv_end = tl.where(block_m * BLOCK_M < seqlen, seqlen, 0)
-        full_end = kv_end // BLOCK_N * BLOCK_N
-        for kv_start in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = attend_key_block(
-                q_a, q_b, m_i, l_i, acc, K, V, start, kv_start, seqlen, head, qk_scale_log2,
-                stride_kt, stride_kh, stride_vt, stride_vh, offs_a, offs_b, offs_v, a_mask, b_mask, v_mask,
-                HEAD_DIM, BLOCK_N, D_A, D_B, D_V, HAS_B, False, A_PADDED, D_V > HEAD_DIM, DOT_DTYPE)
-        if full_end < kv_end:
-            m_i, l_i, acc = attend_key_block(
-                q_a, q_b, m_i, l_i, acc, K, V, start, full_end, seqlen, head, qk_scale_log2,
-                stride_kt, stride_kh, stride_vt, stride_vh, offs_a, offs_b, offs_v, a_mask, b_mask, v_mask,
-                HEAD_DIM, BLOCK_N, D_A, D_B, D_V, HAS_B, True, True, True, DOT_DTYPE)
-        inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-        out_ptr = Out + q_rows[:, None] * stride_ot + head * stride_oh
-        tl.store(out_ptr + offs_v[None, :], (acc * inv_l[:, None]).to(Out.dtype.element_ty),
-                 mask=row_mask[:, None] & v_mask[None, :])
-    else:
-        zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, block_m, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_M,
-                          D_V)
+
+@triton.jit
+def overflow_fixup_kernel(
+    Q, K, V, Out, CU_SEQLENS, FLAGS,
+    blocks, qk_scale_log2,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
+    D_V: tl.constexpr, HAS_B: tl.constexpr, A_PADDED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    FLAG_CHUNK: tl.constexpr,
+):
+    """Recompute the ``BLOCK_M``-row query blocks whose flag is set, with the exact online softmax
+    (``attend_query_block``), over what the ping-pong Gluon kernel wrote. Grid ``(heads, num_seqs)``; the flags of
+    sequence ``s``, head ``h`` are ``FLAGS[(s * heads + h) * blocks + b]`` for its blocks ``b``; only the blocks that
+    hold rows of the sequence are read, so flags past them may hold anything. A program whose flags are all zero
+    (every call whose scores stay in range) loads them ``FLAG_CHUNK`` at a time and ends."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    start = tl.load(CU_SEQLENS + seq)
+    seqlen = tl.load(CU_SEQLENS + seq + 1) - start
+    base = FLAGS + (seq * tl.num_programs(0) + head) * blocks
+    n_real = tl.cdiv(seqlen, BLOCK_M)
+    for chunk in range(0, n_real, FLAG_CHUNK):
+        offs = chunk + tl.arange(0, FLAG_CHUNK)
+        if tl.max(tl.load(base + offs, mask=offs < n_real, other=0), 0) != 0:
+            for block_m in range(chunk, tl.minimum(chunk + FLAG_CHUNK, n_real)):
+                if tl.load(base + block_m) != 0:
+                    attend_query_block(Q, K, V, Out, start, seqlen, block_m, head, qk_scale_log2, stride_qt,
+                                       stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, D_A, D_B, D_V, HAS_B, A_PADDED, DOT_DTYPE)
 
 
 @triton.jit
@@ -406,6 +447,33 @@ def tma_tiles(max_seqlen: int) -> tuple[int, int, int, int]:
     against 0.0124 / 0.0123 / 0.0158 with 128x64 (ATen flash: 0.0113 / 0.0115 / 0.0168). 4 stages of 128x128 do
     not fit shared memory. Only max_seqlen, a host int, picks them."""
     return (128, 128, 8, 3) if max_seqlen >= 1024 else (64, 64, 4, 3)
+
+
+FIXUP_FLAG_CHUNK = 64  # flags an overflow_fixup_kernel program loads at once
+
+
+def launch_overflow_fixup(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          cu_seqlens: torch.Tensor, flags: torch.Tensor, blocks: int, block_m: int,
+                          scale: float) -> None:
+    """Recompute in ``out`` every ``block_m``-row query block whose int32 flag in ``flags`` is set
+    (``overflow_fixup_kernel``): ``blocks`` flags per sequence slot and head, slot-major, then head. Launched
+    after every call of the ping-pong Gluon kernel, whose fixed softmax shift flags the blocks it could not keep
+    finite; no host read decides whether it runs."""
+    tokens, heads, head_dim = q.shape
+    num_seqs = cu_seqlens.shape[0] - 1
+    if flags.dtype != torch.int32 or flags.numel() < blocks * heads * num_seqs:
+        raise ValueError(f"flags must be int32 with at least blocks * heads * slots = {blocks} * {heads} * "
+                         f"{num_seqs} entries, got {flags.dtype} with {flags.numel()}")
+    if num_seqs == 0 or tokens == 0:
+        return
+    _, block_n, d_a, d_b = block_sizes(head_dim, q.dtype)
+    overflow_fixup_kernel[(heads, num_seqs)](
+        q, k, v, out, cu_seqlens, flags, blocks, scale * LOG2_E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, D_A=d_a, D_B=max(d_b, 16), D_V=head_width(head_dim),
+        HAS_B=d_b > 0, A_PADDED=d_a > head_dim, DOT_DTYPE=dot_dtype_for(q.dtype), FLAG_CHUNK=FIXUP_FLAG_CHUNK,
+        num_warps=4, num_stages=2,
+    )
 
 
 def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -163,6 +163,54 @@ def test_each_gluon_kernel_matches_the_reference_in_a_long_budget(tiles, head_di
     assert torch.equal(launch_gluon_attention(q, k, v, batch.cu_seqlens, 4096, batch.scale, tiles=tiles), out)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pingpong_kernel_flags_and_recomputes_rows_whose_scores_outgrow_their_shift(dtype):
+    """In bf16 (from 2048 rows) the ping-pong kernel shifts each row's softmax by its first key block's maximum.
+    Rows 0-99 here score one late key (3000) about 2**7 above that in log2 units, which overflows float32: the
+    kernel flags exactly their two 64-row blocks in every head, and ``launch_gluon_attention``'s fixup recomputes
+    them, also when replayed from a CUDA graph, so every row matches the reference. fp16 keeps the online softmax
+    and leaves the flags untouched."""
+    from hwgraph.attention.gluon_kernel import (
+        PINGPONG_TILES,
+        gluon_available,
+        kernel_call,
+        launch_gluon_attention,
+        overflow_blocks,
+        uses_fixed_shift,
+    )
+
+    if torch.cuda.get_device_capability()[0] != 9 or gluon_available() is not None:
+        pytest.skip(f"the Gluon kernel needs compute capability 9.x and Gluon (capability "
+                    f"{torch.cuda.get_device_capability()}, Gluon: {gluon_available() or 'ok'})")
+    assert uses_fixed_shift(dtype, 4096) == (dtype == torch.bfloat16)
+    batch = random_packed_batch([3896, 129], HEADS, HEAD_DIM, padding_rows=71, max_seqlen=4096, dtype=dtype,
+                                device="cuda", seed=5)
+    batch.q[:100] = 4.0
+    batch.k[3000] = 4.0  # q.k = 1152, times the scale 1/sqrt(72) and log2(e): 196 above zero
+    blocks = overflow_blocks(4096, PINGPONG_TILES.block_m)
+    flags = torch.full((2 * HEADS * blocks,), -1, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(batch.q)
+    kernel, grid, args, kwargs = kernel_call(batch.q, batch.k, batch.v, out, batch.cu_seqlens, 4096, batch.scale,
+                                             PINGPONG_TILES, flags=flags)
+    kernel[grid](*args, **kwargs)
+    written = flags.view(2, HEADS, blocks).cpu()
+    if dtype == torch.bfloat16:
+        real_blocks = [-(-3896 // 64), -(-129 // 64)]
+        assert torch.equal(written[0, :, :2], torch.ones(HEADS, 2, dtype=torch.int32))
+        assert torch.equal(written[0, :, 2:real_blocks[0]], torch.zeros(HEADS, real_blocks[0] - 2, dtype=torch.int32))
+        assert torch.equal(written[1, :, :real_blocks[1]], torch.zeros(HEADS, real_blocks[1], dtype=torch.int32))
+    else:
+        assert torch.equal(written, torch.full_like(written, -1))
+    assert_matches_reference(launch_gluon_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, 4096, batch.scale,
+                                                    tiles=PINGPONG_TILES), batch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = launch_gluon_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, 4096, batch.scale,
+                                          tiles=PINGPONG_TILES)
+    graph.replay()
+    assert_matches_reference(replayed, batch)
+
+
 def test_triton_attn_takes_the_pingpong_kernel_from_2048_rows_in_a_cuda_graph():
     """The tower's 1024-token budget (4096 patch rows) replays the ping-pong kernel from a CUDA graph, with new
     sequence boundaries copied into the captured buffers between replays."""
