@@ -22,6 +22,11 @@ On Hopper itself (compute capability 9.x, Triton with Gluon) kernels written in 
 turns on the tensor cores (``gluon_pingpong.py``) takes 0.194 ms for the 4096-patch sequence, below that
 ``gluon_kernel.py``'s (0.221 ms there; ``benchmarks/attention_gluon.py``, session 10).
 ``launch_varlen_attention`` picks among them (``uses_gluon``, ``uses_tma``, ``gluon_kernel.gluon_tiles``).
+
+``overflow_fixup_kernel`` follows the ping-pong kernel where that kernel shifts each row by its first key block's
+maximum (bf16, from 2048 rows). It recomputes, with this file's pointer loads and online softmax
+(``attend_query_block``), the 64-row query blocks whose rows the fixed shift could not keep finite
+(``launch_overflow_fixup``).
 """
 
 from __future__ import annotations
