@@ -462,8 +462,9 @@ def launch_overflow_fixup(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
                           scale: float) -> None:
     """Recompute in ``out`` every ``block_m``-row query block whose int32 flag in ``flags`` is set
     (``overflow_fixup_kernel``): ``blocks`` flags per sequence slot and head, slot-major, then head. Launched
-    after every call of the ping-pong Gluon kernel, whose fixed softmax shift flags the blocks it could not keep
-    finite; no host read decides whether it runs."""
+    after every call of the ping-pong Gluon kernel that shifts rows by their first key block's maximum
+    (``gluon_kernel.uses_fixed_shift``), whose flags mark the blocks it could not keep finite; no host read decides
+    whether it runs."""
     tokens, heads, head_dim = q.shape
     num_seqs = cu_seqlens.shape[0] - 1
     if flags.dtype != torch.int32 or flags.numel() < blocks * heads * num_seqs:
