@@ -218,3 +218,8 @@ def test_pingpong_kernel_call_rejects_overflow_flags_too_short_and_ignores_them_
     assert args[7] is cu_seqlens and kwargs["FIXED_SHIFT"] is False
     _, _, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), cu_seqlens, 4096, 0.1)
     assert args[7].dtype == torch.int32 and args[7].numel() == 1024 and kwargs["FIXED_SHIFT"] is True
+    # One sequence in 1024 rows also runs the ping-pong kernel, below FIXED_SHIFT_FROM: the online softmax.
+    short_cu = torch.tensor([0, 1000], dtype=torch.int32)
+    kernel, _, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), short_cu, 1024, 0.1)
+    assert kernel is gluon_pingpong.hopper_attention_pingpong_kernel
+    assert args[7] is short_cu and kwargs["FIXED_SHIFT"] is False
