@@ -215,11 +215,49 @@ def test_pingpong_kernel_call_rejects_overflow_flags_too_short_and_ignores_them_
     half = qkv.to(torch.float16)
     _, _, args, kwargs = gluon_kernel.kernel_call(half[:, 0], half[:, 1], half[:, 2], torch.empty_like(half[:, 0]),
                                                   cu_seqlens, 4096, 0.1, flags=short)
-    assert args[7] is cu_seqlens and kwargs["FIXED_SHIFT"] is False
+    assert args[gluon_kernel.FLAGS_ARG] is cu_seqlens and kwargs["FIXED_SHIFT"] is False
     _, _, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), cu_seqlens, 4096, 0.1)
-    assert args[7].dtype == torch.int32 and args[7].numel() == 1024 and kwargs["FIXED_SHIFT"] is True
+    flags = args[gluon_kernel.FLAGS_ARG]
+    assert flags.dtype == torch.int32 and flags.numel() == 1024 and kwargs["FIXED_SHIFT"] is True
     # One sequence in 1024 rows also runs the ping-pong kernel, below FIXED_SHIFT_FROM: the online softmax.
     short_cu = torch.tensor([0, 1000], dtype=torch.int32)
     kernel, _, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), short_cu, 1024, 0.1)
     assert kernel is gluon_pingpong.hopper_attention_pingpong_kernel
-    assert args[7] is short_cu and kwargs["FIXED_SHIFT"] is False
+    assert args[gluon_kernel.FLAGS_ARG] is short_cu and kwargs["FIXED_SHIFT"] is False
+
+
+class RecordingKernel:
+    """Stands in for a compiled kernel: ``kernel[grid](*args, **kwargs)`` records the call and launches nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+@needs_gluon
+@pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("dtype", "max_seqlen", "fixup"), [(torch.bfloat16, 4096, True), (torch.bfloat16, 1024, False),
+                                                             (torch.float16, 4096, False)])
+def test_launch_gluon_attention_follows_fixed_shift_calls_with_the_fixup_on_their_flags(sm90, monkeypatch, dtype,
+                                                                                        max_seqlen, fixup):
+    """The ping-pong call's own flags go to ``launch_overflow_fixup``, with one flag per 64-row half of each 128-row q
+    block, slot-major then head, exactly when the call uses the fixed shift."""
+    kernel = RecordingKernel()
+    real_call = gluon_kernel.kernel_call
+    monkeypatch.setattr(gluon_kernel, "kernel_call", lambda *a, **kw: (kernel, *real_call(*a, **kw)[1:]))
+    fixups = []
+    monkeypatch.setattr(gluon_kernel, "launch_overflow_fixup", lambda *args: fixups.append(args))
+    qkv = torch.zeros(max_seqlen, 3, 16, 72, dtype=dtype)
+    cu_seqlens = torch.tensor([0, max_seqlen - 100, max_seqlen - 100], dtype=torch.int32)
+    out = gluon_kernel.launch_gluon_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, max_seqlen, 0.1,
+                                              tiles=gluon_kernel.PINGPONG_TILES)
+    ((_, args, kwargs),) = kernel.calls
+    assert kwargs["FIXED_SHIFT"] is fixup
+    if not fixup:
+        assert fixups == []
+        return
+    ((_, _, _, fixed_out, fixed_cu, flags, blocks, block_m, scale),) = fixups
+    assert fixed_out is out and fixed_cu is cu_seqlens and flags is args[gluon_kernel.FLAGS_ARG] and scale == 0.1
+    assert (blocks, block_m) == (2 * max_seqlen // 128, 64) and flags.numel() == blocks * 16 * 2

@@ -389,15 +389,18 @@ def descriptor(t: torch.Tensor, block_n: int, width: int):
     return GluonDescriptor(t, [tokens, heads * head_dim], [t.stride(0), 1], [block_n, width], layout)
 
 
+FLAGS_ARG = 7  # the ping-pong kernel's FLAGS among kernel_call's positional args
+
+
 def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int, scale: float, tiles: tuple | None = None, padding_slot: bool = True,
                 flags: torch.Tensor | None = None) -> tuple[object, tuple[int, int, int], tuple, dict]:
     """``(kernel, grid, args, kwargs)`` writing ``out``: what ``launch_gluon_attention`` launches as
     ``kernel[grid](*args, **kwargs)`` (the CPU tests compile it with ``kernel.warmup(*args, **kwargs, grid=grid)``).
     ``tiles``: a ``GluonTiles`` or its leading fields, ``gluon_tiles``' choice by default. ``flags``: the ping-pong
-    kernel's int32 overflow flags (``overflow_blocks`` per slot and head), read where ``uses_fixed_shift``; a new
-    buffer when None. Without ``triton_kernel.launch_overflow_fixup`` after it, such a call is right only where its
-    flags are zero (``launch_gluon_attention`` launches both)."""
+    kernel's int32 overflow flags (``overflow_blocks`` per slot and head; ``args[FLAGS_ARG]``), read where
+    ``uses_fixed_shift``; a new buffer when None. Without ``triton_kernel.launch_overflow_fixup`` after it, such a
+    call is right only where its flags are zero (``launch_gluon_attention`` launches both)."""
     tokens, heads, head_dim = q.shape
     num_seqs = cu_seqlens.shape[0] - 1
     tiles = GluonTiles(*tiles) if tiles is not None else gluon_tiles(max_seqlen, head_dim, num_seqs)
@@ -421,11 +424,12 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     if not fixed_shift:
         flags = cu_seqlens  # a placeholder pointer: the kernel compiled without FIXED_SHIFT writes no flags
     elif flags is None:
-        flags = torch.empty(2 * n_tiles, dtype=torch.int32, device=q.device)
+        flags = torch.empty(overflow_blocks(max_seqlen, tiles.block_m) * heads * num_seqs, dtype=torch.int32,
+                            device=q.device)
     elif flags.dtype != torch.int32 or flags.numel() < 2 * n_tiles:
         raise ValueError(f"the ping-pong kernel's flags must be int32 with at least {2 * n_tiles} entries (two per "
                          f"work tile), got {flags.dtype} with {flags.numel()}")
-    args = args[:7] + (flags,) + args[7:]
+    args = args[:FLAGS_ARG] + (flags,) + args[FLAGS_ARG:]
     sms = sm_count(q.device)
     programs = min(n_tiles, sms) if tiles.persistent and sms is not None else n_tiles
     kwargs.update(HEADS=heads, M_BLOCKS=grid[0], PADDING=padding_slot, CONSUMER_REGS=tiles.consumer_regs,
@@ -454,15 +458,12 @@ def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
-    tiles = GluonTiles(*tiles) if tiles is not None else gluon_tiles(max_seqlen, q.shape[-1], cu_seqlens.shape[0] - 1)
-    flags = None
-    if tiles.pingpong and uses_fixed_shift(q.dtype, max_seqlen):
-        blocks = overflow_blocks(max_seqlen, tiles.block_m)
-        flags = torch.empty(blocks * q.shape[1] * (cu_seqlens.shape[0] - 1), dtype=torch.int32, device=q.device)
-    kernel, grid, args, kwargs = kernel_call(q, k, v, out, cu_seqlens, max_seqlen, scale, tiles, padding_slot, flags)
+    kernel, grid, args, kwargs = kernel_call(q, k, v, out, cu_seqlens, max_seqlen, scale, tiles, padding_slot)
     kernel[grid](*args, **kwargs)
-    if flags is not None:  # recompute the q blocks whose rows the ping-pong kernel's fixed shifts could not hold
-        launch_overflow_fixup(q, k, v, out, cu_seqlens, flags, blocks, tiles.block_m // 2, scale)
+    if kwargs.get("FIXED_SHIFT"):  # recompute the q blocks whose rows the fixed shifts could not hold
+        block_m = kwargs["BLOCK_M"]
+        launch_overflow_fixup(q, k, v, out, cu_seqlens, args[FLAGS_ARG], overflow_blocks(max_seqlen, block_m),
+                              block_m // 2, scale)
     return out
 
 
