@@ -4,8 +4,9 @@ Usage: python benchmarks/attention_parts.py [--variants NAME,NAME,...] [--tile G
 
 Since session 13 the shipped kernel's bf16 loop at these rows shifts each row by its first key block's maximum
 (``shifted_step``, what ``firstmax`` measured) and calls neither ``softmax_step`` after the first block nor
-``rescale``: the variants that override those two, and ``earlyrescale``, whose edits no longer find their lines,
-were measured on the kernel before it (commit c418abe and earlier; ``docs/benchmarks.md``).
+``rescale``: the variants that override those two were measured on the kernel before it (commit c418abe and
+earlier; ``docs/benchmarks.md``). ``earlyrescale`` (the accumulators rescaled after q.k is issued, before p.v:
+FlashAttention-3's order), which edited that loop's source, was measured there and is only in that commit.
 One 4096-patch sequence (16 heads of 72, bf16; the 1024-token image's attention), 20 calls in one CUDA graph, ms
 per call. Each variant is ``hwgraph/attention/gluon_pingpong.py``'s source with one helper overridden, loaded as its
 own module. Variants other than ``shipped`` and ``poly*`` compute a wrong result on purpose: they time the kernel
@@ -29,9 +30,6 @@ without a part, and the difference to ``shipped`` bounds what making that part f
 - ``lazyrescale``: a row's maximum moves only when a block's exceeds it by more than 8 (log2 units: p stays below
   256), so most blocks' correction is exactly 1, and the accumulators are rescaled only when some row of the
   warpgroup's needs it (FlashAttention-4's conditional rescaling); right result;
-- ``earlyrescale``: the accumulators rescaled after q.k is issued, before p.v (FlashAttention-3's order: the
-  rescale runs while the tensor cores do q.k) instead of after p.v's wait; right result, the same arithmetic;
-  ``earlyrescale+lazyrescale`` both;
 - ``firstmax``: each row's shift fixed at its first key block's maximum, no running maximum or rescale (right
   while later scores stay within ~100 of it in log2 units, as with random inputs);
 - ``warprescale``: lazyrescale's rows, the skip decided per warp by a vote (no exchange between warps) and taken by
@@ -231,18 +229,6 @@ def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
     return o_a, o_b
 '''
 
-# Edits of gluon_pingpong.py's source (old text, new text), for variants that reorder the consumer's loop.
-LOOP = "                    "
-PV_IN_LOOP = f"{LOOP}o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)\n"
-PV_LAST = "                o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)\n"
-RESCALE = "o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)\n"
-EARLY_RESCALE = [
-    (LOOP + RESCALE, ""),
-    (PV_IN_LOOP, LOOP + RESCALE + PV_IN_LOOP),
-    (PV_LAST, "                " + RESCALE + PV_LAST),
-]
-EDITS = {"earlyrescale": EARLY_RESCALE, "earlyrescale+lazyrescale": EARLY_RESCALE}
-
 VARIANTS = {
     "shipped": "",
     "noexp": softmax(exp_p="{}", exp_alpha="{}"),
@@ -278,8 +264,6 @@ def pass_turn(turn, HALF: gl.constexpr):
     "poly25": POLY + softmax(exp_p="mixed_exp2({}, True)"),
     "norescale": NO_RESCALE,
     "lazyrescale": LAZY,
-    "earlyrescale": "",
-    "earlyrescale+lazyrescale": LAZY,
     "warprescale": LAZY + WARP_VOTE,
     "firstmax": FIRST_MAX + NO_RESCALE,
 }
@@ -290,12 +274,7 @@ IMPORTS = ("\nfrom triton.experimental.gluon.language.nvidia.hopper import warpg
 def variant_kernel(name: str, folder: Path):
     """The ping-pong kernel of a module made of gluon_pingpong.py's source and the variant's overrides (later
     definitions of the helpers' names, which the kernel's globals then resolve to)."""
-    source = inspect.getsource(gluon_pingpong)
-    for old, new in EDITS.get(name, ()):
-        if source.count(old) != 1:
-            raise ValueError(f"variant {name}: expected one {old!r} in gluon_pingpong.py")
-        source = source.replace(old, new)
-    source += IMPORTS + VARIANTS[name]
+    source = inspect.getsource(gluon_pingpong) + IMPORTS + VARIANTS[name]
     path = folder / f"pingpong_{name}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"pingpong_{name}", path)
