@@ -424,8 +424,7 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     if not fixed_shift:
         flags = cu_seqlens  # a placeholder pointer: the kernel compiled without FIXED_SHIFT writes no flags
     elif flags is None:
-        flags = torch.empty(overflow_blocks(max_seqlen, tiles.block_m) * heads * num_seqs, dtype=torch.int32,
-                            device=q.device)
+        flags = torch.empty(2 * n_tiles, dtype=torch.int32, device=q.device)  # overflow_blocks per slot and head
     elif flags.dtype != torch.int32 or flags.numel() < 2 * n_tiles:
         raise ValueError(f"the ping-pong kernel's flags must be int32 with at least {2 * n_tiles} entries (two per "
                          f"work tile), got {flags.dtype} with {flags.numel()}")
