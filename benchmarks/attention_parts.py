@@ -59,7 +59,7 @@ from hwgraph.timing import graphed_ms
 
 SOFTMAX_HEAD = '''
 @gluon.jit
-def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr):
+def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr, ROW_SUM: gl.constexpr):
     if kv_start + BLOCK_N > seqlen:
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         s = gl.where(((kv_start + offs_n) < seqlen)[None, :], s, float("-inf"))
@@ -147,14 +147,15 @@ def softmax(row_max="gl.max(s, 1)", m_new=None, exp_p="gl.exp2({})", exp_alpha="
     m_new = {m_new}
     p = {exp_p.format("s * qk_scale_log2 - m_new[:, None]")}
     alpha = {exp_alpha.format("m_i - m_new")}
-    l_i = l_i * alpha + {row_sum}
+    if ROW_SUM:
+        l_i = l_i * alpha + {row_sum}
     return p, m_new, l_i, alpha
 """
 
 
 NO_SOFTMAX = '''
 @gluon.jit
-def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr):
+def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr, ROW_SUM: gl.constexpr):
     return s, m_i, l_i, m_i
 
 
@@ -220,13 +221,30 @@ FIRST_MAX = SOFTMAX_HEAD + '''
     if kv_start == 0:
         m_i = gl.max(s, 1) * qk_scale_log2
     p = gl.exp2(s * qk_scale_log2 - m_i[:, None])
-    return p, m_i, l_i + gl.sum(p, 1), m_i
+    if ROW_SUM:
+        l_i = l_i + gl.sum(p, 1)
+    return p, m_i, l_i, m_i
 '''
 
 NO_RESCALE = '''
 @gluon.jit
 def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
     return o_a, o_b
+'''
+
+NO_Q_LOAD = '''
+@gluon.jit
+def load_q_part(Q, rows, seqlen, start, head, stride_qt, stride_qh, lane0: gl.constexpr, WIDTH: gl.constexpr,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (WIDTH // 8), WIDTH // 8], [num_warps, 1], [1, 0])
+    return gl.zeros([BLOCK_M, WIDTH], Q.dtype.element_ty, layout)
+'''
+
+NO_STORE = '''
+@gluon.jit
+def store_out(Out, o_a, o_b, l_i, rows, seqlen, start, head, stride_ot, stride_oh, D_A: gl.constexpr,
+              HEAD_DIM: gl.constexpr, HAS_B: gl.constexpr):
+    pass
 '''
 
 VARIANTS = {
@@ -266,6 +284,9 @@ def pass_turn(turn, HALF: gl.constexpr):
     "lazyrescale": LAZY,
     "warprescale": LAZY + WARP_VOTE,
     "firstmax": FIRST_MAX + NO_RESCALE,
+    "noqload": NO_Q_LOAD,
+    "nostore": NO_STORE,
+    "noqload+nostore": NO_Q_LOAD + NO_STORE,
 }
 
 IMPORTS = ("\nfrom triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma\n")

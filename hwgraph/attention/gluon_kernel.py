@@ -92,17 +92,26 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr):
+    def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr, ROW_SUM: gl.constexpr):
         """Online softmax of the raw scores of keys ``kv_start ..``: ``(p, m, l, alpha)``. Only a block that runs
-        past the sequence's end masks its scores."""
+        past the sequence's end masks its scores. Without ``ROW_SUM`` l is returned as it came: the caller sums
+        p on the tensor cores (``mma_row_sum``)."""
         if kv_start + BLOCK_N > seqlen:
             offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
             s = gl.where(((kv_start + offs_n) < seqlen)[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
         p = gl.exp2(s * qk_scale_log2 - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
+        if ROW_SUM:
+            l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def mma_row_sum(o_b, LANE: gl.constexpr):
+        """Each row's softmax sum, read from lane ``LANE`` of the second p.v part's accumulator, where v's tile held
+        ones (``gluon_pingpong.mark_ones``): p.v summed p there, rescaled with the other lanes."""
+        lanes = gl.arange(0, o_b.shape[1], layout=gl.SliceLayout(0, o_b.type.layout))
+        return gl.sum(gl.where((lanes == LANE)[None, :], o_b, 0.0), 1)
 
     @gluon.jit
     def zero_tail_rows(buf, valid_rows, num_warps: gl.constexpr):
@@ -293,7 +302,7 @@ if gluon is not None:
         mbarrier.wait(bars.index(0), 0)
         s = qk_async(qa_s, qb_s, ka_s, kb_s, 0, s_init, HAS_B)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
+        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N, True)
         p_a, p_b = p_operands(p, o_a, o_b, dtype)
 
         for j in range(1, n_blocks):
@@ -303,7 +312,7 @@ if gluon is not None:
             s = qk_async(qa_s, qb_s, ka_s, kb_s, slot, s_init, HAS_B)
             o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)
             s = wait_scores(s, HAS_B)
-            p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
+            p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N, True)
             o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
             o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)
             p_a, p_b = p_operands(p, o_a, o_b, dtype)
@@ -432,8 +441,16 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     sms = sm_count(q.device)
     programs = min(n_tiles, sms) if tiles.persistent and sms is not None else n_tiles
     kwargs.update(HEADS=heads, M_BLOCKS=grid[0], PADDING=padding_slot, CONSUMER_REGS=tiles.consumer_regs,
-                  FIXED_SHIFT=fixed_shift, maxnreg=tiles.maxnreg)
+                  FIXED_SHIFT=fixed_shift, SUM_LANE=sum_lane(head_dim), maxnreg=tiles.maxnreg)
     return hopper_attention_pingpong_kernel, (max(1, programs),), args, kwargs
+
+
+def sum_lane(head_dim: int) -> int:
+    """The lane of v's second part (16 wide) where the ping-pong kernel sums p on the tensor cores
+    (``gluon_pingpong.mark_ones``): the first past the head, when the head's second part leaves one (72 lanes:
+    64 + 16, lane 8); else -1 (64, 80, 96, 128 lanes), and the consumers add p up themselves."""
+    d_a, d_b = head_split(head_dim)
+    return head_dim - d_a if d_b and head_dim < d_a + d_b else -1
 
 
 @functools.cache

@@ -56,6 +56,7 @@ if GLUON_IMPORT_ERROR is None:
         kv_ring,
         load_q_part,
         loop_state,
+        mma_row_sum,
         p_operands,
         pv_async,
         qk_async,
@@ -90,12 +91,37 @@ if GLUON_IMPORT_ERROR is None:
                  HAS_B)
 
     @gluon.jit
-    def load_partition(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, CU_SEQLENS,
+    def mark_ones(vb_s, ready, marked, block, STAGES: gl.constexpr, LANE: gl.constexpr):
+        """Once key block ``block``'s loads have landed, set lane ``LANE`` of its v tile's second part to ones
+        (a lane past the head, which p.v computes but nothing stores), so that p.v sums each row's p there
+        (``gluon_kernel.mma_row_sum``) instead of the consumers' adds; then hand the slot to the consumers
+        (``marked``). One warp, 32 rows at a time (the producer's 24 registers)."""
+        slot = block % STAGES
+        mbarrier.wait(ready.index(slot), (block // STAGES) & 1)
+        buf = vb_s.index(slot)
+        ROWS: gl.constexpr = buf.shape[0]
+        COLS: gl.constexpr = buf.shape[1]
+        CHUNK: gl.constexpr = 32
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (COLS // 8), COLS // 8], [1, 1], [1, 0])
+        lanes = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        for r in gl.static_range(0, ROWS, CHUNK):
+            part = buf.slice(r, CHUNK)
+            tile = part.load(layout)
+            part.store(gl.where((lanes == LANE)[None, :], gl.full_like(tile, 1.0), tile))
+        fence_async_shared()
+        cta_barrier()
+        mbarrier.arrive(marked.index(slot), count=1)
+
+    @gluon.jit
+    def load_partition(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, marked, CU_SEQLENS,
                        HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, n_tiles, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr):
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr,
+                       SUM_LANE: gl.constexpr):
         """The producer (one warp): for each of this program's tiles, fills each ring slot once both consumers
         have released it. The ring runs on across tiles, so the next tile's first key blocks load while the
-        consumers finish this one."""
+        consumers finish this one. With ``SUM_LANE`` >= 0 it also marks each block's ones lane (``mark_ones``),
+        one block behind its loads: the consumers waiting for block j have released block j - 2, which the fill
+        of block j + 1 waits for with 4 stages (the marks may lag at most ``STAGES - 2`` blocks)."""
         BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
         block = 0  # key blocks loaded so far by this program: the ring position
         for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -105,7 +131,13 @@ if GLUON_IMPORT_ERROR is None:
                 for j in range(n_blocks):
                     fill_slot(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, block + j,
                               start + j * BLOCK_N, head * HEAD_DIM, STAGES, D_A, HAS_B)
+                    if SUM_LANE >= 0:
+                        if block + j > 0:
+                            mark_ones(vb_s, ready, marked, block + j - 1, STAGES, SUM_LANE)
                 block += n_blocks
+        if SUM_LANE >= 0:
+            if block > 0:
+                mark_ones(vb_s, ready, marked, block - 1, STAGES, SUM_LANE)
 
     @gluon.jit
     def take_turn(turn, HALF: gl.constexpr, issue):
@@ -120,17 +152,19 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.arrive(turn.index(1 - HALF), count=1)
 
     @gluon.jit
-    def shifted_step(s, shift, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr):
+    def shifted_step(s, shift, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr, ROW_SUM: gl.constexpr):
         """The softmax of the raw scores of keys ``kv_start ..`` against each row's fixed ``shift`` (its first key
         block's maximum): ``(p, l)``. No running maximum, so no correction and no rescale of the accumulators; p
         may exceed 1, which float32 and bfloat16 hold up to 2**127 with the same relative precision.
         ``overflow_flag`` catches a row whose scores rise that far above its shift. Only a block that runs past
-        the sequence's end masks its scores."""
+        the sequence's end masks its scores. Without ``ROW_SUM``, l as it came (``mma_row_sum``)."""
         if kv_start + BLOCK_N > seqlen:
             offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
             s = gl.where(((kv_start + offs_n) < seqlen)[None, :], s, float("-inf"))
         p = gl.exp2(s * qk_scale_log2 - shift[:, None])
-        return p, l_i + gl.sum(p, 1)
+        if ROW_SUM:
+            l_i = l_i + gl.sum(p, 1)
+        return p, l_i
 
     @gluon.jit
     def not_finite(x):
@@ -154,7 +188,7 @@ if GLUON_IMPORT_ERROR is None:
                            stride_qt, stride_qh: gl.constexpr, stride_ot, stride_oh: gl.constexpr,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
                            HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                           FIXED_SHIFT: gl.constexpr):
+                           FIXED_SHIFT: gl.constexpr, SUM_LANE: gl.constexpr):
         """One consumer warpgroup: for each of this program's tiles, q rows ``rows + HALF * BLOCK_M // 2 ..``, the
         key loop of ``hopper_attention_kernel`` with the MMAs of each of its ``n_blocks + 1`` issue points in turn
         with the other consumer, and each ring slot released to the producer once its p.v is done. Both consumers
@@ -164,7 +198,11 @@ if GLUON_IMPORT_ERROR is None:
         ``FIXED_SHIFT`` (``gluon_kernel.uses_fixed_shift``): each row's softmax shift is its first key block's
         maximum for all its keys (``shifted_step``), with no running maximum and no rescale of the accumulators,
         and the consumer writes its half-tile's ``overflow_flag`` to ``FLAGS[2 * tile + HALF]``. Without it, the
-        online softmax of ``hopper_attention_kernel``, and FLAGS is not touched."""
+        online softmax of ``hopper_attention_kernel``, and FLAGS is not touched.
+
+        ``SUM_LANE`` >= 0: the rows' sums come from that lane of the second p.v part (``mma_row_sum``), and
+        ``ready`` is the producer's ``marked`` (the loads have landed and the ones are in place)."""
+        ROW_SUM: gl.constexpr = SUM_LANE < 0
         HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_s.dtype
         qa_h = qa_s.index(HALF)
@@ -191,7 +229,7 @@ if GLUON_IMPORT_ERROR is None:
                 pass_turn(turn, HALF)
                 s = warpgroup_mma_wait(0, deps=(s,))
                 # FIXED_SHIFT: the first key block's row maxima stay the rows' shifts (shifted_step).
-                p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N)
+                p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N, ROW_SUM)
                 p_a, p_b = p_operands(p, o_a, o_b, dtype)
                 for j in range(1, n_blocks):
                     g = block + j
@@ -204,9 +242,10 @@ if GLUON_IMPORT_ERROR is None:
                     pass_turn(turn, HALF)
                     s = wait_scores(s, HAS_B)
                     if FIXED_SHIFT:
-                        p, l_i = shifted_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
+                        p, l_i = shifted_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N, ROW_SUM)
                     else:
-                        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N)
+                        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, j * BLOCK_N, seqlen, qk_scale_log2, BLOCK_N,
+                                                          ROW_SUM)
                     o_a, o_b, p_a, p_b = warpgroup_mma_wait(0, deps=(o_a, o_b, p_a, p_b))
                     mbarrier.arrive(empty.index(prev), count=1)
                     if not FIXED_SHIFT:
@@ -222,6 +261,8 @@ if GLUON_IMPORT_ERROR is None:
                 pass_turn(turn, HALF)
                 o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
                 mbarrier.arrive(empty.index(last), count=1)
+                if not ROW_SUM:
+                    l_i = mma_row_sum(o_b, SUM_LANE)
                 store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
                 if FIXED_SHIFT:  # this half-tile's 64-row block: (slot * HEADS + head) * 2 * M_BLOCKS + 2 * m + HALF
                     gl.store(FLAGS + 2 * tile + HALF, overflow_flag(o_a, o_b, l_i, HAS_B))
@@ -236,7 +277,7 @@ if GLUON_IMPORT_ERROR is None:
         HEADS: gl.constexpr, M_BLOCKS: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
         D_V: gl.constexpr, STAGES: gl.constexpr, PADDING: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        FIXED_SHIFT: gl.constexpr, num_warps: gl.constexpr,
+        FIXED_SHIFT: gl.constexpr, SUM_LANE: gl.constexpr, num_warps: gl.constexpr,
     ):
         """``hopper_attention_kernel``'s arguments (the head strides constexprs, as there), but a one-dimensional
         grid over work tiles: ``M_BLOCKS`` q blocks of ``BLOCK_M`` rows per sequence slot, ``HEADS`` heads and
@@ -244,7 +285,8 @@ if GLUON_IMPORT_ERROR is None:
         number of SMs). ``PADDING``: the programs also zero the rows past ``cu_seqlens[-1]`` (the padding slot of
         ``hopper_attention_kernel``'s grid). ``num_warps`` (4) is the default partition's, the first consumer.
         ``CONSUMER_REGS``: registers per thread of each consumer once the producer gave its up. ``FLAGS``: int32, two
-        per work tile (``consumer_partition``); ``FIXED_SHIFT``: as there."""
+        per work tile (``consumer_partition``); ``FIXED_SHIFT``, ``SUM_LANE``: as there (``SUM_LANE`` needs
+        ``HAS_B`` and a lane of the second part past the head)."""
         BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
         HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_desc.dtype
@@ -260,16 +302,27 @@ if GLUON_IMPORT_ERROR is None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
+        marked = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(marked.index(i), count=1)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
+        if SUM_LANE >= 0:
+            gl.static_assert(HAS_B and SUM_LANE + D_A >= HEAD_DIM and SUM_LANE < D_B,
+                             "SUM_LANE must be a lane of v's second part past the head")
+            consumed = marked  # the consumers wait for the producer's ones, after the loads
+        else:
+            consumed = ready
         gl.warp_specialize([  # the argument tuples are written out: a tuple variable loses its constexprs
-            (consumer_partition, (0, Q, Out, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, CU_SEQLENS,
-                                  HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
-                                  STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, FIXED_SHIFT)),
-            (consumer_partition, (1, Q, Out, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn, CU_SEQLENS,
-                                  HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
-                                  STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, FIXED_SHIFT)),
-            (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, CU_SEQLENS,
-                              HEADS, M_BLOCKS, n_tiles, HEAD_DIM, BLOCK_M, STAGES, D_A, HAS_B)),
+            (consumer_partition, (0, Q, Out, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, consumed, empty, turn,
+                                  CU_SEQLENS, HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
+                                  STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, FIXED_SHIFT,
+                                  SUM_LANE)),
+            (consumer_partition, (1, Q, Out, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, consumed, empty, turn,
+                                  CU_SEQLENS, HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
+                                  STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, FIXED_SHIFT,
+                                  SUM_LANE)),
+            (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, marked,
+                              CU_SEQLENS, HEADS, M_BLOCKS, n_tiles, HEAD_DIM, BLOCK_M, STAGES, D_A, HAS_B, SUM_LANE)),
         ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -1,0 +1,95 @@
+"""Whole replays of the shipped tower against the same tower with one kernel choice switched off, in one process.
+
+Usage: python benchmarks/replay_toggle.py TOGGLE [TOKENS ...] [--rounds N]   (default 1024 and 512, 2 rounds)
+TOGGLE is one of ``TOGGLES``:
+- ``fixed-shift``: the ping-pong kernel's fixed softmax shift (session 13) against the online softmax, with
+  ``gluon_kernel.FIXED_SHIFT_FROM`` raised past every budget (no fixup launch either);
+- ``mma-row-sum``: the ping-pong kernel's row sums on the tensor cores (session 14, ``gluon_kernel.sum_lane``)
+  against the consumers' adds.
+For each TOKENS, two graphs of one TOKENS-token image on the same tower and pixels (TRITON_ATTN, one slot:
+``replay_gaps.one_image_graph``): one captured as shipped, one with the toggle off while it is captured. Their
+replays are timed side by side (``measure_interleaved``: 10 warm-ups, 30 rounds in shuffled order), ``--rounds``
+times, median / p95 in ms; then the relative L2 difference of each graph's merged embeddings against the
+transformers reference (``Qwen3OmniMoeVisionEncoder``, sdpa, same weights and pixels) and, for scale, that of
+FLASH_ATTN's eager tower, and the two graphs' difference to each other. The weights are random: the tower
+amplifies any rounding difference across its 27 blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from replay_gaps import one_image_graph, preset_tower  # benchmarks/, the script's directory
+
+from hwgraph.attention import gluon_kernel
+from hwgraph.bench import kernel_view, warm_device
+from hwgraph.budgets import filling_grid
+from hwgraph.manager import relative_error
+from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
+from hwgraph.timing import measure_interleaved
+
+
+@contextlib.contextmanager
+def patched(module, name: str, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+# name -> (label of the shipped graph, label of the other, context manager that switches the choice off)
+TOGGLES = {
+    "fixed-shift": ("fixed shift", "online softmax", lambda: patched(gluon_kernel, "FIXED_SHIFT_FROM", 1 << 30)),
+    "mma-row-sum": ("row sums on tensor cores", "row sums added",
+                    lambda: patched(gluon_kernel, "sum_lane", lambda head_dim: -1)),
+}
+
+
+def run(toggle: str, token_counts: list[int], rounds: int) -> None:
+    shipped_name, other_name, switched_off = TOGGLES[toggle]
+    dev = torch.device("cuda")
+    warm_device(dev)
+    print(torch.cuda.get_device_name(), "toggle", toggle, flush=True)
+    tower = preset_tower(dev)
+    reference = reference_encoder(tower, attn_implementation="sdpa")
+    for tokens in token_counts:
+        pixels = torch.randn(tokens * 4, 1536, device=dev, dtype=torch.bfloat16)
+        shipped = one_image_graph(tower, tokens, pixels)
+        with switched_off():
+            other = one_image_graph(tower, tokens, pixels)
+        grid = [filling_grid(tokens, 2)]
+        want = run_reference(reference, pixels, grid).embeds.float()
+        with torch.inference_mode():
+            flash = kernel_view(tower, "FLASH_ATTN").forward(pixels, grid).embeds
+        errors = {name: relative_error(got.float(), want) for name, got in
+                  ((shipped_name, shipped[3]), (other_name, other[3]), ("FLASH_ATTN eager", flash))}
+        between = relative_error(shipped[3].float(), other[3].float())
+        for r in range(rounds):
+            lat = measure_interleaved({shipped_name: shipped[2].replay, other_name: other[2].replay}, dev, seed=r)
+            cells = " | ".join(f"{name} {x.median:.3f} / {x.p95:.3f}" for name, x in lat.items())
+            ratio = lat[shipped_name].median / lat[other_name].median
+            print(f"1x{tokens} (budget {shipped[1]}) round {r}: {cells} ms ({ratio:.3f}x)", flush=True)
+        against = ", ".join(f"{name} {err:.2e}" for name, err in errors.items())
+        print(f"1x{tokens}: relative L2 against transformers: {against}; {shipped_name} against {other_name} "
+              f"{between:.2e}", flush=True)
+
+
+def main():
+    args = sys.argv[1:]
+    if not args or args[0] not in TOGGLES:
+        raise SystemExit(f"usage: replay_toggle.py {{{'|'.join(TOGGLES)}}} [TOKENS ...] [--rounds N]")
+    toggle, args = args[0], args[1:]
+    rounds = 2
+    if "--rounds" in args:
+        i = args.index("--rounds")
+        rounds = int(args[i + 1])
+        del args[i:i + 2]
+    run(toggle, [int(a) for a in args] or [1024, 512], rounds)
+
+
+if __name__ == "__main__":
+    main()
