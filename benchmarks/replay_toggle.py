@@ -5,7 +5,9 @@ TOGGLE is one of ``TOGGLES``:
 - ``fixed-shift``: the ping-pong kernel's fixed softmax shift (session 13) against the online softmax, with
   ``gluon_kernel.FIXED_SHIFT_FROM`` raised past every budget (no fixup launch either);
 - ``mma-row-sum``: the ping-pong kernel's row sums on the tensor cores (session 14, ``gluon_kernel.sum_lane``)
-  against the consumers' adds.
+  against the consumers' adds;
+- ``out-tma``: the ping-pong kernel's output stored by TMA through the q buffer (session 14,
+  ``gluon_kernel.OUT_TMA``) against pointer stores from the MMA layout.
 For each TOKENS, two graphs of one TOKENS-token image on the same tower and pixels (TRITON_ATTN, one slot:
 ``replay_gaps.one_image_graph``): one captured as shipped, one with the toggle off while it is captured. Their
 replays are timed side by side (``measure_interleaved``: 10 warm-ups, 30 rounds in shuffled order), ``--rounds``
@@ -46,6 +48,7 @@ TOGGLES = {
     "fixed-shift": ("fixed shift", "online softmax", lambda: patched(gluon_kernel, "FIXED_SHIFT_FROM", 1 << 30)),
     "mma-row-sum": ("row sums on tensor cores", "row sums added",
                     lambda: patched(gluon_kernel, "sum_lane", lambda head_dim: -1)),
+    "out-tma": ("output by TMA", "output by pointer stores", lambda: patched(gluon_kernel, "OUT_TMA", False)),
 }
 
 

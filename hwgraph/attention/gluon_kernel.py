@@ -382,12 +382,19 @@ def gluon_tiles(max_seqlen: int, head_dim: int, num_seqs: int | None = None) -> 
     return GluonTiles(128, 64, 8, 3) if max_seqlen >= 1024 else GluonTiles(64, 64, 4, 3)
 
 
-def pingpong_fits(head_dim: int, tiles: GluonTiles) -> bool:
-    """Whether the ping-pong kernel's q tile and k/v ring fit ``SHARED_BYTES`` (bf16/fp16): with ``PINGPONG_TILES``
-    72 lanes a head take 180 KB, 96 lanes 216 KB, 128 lanes 288 KB."""
+def pingpong_fits(head_dim: int, tiles: GluonTiles, q_buffers: int = 1) -> bool:
+    """Whether the ping-pong kernel's ``q_buffers`` q tiles and k/v ring fit ``SHARED_BYTES`` (bf16/fp16): with
+    ``PINGPONG_TILES`` and one q buffer 72 lanes a head take 180 KB, 96 lanes 216 KB, 128 lanes 288 KB; with two,
+    72 lanes 200 KB."""
     d_a, d_b = head_split(head_dim)
     width = d_a + max(d_b, 16)  # the second part's buffers exist (16 wide) even when the head has one part
-    return 2 * width * (tiles.block_m + 2 * tiles.stages * tiles.block_n) <= SHARED_BYTES
+    return 2 * width * (q_buffers * tiles.block_m + 2 * tiles.stages * tiles.block_n) <= SHARED_BYTES
+
+
+def q_buffers(head_dim: int, tiles: GluonTiles) -> int:
+    """The ping-pong kernel's q buffers: two where they fit (its producer loads a tile's q while the consumers
+    finish the previous tile), else one."""
+    return 2 if pingpong_fits(head_dim, tiles, 2) else 1
 
 
 def descriptor(t: torch.Tensor, block_n: int, width: int):
@@ -440,9 +447,18 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     args = args[:FLAGS_ARG] + (flags,) + args[FLAGS_ARG:]
     sms = sm_count(q.device)
     programs = min(n_tiles, sms) if tiles.persistent and sms is not None else n_tiles
+    # q by TMA (the producer loads it), the output's first part by TMA from the q buffer (gluon_pingpong).
+    args += (descriptor(q, tiles.block_m, d_a), descriptor(q, tiles.block_m, kb_width),
+             descriptor(out, tiles.block_m // 2, d_a))
     kwargs.update(HEADS=heads, M_BLOCKS=grid[0], PADDING=padding_slot, CONSUMER_REGS=tiles.consumer_regs,
-                  FIXED_SHIFT=fixed_shift, SUM_LANE=sum_lane(head_dim), maxnreg=tiles.maxnreg)
+                  FIXED_SHIFT=fixed_shift, SUM_LANE=sum_lane(head_dim), Q_BUFFERS=q_buffers(head_dim, tiles),
+                  OUT_TMA=OUT_TMA, maxnreg=tiles.maxnreg)
     return hopper_attention_pingpong_kernel, (max(1, programs),), args, kwargs
+
+
+# The ping-pong kernel stores each full half-tile's first 64 lanes by TMA, through its q buffer, instead of by pointer
+# stores from the MMA layout (gluon_pingpong.consumer_partition).
+OUT_TMA = True
 
 
 def sum_lane(head_dim: int) -> int:

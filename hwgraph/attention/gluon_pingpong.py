@@ -48,13 +48,12 @@ from hwgraph.attention.gluon_kernel import GLUON_IMPORT_ERROR
 if GLUON_IMPORT_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
     from hwgraph.attention.gluon_kernel import (
         cta_barrier,
         issue_kv,
         kv_ring,
-        load_q_part,
         loop_state,
         mma_row_sum,
         p_operands,
@@ -64,12 +63,16 @@ if GLUON_IMPORT_ERROR is None:
         sequence_rows,
         softmax_step,
         store_out,
+        store_out_part,
+        tma_load,
         wait_scores,
         zero_padding_rows,
         zero_tail,
     )
 
     CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup: the unit of Hopper's MMAs
+    # The TMA store (tma.async_store after Triton 3.6).
+    tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
     PRODUCER_REGS = gl.constexpr(24)  # the producer only issues TMA loads; its registers go to the consumers
 
     @gluon.jit
@@ -91,42 +94,87 @@ if GLUON_IMPORT_ERROR is None:
                  HAS_B)
 
     @gluon.jit
-    def mark_ones(vb_s, ready, marked, block, STAGES: gl.constexpr, LANE: gl.constexpr):
-        """Once key block ``block``'s loads have landed, set lane ``LANE`` of its v tile's second part to ones
-        (a lane past the head, which p.v computes but nothing stores), so that p.v sums each row's p there
-        (``gluon_kernel.mma_row_sum``) instead of the consumers' adds; then hand the slot to the consumers
-        (``marked``). One warp, 32 rows at a time (the producer's 24 registers)."""
-        slot = block % STAGES
-        mbarrier.wait(ready.index(slot), (block // STAGES) & 1)
-        buf = vb_s.index(slot)
+    def set_lanes(buf, LO: gl.constexpr, HI: gl.constexpr, value: gl.constexpr):
+        """Lanes ``LO .. HI`` of every row of a ``[rows, cols]`` tile in shared memory set to ``value``, by one warp,
+        32 rows at a time (the producer's 24 registers). The caller fences before the MMAs read it."""
         ROWS: gl.constexpr = buf.shape[0]
         COLS: gl.constexpr = buf.shape[1]
         CHUNK: gl.constexpr = 32
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (COLS // 8), COLS // 8], [1, 1], [1, 0])
         lanes = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        inside = ((lanes >= LO) & (lanes < HI))[None, :]
         for r in gl.static_range(0, ROWS, CHUNK):
             part = buf.slice(r, CHUNK)
             tile = part.load(layout)
-            part.store(gl.where((lanes == LANE)[None, :], gl.full_like(tile, 1.0), tile))
+            part.store(gl.where(inside, gl.full_like(tile, value), tile))
+
+    @gluon.jit
+    def mark_ones(vb_s, ready, marked, block, STAGES: gl.constexpr, LANE: gl.constexpr):
+        """Once key block ``block``'s loads have landed, set lane ``LANE`` of its v tile's second part to ones
+        (a lane past the head, which p.v computes but nothing stores), so that p.v sums each row's p there
+        (``gluon_kernel.mma_row_sum``) instead of the consumers' adds; then hand the slot to the consumers
+        (``marked``)."""
+        slot = block % STAGES
+        mbarrier.wait(ready.index(slot), (block // STAGES) & 1)
+        set_lanes(vb_s.index(slot), LANE, LANE + 1, 1.0)
         fence_async_shared()
         cta_barrier()
         mbarrier.arrive(marked.index(slot), count=1)
 
     @gluon.jit
-    def load_partition(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, marked, CU_SEQLENS,
+    def load_q(qa_desc, qb_desc, qa_s, qb_s, q_ready, q_empty, n, row, col, Q_BUFFERS: gl.constexpr,
+               D_A: gl.constexpr, HAS_B: gl.constexpr):
+        """Wait until both consumers are done with q buffer ``n % Q_BUFFERS`` (this program's q tile
+        ``n - Q_BUFFERS``), then start loading the ``BLOCK_M``-row q tile at token ``row`` (lanes from ``col``)
+        into it."""
+        buf = n % Q_BUFFERS
+        mbarrier.wait(q_empty.index(buf), ((n // Q_BUFFERS) & 1) ^ 1)  # a fresh mbarrier passes phase 1
+        bar = q_ready.index(buf)
+        if HAS_B:
+            mbarrier.expect(bar, qa_desc.block_type.nbytes + qb_desc.block_type.nbytes)
+            tma_load(qa_desc, [row, col], bar, qa_s.index(buf))
+            tma_load(qb_desc, [row, col + D_A], bar, qb_s.index(buf))
+        else:
+            mbarrier.expect(bar, qa_desc.block_type.nbytes)
+            tma_load(qa_desc, [row, col], bar, qa_s.index(buf))
+
+    @gluon.jit
+    def mark_q(qb_s, q_ready, q_marked, n, Q_BUFFERS: gl.constexpr, ZERO_FROM: gl.constexpr,
+               HAS_B: gl.constexpr):
+        """Once q tile ``n``'s loads have landed, zero its second part's lanes from ``ZERO_FROM`` (past the head:
+        the next head's lanes, which k's second part holds too, so q.k must not add them), then hand the buffer to
+        the consumers (``q_marked``)."""
+        buf = n % Q_BUFFERS
+        mbarrier.wait(q_ready.index(buf), (n // Q_BUFFERS) & 1)
+        if HAS_B and ZERO_FROM < qb_s.shape[2]:
+            set_lanes(qb_s.index(buf), ZERO_FROM, qb_s.shape[2], 0.0)
+            fence_async_shared()
+            cta_barrier()
+        mbarrier.arrive(q_marked.index(buf), count=1)
+
+    @gluon.jit
+    def load_partition(ka_desc, kb_desc, va_desc, vb_desc, qa_desc, qb_desc, ka_s, kb_s, va_s, vb_s, qa_s, qb_s,
+                       ready, empty, marked, q_ready, q_empty, q_marked, CU_SEQLENS,
                        HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, n_tiles, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, D_A: gl.constexpr, HAS_B: gl.constexpr,
-                       SUM_LANE: gl.constexpr):
+                       SUM_LANE: gl.constexpr, Q_BUFFERS: gl.constexpr):
         """The producer (one warp): for each of this program's tiles, fills each ring slot once both consumers
         have released it. The ring runs on across tiles, so the next tile's first key blocks load while the
         consumers finish this one. With ``SUM_LANE`` >= 0 it also marks each block's ones lane (``mark_ones``),
         one block behind its loads: the consumers waiting for block j have released block j - 2, which the fill
-        of block j + 1 waits for with 4 stages (the marks may lag at most ``STAGES - 2`` blocks)."""
+        of block j + 1 waits for with 4 stages (the marks may lag at most ``STAGES - 2`` blocks).
+
+        It also loads each tile's q (``load_q``, into one of ``Q_BUFFERS`` buffers) before the tile's first key
+        block, and marks it (``mark_q``) after that block's fill: with two buffers, while the consumers still
+        work on the previous tile, so that a tile starts without waiting for q."""
         BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
         block = 0  # key blocks loaded so far by this program: the ring position
+        n = 0  # q tiles loaded so far by this program
         for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, HEADS, M_BLOCKS, BLOCK_M)
             if rows < seqlen:
+                load_q(qa_desc, qb_desc, qa_s, qb_s, q_ready, q_empty, n, start + rows, head * HEAD_DIM, Q_BUFFERS,
+                       D_A, HAS_B)
                 n_blocks = gl.cdiv(seqlen, BLOCK_N)
                 for j in range(n_blocks):
                     fill_slot(ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, block + j,
@@ -134,7 +182,10 @@ if GLUON_IMPORT_ERROR is None:
                     if SUM_LANE >= 0:
                         if block + j > 0:
                             mark_ones(vb_s, ready, marked, block + j - 1, STAGES, SUM_LANE)
+                    if j == 0:
+                        mark_q(qb_s, q_ready, q_marked, n, Q_BUFFERS, HEAD_DIM - D_A, HAS_B)
                 block += n_blocks
+                n += 1
         if SUM_LANE >= 0:
             if block > 0:
                 mark_ones(vb_s, ready, marked, block - 1, STAGES, SUM_LANE)
@@ -183,17 +234,19 @@ if GLUON_IMPORT_ERROR is None:
         return flag
 
     @gluon.jit
-    def consumer_partition(HALF: gl.constexpr, Q, Out, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty, turn,
-                           CU_SEQLENS, HEADS: gl.constexpr, M_BLOCKS: gl.constexpr, n_tiles, qk_scale_log2,
-                           stride_qt, stride_qh: gl.constexpr, stride_ot, stride_oh: gl.constexpr,
+    def consumer_partition(HALF: gl.constexpr, Out, oa_desc, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty,
+                           turn, q_marked, q_empty, CU_SEQLENS, HEADS: gl.constexpr, M_BLOCKS: gl.constexpr,
+                           n_tiles, qk_scale_log2, stride_ot, stride_oh: gl.constexpr,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
                            HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                           FIXED_SHIFT: gl.constexpr, SUM_LANE: gl.constexpr):
+                           FIXED_SHIFT: gl.constexpr, SUM_LANE: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                           OUT_TMA: gl.constexpr):
         """One consumer warpgroup: for each of this program's tiles, q rows ``rows + HALF * BLOCK_M // 2 ..``, the
         key loop of ``hopper_attention_kernel`` with the MMAs of each of its ``n_blocks + 1`` issue points in turn
         with the other consumer, and each ring slot released to the producer once its p.v is done. Both consumers
-        pass every issue point, even one whose rows are all past the sequence (its q is zeros and it stores
-        nothing), or the other would wait forever.
+        pass every issue point, even one whose rows are all past the sequence (it stores nothing), or the other
+        would wait forever. q comes from the producer (``load_q``, ``mark_q``); rows past the sequence hold the
+        next sequence's q or TMA's zeros, and their results are never stored.
 
         ``FIXED_SHIFT`` (``gluon_kernel.uses_fixed_shift``): each row's softmax shift is its first key block's
         maximum for all its keys (``shifted_step``), with no running maximum and no rescale of the accumulators,
@@ -201,25 +254,30 @@ if GLUON_IMPORT_ERROR is None:
         online softmax of ``hopper_attention_kernel``, and FLAGS is not touched.
 
         ``SUM_LANE`` >= 0: the rows' sums come from that lane of the second p.v part (``mma_row_sum``), and
-        ``ready`` is the producer's ``marked`` (the loads have landed and the ones are in place)."""
+        ``ready`` is the producer's ``marked`` (the loads have landed and the ones are in place).
+
+        ``OUT_TMA``: a half-tile whose rows all belong to the sequence stores its first ``D_A`` lanes through its
+        q buffer (free once its MMAs are done) and a TMA store (``oa_desc``), the rest by pointer stores; else
+        every lane by pointer stores (``store_out``). The q buffer goes back to the producer (``q_empty``) at the
+        next tile's start (with two buffers) or once the store has read it (one)."""
         ROW_SUM: gl.constexpr = SUM_LANE < 0
         HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_s.dtype
-        qa_h = qa_s.index(HALF)
-        qb_h = qb_s.index(HALF)
         block = 0  # key blocks consumed so far by this program: the ring position
         issue = 0  # issue points passed so far: the turn barriers' phase
+        n = 0  # q tiles consumed so far by this program
         for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, HEADS, M_BLOCKS, BLOCK_M)
             if rows < seqlen:
-                # This consumer's MMAs of the previous tile are complete: its q buffer is free.
                 r0 = rows + HALF * HALF_M
-                qa_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, 0, D_A, HEAD_DIM, HALF_M,
-                                       CONSUMER_WARPS))
-                qb_h.store(load_q_part(Q, r0, seqlen, start, head, stride_qt, stride_qh, D_A, D_B, HEAD_DIM, HALF_M,
-                                       CONSUMER_WARPS))
-                fence_async_shared()
-                cta_barrier()
+                buf = n % Q_BUFFERS
+                mbarrier.wait(q_marked.index(buf), (n // Q_BUFFERS) & 1)
+                if Q_BUFFERS > 1:
+                    if n > 0:  # the previous tile's output store has read its q buffer: the producer may refill it
+                        tma.store_wait(0)
+                        mbarrier.arrive(q_empty.index((n - 1) % Q_BUFFERS), count=1)
+                qa_h = qa_s.index(buf).slice(HALF * HALF_M, HALF_M)
+                qb_h = qb_s.index(buf).slice(HALF * HALF_M, HALF_M)
                 s_init, o_a, o_b, m_i, l_i = loop_state(HALF_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
                 n_blocks = gl.cdiv(seqlen, BLOCK_N)
 
@@ -263,21 +321,38 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.arrive(empty.index(last), count=1)
                 if not ROW_SUM:
                     l_i = mma_row_sum(o_b, SUM_LANE)
-                store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
                 if FIXED_SHIFT:  # this half-tile's 64-row block: (slot * HEADS + head) * 2 * M_BLOCKS + 2 * m + HALF
                     gl.store(FLAGS + 2 * tile + HALF, overflow_flag(o_a, o_b, l_i, HAS_B))
+                if OUT_TMA and r0 + HALF_M <= seqlen:
+                    inv_l = 1.0 / l_i
+                    qa_h.store((o_a * gl.convert_layout(inv_l, gl.SliceLayout(1, o_a.type.layout))[:, None]
+                                ).to(dtype))
+                    fence_async_shared()
+                    cta_barrier()
+                    tma_store(oa_desc, [start + r0, head * HEAD_DIM], qa_h)
+                    if HAS_B:
+                        store_out_part(Out, o_b, inv_l, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM)
+                else:
+                    store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM,
+                              HAS_B)
+                if Q_BUFFERS == 1:
+                    tma.store_wait(0)
+                    mbarrier.arrive(q_empty.index(0), count=1)
                 block += n_blocks
                 issue += n_blocks + 1
+                n += 1
+        tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=["num_seqs"])
     def hopper_attention_pingpong_kernel(
         Q, ka_desc, kb_desc, va_desc, vb_desc, Out, CU_SEQLENS, FLAGS,
         tokens, num_seqs, qk_scale_log2,
-        stride_qt, STRIDE_QH: gl.constexpr, stride_ot, STRIDE_OH: gl.constexpr,
+        stride_qt, STRIDE_QH: gl.constexpr, stride_ot, STRIDE_OH: gl.constexpr, qa_desc, qb_desc, oa_desc,
         HEADS: gl.constexpr, M_BLOCKS: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
         D_V: gl.constexpr, STAGES: gl.constexpr, PADDING: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        FIXED_SHIFT: gl.constexpr, SUM_LANE: gl.constexpr, num_warps: gl.constexpr,
+        FIXED_SHIFT: gl.constexpr, SUM_LANE: gl.constexpr, Q_BUFFERS: gl.constexpr, OUT_TMA: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """``hopper_attention_kernel``'s arguments (the head strides constexprs, as there), but a one-dimensional
         grid over work tiles: ``M_BLOCKS`` q blocks of ``BLOCK_M`` rows per sequence slot, ``HEADS`` heads and
@@ -286,16 +361,18 @@ if GLUON_IMPORT_ERROR is None:
         ``hopper_attention_kernel``'s grid). ``num_warps`` (4) is the default partition's, the first consumer.
         ``CONSUMER_REGS``: registers per thread of each consumer once the producer gave its up. ``FLAGS``: int32, two
         per work tile (``consumer_partition``); ``FIXED_SHIFT``, ``SUM_LANE``: as there (``SUM_LANE`` needs
-        ``HAS_B`` and a lane of the second part past the head)."""
+        ``HAS_B`` and a lane of the second part past the head). ``qa_desc``, ``qb_desc``: q's two parts by
+        ``BLOCK_M``-row boxes, loaded by the producer into ``Q_BUFFERS`` buffers (``Q``, ``stride_qt`` and
+        ``STRIDE_QH`` are ``hopper_attention_kernel``'s, unused here); ``oa_desc``: the output's first part by
+        ``BLOCK_M // 2``-row boxes, for ``OUT_TMA`` (``consumer_partition``)."""
         BLOCK_N: gl.constexpr = ka_desc.block_type.shape[0]
-        HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_desc.dtype
         if PADDING:
             zero_padding_rows(Out, CU_SEQLENS, tokens, num_seqs, gl.program_id(0), gl.num_programs(0), HEADS,
                               stride_ot, STRIDE_OH, HEAD_DIM, BLOCK_M, D_V, num_warps)
         n_tiles = M_BLOCKS * HEADS * num_seqs
-        qa_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_A], ka_desc.layout)
-        qb_s = gl.allocate_shared_memory(dtype, [2, HALF_M, D_B], kb_desc.layout)
+        qa_s = gl.allocate_shared_memory(dtype, [Q_BUFFERS, BLOCK_M, D_A], qa_desc.layout)
+        qb_s = gl.allocate_shared_memory(dtype, [Q_BUFFERS, BLOCK_M, D_B], qb_desc.layout)
         ka_s, kb_s, va_s, vb_s = kv_ring(ka_desc, kb_desc, va_desc, vb_desc, STAGES)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -308,6 +385,13 @@ if GLUON_IMPORT_ERROR is None:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
+        q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+        q_marked = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(Q_BUFFERS):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_marked.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)
         if SUM_LANE >= 0:
             gl.static_assert(HAS_B and SUM_LANE + D_A >= HEAD_DIM and SUM_LANE < D_B,
                              "SUM_LANE must be a lane of v's second part past the head")
@@ -315,14 +399,15 @@ if GLUON_IMPORT_ERROR is None:
         else:
             consumed = ready
         gl.warp_specialize([  # the argument tuples are written out: a tuple variable loses its constexprs
-            (consumer_partition, (0, Q, Out, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, consumed, empty, turn,
-                                  CU_SEQLENS, HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
+            (consumer_partition, (0, Out, oa_desc, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, consumed, empty, turn,
+                                  q_marked, q_empty, CU_SEQLENS, HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_ot,
                                   STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, FIXED_SHIFT,
-                                  SUM_LANE)),
-            (consumer_partition, (1, Q, Out, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, consumed, empty, turn,
-                                  CU_SEQLENS, HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_qt, STRIDE_QH, stride_ot,
+                                  SUM_LANE, Q_BUFFERS, OUT_TMA)),
+            (consumer_partition, (1, Out, oa_desc, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, consumed, empty, turn,
+                                  q_marked, q_empty, CU_SEQLENS, HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_ot,
                                   STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, FIXED_SHIFT,
-                                  SUM_LANE)),
-            (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, ka_s, kb_s, va_s, vb_s, ready, empty, marked,
-                              CU_SEQLENS, HEADS, M_BLOCKS, n_tiles, HEAD_DIM, BLOCK_M, STAGES, D_A, HAS_B, SUM_LANE)),
+                                  SUM_LANE, Q_BUFFERS, OUT_TMA)),
+            (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, qa_desc, qb_desc, ka_s, kb_s, va_s, vb_s, qa_s,
+                              qb_s, ready, empty, marked, q_ready, q_empty, q_marked, CU_SEQLENS, HEADS, M_BLOCKS,
+                              n_tiles, HEAD_DIM, BLOCK_M, STAGES, D_A, HAS_B, SUM_LANE, Q_BUFFERS)),
         ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
