@@ -223,14 +223,21 @@ if GLUON_IMPORT_ERROR is None:
         return gl.where(gl.abs(x) < float("inf"), 0, 1)
 
     @gluon.jit
-    def overflow_flag(o_a, o_b, l_i, HAS_B: gl.constexpr):
-        """1 when a row's sum or accumulators left the finite range (a score more than about 2**7 above its row's
-        shift, in log2 units), else 0: the half-tile goes to ``triton_kernel.overflow_fixup_kernel``. Finite
-        results are right: p's magnitude costs no relative precision."""
-        flag = gl.max(not_finite(l_i), 0)
-        flag = gl.maximum(flag, gl.max(gl.max(not_finite(o_a), 1), 0))
+    def valid_not_finite(per_row, valid_rows):
+        """1 where one of the first ``valid_rows`` entries of the per-row ``per_row`` (0 or 1) is 1, else 0."""
+        rows = gl.arange(0, per_row.shape[0], layout=per_row.type.layout)
+        return gl.max(gl.where(rows < valid_rows, per_row, 0), 0)
+
+    @gluon.jit
+    def overflow_flag(o_a, o_b, l_i, valid_rows, HAS_B: gl.constexpr):
+        """1 when one of the first ``valid_rows`` rows' sum or accumulators left the finite range (a score more than
+        about 2**7 above its row's shift, in log2 units), else 0: the half-tile goes to
+        ``triton_kernel.overflow_fixup_kernel``. Finite results are right: p's magnitude costs no relative
+        precision. Rows past the sequence (another sequence's q, or padding) are never stored and flag nothing."""
+        flag = valid_not_finite(not_finite(l_i), valid_rows)
+        flag = gl.maximum(flag, valid_not_finite(gl.max(not_finite(o_a), 1), valid_rows))
         if HAS_B:
-            flag = gl.maximum(flag, gl.max(gl.max(not_finite(o_b), 1), 0))
+            flag = gl.maximum(flag, valid_not_finite(gl.max(not_finite(o_b), 1), valid_rows))
         return flag
 
     @gluon.jit
@@ -322,7 +329,7 @@ if GLUON_IMPORT_ERROR is None:
                 if not ROW_SUM:
                     l_i = mma_row_sum(o_b, SUM_LANE)
                 if FIXED_SHIFT:  # this half-tile's 64-row block: (slot * HEADS + head) * 2 * M_BLOCKS + 2 * m + HALF
-                    gl.store(FLAGS + 2 * tile + HALF, overflow_flag(o_a, o_b, l_i, HAS_B))
+                    gl.store(FLAGS + 2 * tile + HALF, overflow_flag(o_a, o_b, l_i, seqlen - r0, HAS_B))
                 if OUT_TMA and r0 + HALF_M <= seqlen:
                     inv_l = 1.0 / l_i
                     qa_h.store((o_a * gl.convert_layout(inv_l, gl.SliceLayout(1, o_a.type.layout))[:, None]
