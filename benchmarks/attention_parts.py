@@ -36,8 +36,12 @@ without a part, and the difference to ``shipped`` bounds what making that part f
   a branch in PTX around each eight accumulators' multiplies; right result.
 
 ``--tile 128,128,4,4,1,168,240``: ``GluonTiles`` fields for every variant (default ``PINGPONG_TILES``).
-The row sums on the tensor cores (p times a tile of ones, instead of adds) were measured with this script and the
-kernel's ``SUM_BY_MMA`` constexpr at commit 00ee9ad (its ``--kw SUM_BY_MMA=1``): no faster, not kept.
+The row sums on the tensor cores as extra MMAs (p times a tile of ones, instead of adds) were measured with this
+script and the kernel's ``SUM_BY_MMA`` constexpr at commit 00ee9ad (its ``--kw SUM_BY_MMA=1``): no faster, not kept.
+Since session 14 the kernel sums p in a spare lane of v's second part instead (no extra MMA), so ``nosum`` leaves
+nothing out at 72 lanes a head.
+- ``noqload``: q is zeros, not loaded (its scores are all zero, which also lowers the tensor cores' power);
+- ``nostore``: no output stores; ``noqload+nostore`` both.
 ``--once``: run the product kernel three times and exit (for ``ncu``).
 """
 

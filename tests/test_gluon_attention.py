@@ -261,3 +261,33 @@ def test_launch_gluon_attention_follows_fixed_shift_calls_with_the_fixup_on_thei
     ((_, _, _, fixed_out, fixed_cu, flags, blocks, block_m, scale),) = fixups
     assert fixed_out is out and fixed_cu is cu_seqlens and flags is args[gluon_kernel.FLAGS_ARG] and scale == 0.1
     assert (blocks, block_m) == (2 * max_seqlen // 128, 64) and flags.numel() == blocks * 16 * 2
+
+
+@pytest.mark.parametrize(("head_dim", "lane", "buffers"), [(72, 8, 2), (40, 8, 2), (64, -1, 2), (80, -1, 2),
+                                                           (96, -1, 1)])
+def test_pingpong_row_sum_lane_and_q_buffers_follow_the_head_width(head_dim, lane, buffers):
+    """p is summed on the tensor cores in the first lane of v's second part past the head, where there is one
+    (72 = 64 + 16 leaves lanes 8-15); two q buffers where they fit beside the 4-stage ring (72 lanes: 200 KB),
+    else one (96 lanes: 216 KB with one)."""
+    assert gluon_kernel.sum_lane(head_dim) == lane
+    assert gluon_kernel.q_buffers(head_dim, gluon_kernel.PINGPONG_TILES) == buffers
+    assert gluon_kernel.pingpong_fits(head_dim, gluon_kernel.PINGPONG_TILES, buffers)
+
+
+@needs_gluon
+@pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
+def test_pingpong_kernel_call_loads_q_and_stores_the_output_by_tma(sm90):
+    """The ping-pong call gets TMA descriptors for q's two parts (128-row boxes, the producer's loads) and for the
+    output's first part (64-row boxes, each consumer's half-tile), the row-sum lane and the q buffers; it compiles
+    for sm_90 with both, and without the output's TMA store (``OUT_TMA``)."""
+    qkv = torch.zeros(4096, 3, 16, 72, dtype=torch.bfloat16)
+    q, k, v = qkv[:, 0].contiguous(), qkv[:, 1], qkv[:, 2]
+    out = torch.empty_like(q)
+    cu_seqlens = torch.tensor([0, 4096], dtype=torch.int32)
+    kernel, grid, args, kwargs = gluon_kernel.kernel_call(q, k, v, out, cu_seqlens, 4096, 0.1)
+    qa_desc, qb_desc, oa_desc = args[-3:]
+    assert qa_desc.base is q and qa_desc.block_shape == [128, 64] and qb_desc.block_shape == [128, 16]
+    assert oa_desc.base is out and oa_desc.block_shape == [64, 64]
+    assert (kwargs["SUM_LANE"], kwargs["Q_BUFFERS"], kwargs["OUT_TMA"]) == (8, 2, True)
+    for out_tma in (True, False):
+        kernel.warmup(*args, **{**kwargs, "OUT_TMA": out_tma}, grid=grid)

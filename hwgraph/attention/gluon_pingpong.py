@@ -17,6 +17,17 @@ rescaled. A consumer whose rows left the finite range flags its 64-row half-tile
 for one 4096-patch sequence, fixup included: 0.174 against 0.191 ms with the online softmax (session 13,
 ``benchmarks/attention_ab.py``).
 
+Since session 14 (``docs/benchmarks.md``):
+- each row's softmax sum comes from the tensor cores: the producer sets lane 8 of v's 16-lane second part (past the
+  72-lane head, computed but never stored) to ones once a key block has landed (``mark_ones``), so p.v sums p there
+  (``gluon_kernel.mma_row_sum``) and the consumers no longer add p up (1x1024 replay 0.993-0.994x);
+- the producer loads each tile's q by TMA into one of two buffers, before the tile's first key block, so a tile
+  starts without the consumers loading q (``load_q``, ``mark_q``, which zeroes q's lanes past the head);
+- a consumer stores its half-tile's first 64 output lanes by TMA through its q buffer (``gluon_kernel.OUT_TMA``;
+  1x1024 replay 0.996-0.997x, 1x256 0.990-0.991x). Per call for one 4096-patch sequence, both: 166-170 against
+  171-174 µs (``benchmarks/attention_ab.py``). Issuing a tile's last p.v with the next tile's first q.k (the tiles
+  pipelined; ``docs/benchmarks.md``, session 14) measured slower and is not kept.
+
 The grid is one-dimensional over work tiles (q block, head, sequence slot; q block fastest). With
 ``GluonTiles.persistent`` (``PINGPONG_TILES``) there is one program per SM, each taking every SM-count-th tile;
 the ring and the turns run on across a program's tiles, so the producer loads the next tile's first key blocks
