@@ -17,6 +17,17 @@ rescaled. A consumer whose rows left the finite range flags its 64-row half-tile
 for one 4096-patch sequence, fixup included: 0.174 against 0.191 ms with the online softmax (session 13,
 ``benchmarks/attention_ab.py``).
 
+Since session 14 (``docs/benchmarks.md``):
+- each row's softmax sum comes from the tensor cores: the producer sets lane 8 of v's 16-lane second part (past the
+  72-lane head, computed but never stored) to ones once a key block has landed (``mark_ones``), so p.v sums p there
+  (``gluon_kernel.mma_row_sum``) and the consumers no longer add p up (1x1024 replay 0.993-0.994x);
+- the producer loads each tile's q by TMA into one of two buffers, before the tile's first key block, so a tile
+  starts without the consumers loading q (``load_q``, ``mark_q``, which zeroes q's lanes past the head);
+- a consumer stores its half-tile's first 64 output lanes by TMA through its q buffer (``gluon_kernel.OUT_TMA``;
+  1x1024 replay 0.996-0.997x, 1x256 0.990-0.991x). Per call for one 4096-patch sequence, both: 166-170 against
+  171-174 µs (``benchmarks/attention_ab.py``). Issuing a tile's last p.v with the next tile's first q.k (the tiles
+  pipelined; ``docs/benchmarks.md``, session 14) measured slower and is not kept.
+
 The grid is one-dimensional over work tiles (q block, head, sequence slot; q block fastest). With
 ``GluonTiles.persistent`` (``PINGPONG_TILES``) there is one program per SM, each taking every SM-count-th tile;
 the ring and the turns run on across a program's tiles, so the producer loads the next tile's first key blocks
@@ -241,33 +252,6 @@ if GLUON_IMPORT_ERROR is None:
         return flag
 
     @gluon.jit
-    def finish_half_tile(Out, oa_desc, FLAGS, o_a, o_b, l_i, stage, tile, r0, seqlen, start, head, stride_ot,
-                         stride_oh: gl.constexpr, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, D_A: gl.constexpr,
-                         HAS_B: gl.constexpr, FIXED_SHIFT: gl.constexpr, SUM_LANE: gl.constexpr,
-                         OUT_TMA: gl.constexpr):
-        """A consumer's half-tile once its last p.v is done: the rows' sums (``mma_row_sum`` with ``SUM_LANE`` >= 0),
-        the overflow flag (``FIXED_SHIFT``: ``FLAGS[2 * tile + HALF]``, the 64-row block ``(slot * HEADS + head) *
-        2 * M_BLOCKS + 2 * m + HALF``) and the output rows. ``OUT_TMA`` and every row in the sequence: the first
-        ``D_A`` lanes through ``stage`` (the half-tile's q buffer, free now) and a TMA store, the rest by pointer
-        stores; else all by pointer stores (``store_out``)."""
-        HALF_M: gl.constexpr = o_a.shape[0]
-        if SUM_LANE >= 0:
-            l_i = mma_row_sum(o_b, SUM_LANE)
-        if FIXED_SHIFT:
-            gl.store(FLAGS + 2 * tile + HALF, overflow_flag(o_a, o_b, l_i, seqlen - r0, HAS_B))
-        if OUT_TMA and r0 + HALF_M <= seqlen:
-            inv_l = 1.0 / l_i
-            stage.store((o_a * gl.convert_layout(inv_l, gl.SliceLayout(1, o_a.type.layout))[:, None]
-                         ).to(stage.dtype))
-            fence_async_shared()
-            cta_barrier()
-            tma_store(oa_desc, [start + r0, head * HEAD_DIM], stage)
-            if HAS_B:
-                store_out_part(Out, o_b, inv_l, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM)
-        else:
-            store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM, HAS_B)
-
-    @gluon.jit
     def consumer_partition(HALF: gl.constexpr, Out, oa_desc, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, ready, empty,
                            turn, q_marked, q_empty, CU_SEQLENS, HEADS: gl.constexpr, M_BLOCKS: gl.constexpr,
                            n_tiles, qk_scale_log2, stride_ot, stride_oh: gl.constexpr,
@@ -276,77 +260,52 @@ if GLUON_IMPORT_ERROR is None:
                            FIXED_SHIFT: gl.constexpr, SUM_LANE: gl.constexpr, Q_BUFFERS: gl.constexpr,
                            OUT_TMA: gl.constexpr):
         """One consumer warpgroup: for each of this program's tiles, q rows ``rows + HALF * BLOCK_M // 2 ..``, the
-        key loop of ``hopper_attention_kernel`` with the MMAs of each issue point in turn with the other consumer,
-        and each ring slot released to the producer once its p.v is done. Both consumers pass every issue point,
-        even one whose rows are all past the sequence (it stores nothing), or the other would wait forever. q comes
-        from the producer (``load_q``, ``mark_q``); rows past the sequence hold the next sequence's q or TMA's
-        zeros, and their results are never stored.
-
-        With two q buffers the tiles are pipelined: a tile's last p.v is issued together with the next tile's
-        first q.k, and its output is stored (``finish_half_tile``) while that q.k's softmax is done, so a tile of
-        ``n`` key blocks takes ``n`` issue points and the tensor cores do not wait for the tile's end. Its q buffer
-        goes back to the producer (``q_empty``) once that store has read it (after the next tile's first key
-        block). With one q buffer each tile ends on its own issue point, and its buffer goes back at once.
+        key loop of ``hopper_attention_kernel`` with the MMAs of each of its ``n_blocks + 1`` issue points in turn
+        with the other consumer, and each ring slot released to the producer once its p.v is done. Both consumers
+        pass every issue point, even one whose rows are all past the sequence (it stores nothing), or the other
+        would wait forever. q comes from the producer (``load_q``, ``mark_q``); rows past the sequence hold the
+        next sequence's q or TMA's zeros, and their results are never stored.
 
         ``FIXED_SHIFT`` (``gluon_kernel.uses_fixed_shift``): each row's softmax shift is its first key block's
-        maximum for all its keys (``shifted_step``), with no running maximum and no rescale of the accumulators;
-        without it, the online softmax of ``hopper_attention_kernel``. ``SUM_LANE`` >= 0: the rows' sums come
-        from that lane of the second p.v part (``mma_row_sum``), and ``ready`` is the producer's ``marked`` (the
-        loads have landed and the ones are in place). ``OUT_TMA``: as ``finish_half_tile``."""
+        maximum for all its keys (``shifted_step``), with no running maximum and no rescale of the accumulators,
+        and the consumer writes its half-tile's ``overflow_flag`` to ``FLAGS[2 * tile + HALF]``. Without it, the
+        online softmax of ``hopper_attention_kernel``, and FLAGS is not touched.
+
+        ``SUM_LANE`` >= 0: the rows' sums come from that lane of the second p.v part (``mma_row_sum``), and
+        ``ready`` is the producer's ``marked`` (the loads have landed and the ones are in place).
+
+        ``OUT_TMA``: a half-tile whose rows all belong to the sequence stores its first ``D_A`` lanes through its
+        q buffer (free once its MMAs are done) and a TMA store (``oa_desc``), the rest by pointer stores; else
+        every lane by pointer stores (``store_out``). The q buffer goes back to the producer (``q_empty``) at the
+        next tile's start (with two buffers) or once the store has read it (one)."""
         ROW_SUM: gl.constexpr = SUM_LANE < 0
-        PIPELINED: gl.constexpr = Q_BUFFERS > 1
         HALF_M: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = ka_s.dtype
         block = 0  # key blocks consumed so far by this program: the ring position
         issue = 0  # issue points passed so far: the turn barriers' phase
         n = 0  # q tiles consumed so far by this program
-        # The pending tile (PIPELINED): its last p.v not yet issued; its accumulators and last p are o_a, o_b, l_i,
-        # p_a, p_b, its last key block is block - 1.
-        s_init, o_a, o_b, m_i, l_i = loop_state(HALF_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
-        p_a, p_b = p_operands(s_init, o_a, o_b, dtype)
-        pend_tile = 0
         for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             start, seqlen, rows, head = tile_rows(CU_SEQLENS, tile, HEADS, M_BLOCKS, BLOCK_M)
             if rows < seqlen:
                 r0 = rows + HALF * HALF_M
                 buf = n % Q_BUFFERS
                 mbarrier.wait(q_marked.index(buf), (n // Q_BUFFERS) & 1)
+                if Q_BUFFERS > 1:
+                    if n > 0:  # the previous tile's output store has read its q buffer: the producer may refill it
+                        tma.store_wait(0)
+                        mbarrier.arrive(q_empty.index((n - 1) % Q_BUFFERS), count=1)
                 qa_h = qa_s.index(buf).slice(HALF * HALF_M, HALF_M)
                 qb_h = qb_s.index(buf).slice(HALF * HALF_M, HALF_M)
+                s_init, o_a, o_b, m_i, l_i = loop_state(HALF_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
                 n_blocks = gl.cdiv(seqlen, BLOCK_N)
-                _, _, _, m_new, l_new = loop_state(HALF_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
+
                 mbarrier.wait(ready.index(block % STAGES), (block // STAGES) & 1)
-                if PIPELINED and n > 0:
-                    # The pending half-tile's last p.v goes with this tile's first q.k, and is stored while this
-                    # tile's first softmax runs. Both consumers zero the same v rows of its last block (to the same
-                    # zeros); neither writes anything else in shared memory that the other reads.
-                    p_start, p_seqlen, p_rows, p_head = tile_rows(CU_SEQLENS, pend_tile, HEADS, M_BLOCKS, BLOCK_M)
-                    pend_last = (block - 1) % STAGES
-                    zero_tail(va_s, vb_s, pend_last, p_seqlen - (gl.cdiv(p_seqlen, BLOCK_N) - 1) * BLOCK_N, HAS_B,
-                              BLOCK_N, CONSUMER_WARPS)
-                    take_turn(turn, HALF, issue)
-                    s = qk_async(qa_h, qb_h, ka_s, kb_s, block % STAGES, s_init, HAS_B)
-                    o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, pend_last, o_a, o_b, HAS_B)
-                    pass_turn(turn, HALF)
-                    s = wait_scores(s, HAS_B)
-                    # FIXED_SHIFT: the first key block's row maxima stay the rows' shifts (shifted_step).
-                    p, m_new, l_new, alpha = softmax_step(s, m_new, l_new, 0, seqlen, qk_scale_log2, BLOCK_N,
-                                                          ROW_SUM)
-                    o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
-                    mbarrier.arrive(empty.index(pend_last), count=1)
-                    finish_half_tile(Out, oa_desc, FLAGS, o_a, o_b, l_i, qa_s.index(1 - buf).slice(HALF * HALF_M,
-                                     HALF_M), pend_tile, p_rows + HALF * HALF_M, p_seqlen, p_start, p_head,
-                                     stride_ot, stride_oh, HALF, HEAD_DIM, D_A, HAS_B, FIXED_SHIFT, SUM_LANE, OUT_TMA)
-                else:
-                    take_turn(turn, HALF, issue)
-                    s = qk_async(qa_h, qb_h, ka_s, kb_s, block % STAGES, s_init, HAS_B)
-                    pass_turn(turn, HALF)
-                    s = warpgroup_mma_wait(0, deps=(s,))
-                    p, m_new, l_new, alpha = softmax_step(s, m_new, l_new, 0, seqlen, qk_scale_log2, BLOCK_N,
-                                                          ROW_SUM)
-                _, o_a, o_b, _, _ = loop_state(HALF_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
-                m_i = m_new
-                l_i = l_new
+                take_turn(turn, HALF, issue)
+                s = qk_async(qa_h, qb_h, ka_s, kb_s, block % STAGES, s_init, HAS_B)
+                pass_turn(turn, HALF)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                # FIXED_SHIFT: the first key block's row maxima stay the rows' shifts (shifted_step).
+                p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, 0, seqlen, qk_scale_log2, BLOCK_N, ROW_SUM)
                 p_a, p_b = p_operands(p, o_a, o_b, dtype)
                 for j in range(1, n_blocks):
                     g = block + j
@@ -368,49 +327,39 @@ if GLUON_IMPORT_ERROR is None:
                     if not FIXED_SHIFT:
                         o_a, o_b = rescale(o_a, o_b, alpha, HAS_B)
                     p_a, p_b = p_operands(p, o_a, o_b, dtype)
-                    if PIPELINED and j == 1 and n > 0:
-                        # The pending half-tile's store has had a key block's time to read its q buffer.
-                        release_q(q_empty, n - 1, Q_BUFFERS)
 
-                if PIPELINED:
-                    if n > 0 and n_blocks == 1:
-                        release_q(q_empty, n - 1, Q_BUFFERS)
-                    pend_tile = tile
-                    issue += n_blocks
+                last = (block + n_blocks - 1) % STAGES
+                # Both consumers zero the same v rows of the last block (to the same zeros); neither writes anything
+                # else in shared memory that the other reads.
+                zero_tail(va_s, vb_s, last, seqlen - (n_blocks - 1) * BLOCK_N, HAS_B, BLOCK_N, CONSUMER_WARPS)
+                take_turn(turn, HALF, issue + n_blocks)
+                o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)
+                pass_turn(turn, HALF)
+                o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
+                mbarrier.arrive(empty.index(last), count=1)
+                if not ROW_SUM:
+                    l_i = mma_row_sum(o_b, SUM_LANE)
+                if FIXED_SHIFT:  # this half-tile's 64-row block: (slot * HEADS + head) * 2 * M_BLOCKS + 2 * m + HALF
+                    gl.store(FLAGS + 2 * tile + HALF, overflow_flag(o_a, o_b, l_i, seqlen - r0, HAS_B))
+                if OUT_TMA and r0 + HALF_M <= seqlen:
+                    inv_l = 1.0 / l_i
+                    qa_h.store((o_a * gl.convert_layout(inv_l, gl.SliceLayout(1, o_a.type.layout))[:, None]
+                                ).to(dtype))
+                    fence_async_shared()
+                    cta_barrier()
+                    tma_store(oa_desc, [start + r0, head * HEAD_DIM], qa_h)
+                    if HAS_B:
+                        store_out_part(Out, o_b, inv_l, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM)
                 else:
-                    last = (block + n_blocks - 1) % STAGES
-                    zero_tail(va_s, vb_s, last, seqlen - (n_blocks - 1) * BLOCK_N, HAS_B, BLOCK_N, CONSUMER_WARPS)
-                    take_turn(turn, HALF, issue + n_blocks)
-                    o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, last, o_a, o_b, HAS_B)
-                    pass_turn(turn, HALF)
-                    o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
-                    mbarrier.arrive(empty.index(last), count=1)
-                    finish_half_tile(Out, oa_desc, FLAGS, o_a, o_b, l_i, qa_h, tile, r0, seqlen, start, head,
-                                     stride_ot, stride_oh, HALF, HEAD_DIM, D_A, HAS_B, FIXED_SHIFT, SUM_LANE, OUT_TMA)
-                    release_q(q_empty, n, Q_BUFFERS)
-                    issue += n_blocks + 1
+                    store_out(Out, o_a, o_b, l_i, r0, seqlen, start, head, stride_ot, stride_oh, D_A, HEAD_DIM,
+                              HAS_B)
+                if Q_BUFFERS == 1:
+                    tma.store_wait(0)
+                    mbarrier.arrive(q_empty.index(0), count=1)
                 block += n_blocks
+                issue += n_blocks + 1
                 n += 1
-        if PIPELINED and n > 0:  # the last tile's last p.v, on an issue point of its own
-            p_start, p_seqlen, p_rows, p_head = tile_rows(CU_SEQLENS, pend_tile, HEADS, M_BLOCKS, BLOCK_M)
-            pend_last = (block - 1) % STAGES
-            zero_tail(va_s, vb_s, pend_last, p_seqlen - (gl.cdiv(p_seqlen, BLOCK_N) - 1) * BLOCK_N, HAS_B, BLOCK_N,
-                      CONSUMER_WARPS)
-            take_turn(turn, HALF, issue)
-            o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, pend_last, o_a, o_b, HAS_B)
-            pass_turn(turn, HALF)
-            o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
-            mbarrier.arrive(empty.index(pend_last), count=1)
-            finish_half_tile(Out, oa_desc, FLAGS, o_a, o_b, l_i, qa_s.index((n - 1) % Q_BUFFERS).slice(
-                             HALF * HALF_M, HALF_M), pend_tile, p_rows + HALF * HALF_M, p_seqlen, p_start, p_head,
-                             stride_ot, stride_oh, HALF, HEAD_DIM, D_A, HAS_B, FIXED_SHIFT, SUM_LANE, OUT_TMA)
         tma.store_wait(0)
-
-    @gluon.jit
-    def release_q(q_empty, n, Q_BUFFERS: gl.constexpr):
-        """Hand q buffer ``n % Q_BUFFERS`` back to the producer once this consumer's output store has read it."""
-        tma.store_wait(0)
-        mbarrier.arrive(q_empty.index(n % Q_BUFFERS), count=1)
 
     @gluon.jit(do_not_specialize=["num_seqs"])
     def hopper_attention_pingpong_kernel(
