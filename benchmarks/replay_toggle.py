@@ -1,7 +1,8 @@
 """Whole replays of the shipped tower against the same tower with one kernel choice switched off, in one process.
 
 Usage: python benchmarks/replay_toggle.py TOGGLE [TOKENS ...] [--rounds N]   (default 1024 and 512, 2 rounds)
-TOGGLE is one of ``TOGGLES``:
+TOGGLE is ``gluon-at:REV`` (TRITON_ATTN's Gluon kernels of commit ``REV``, loaded as ``attention_ab.py`` does,
+against the working tree's) or one of ``TOGGLES``:
 - ``fixed-shift``: the ping-pong kernel's fixed softmax shift (session 13) against the online softmax, with
   ``gluon_kernel.FIXED_SHIFT_FROM`` raised past every budget (no fixup launch either);
 - ``mma-row-sum``: the ping-pong kernel's row sums on the tensor cores (session 14, ``gluon_kernel.sum_lane``)
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 from replay_gaps import one_image_graph, preset_tower  # benchmarks/, the script's directory
@@ -52,8 +55,21 @@ TOGGLES = {
 }
 
 
+def gluon_at(rev: str):
+    """The toggle that swaps in commit ``rev``'s ``launch_gluon_attention`` (with its own kernels and choices)."""
+    from attention_ab import base_module  # benchmarks/, the script's directory
+
+    folder = Path(tempfile.mkdtemp())
+    base = base_module(rev, folder)
+    return ("working tree", f"Gluon kernels of {rev}",
+            lambda: patched(gluon_kernel, "launch_gluon_attention", base.launch_gluon_attention))
+
+
 def run(toggle: str, token_counts: list[int], rounds: int) -> None:
-    shipped_name, other_name, switched_off = TOGGLES[toggle]
+    if toggle.startswith("gluon-at:"):
+        shipped_name, other_name, switched_off = gluon_at(toggle.split(":", 1)[1])
+    else:
+        shipped_name, other_name, switched_off = TOGGLES[toggle]
     dev = torch.device("cuda")
     warm_device(dev)
     print(torch.cuda.get_device_name(), "toggle", toggle, flush=True)
@@ -83,8 +99,8 @@ def run(toggle: str, token_counts: list[int], rounds: int) -> None:
 
 def main():
     args = sys.argv[1:]
-    if not args or args[0] not in TOGGLES:
-        raise SystemExit(f"usage: replay_toggle.py {{{'|'.join(TOGGLES)}}} [TOKENS ...] [--rounds N]")
+    if not args or not (args[0] in TOGGLES or args[0].startswith("gluon-at:")):
+        raise SystemExit(f"usage: replay_toggle.py {{{'|'.join(TOGGLES)}|gluon-at:REV}} [TOKENS ...] [--rounds N]")
     toggle, args = args[0], args[1:]
     rounds = 2
     if "--rounds" in args:
