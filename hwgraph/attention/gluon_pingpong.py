@@ -24,9 +24,13 @@ Since session 14 (``docs/benchmarks.md``):
 - the producer loads each tile's q by TMA into one of two buffers, before the tile's first key block, so a tile
   starts without the consumers loading q (``load_q``, ``mark_q``, which zeroes q's lanes past the head);
 - a consumer stores its half-tile's first 64 output lanes by TMA through its q buffer (``gluon_kernel.OUT_TMA``;
-  1x1024 replay 0.996-0.997x, 1x256 0.990-0.991x). Per call for one 4096-patch sequence, both: 166-170 against
-  171-174 µs (``benchmarks/attention_ab.py``). Issuing a tile's last p.v with the next tile's first q.k (the tiles
-  pipelined; ``docs/benchmarks.md``, session 14) measured slower and is not kept.
+  1x1024 replay 0.996-0.997x, 1x256 0.990-0.991x).
+Per call against session 13's kernel (``benchmarks/attention_ab.py --base 4e62fe0``): four sequences of 784 in 4096
+rows 52.1 -> 47.7 µs, two of 1024 in 2048 29.4 -> 28.8, one of 4096 within the spread (167.8 -> 170.1 without,
+172.8 -> 168.9 with the padding slot). Head to head in whole replays of one image, which run at the GPU's power
+limit, all three together measure 0.998-1.001x (``benchmarks/replay_toggle.py gluon-at:4e62fe0``). Issuing a tile's
+last p.v with the next tile's first q.k (the tiles pipelined; ``docs/benchmarks.md``, session 14) measured slower
+and is not kept.
 
 The grid is one-dimensional over work tiles (q block, head, sequence slot; q block fastest). With
 ``GluonTiles.persistent`` (``PINGPONG_TILES``) there is one program per SM, each taking every SM-count-th tile;
