@@ -291,3 +291,30 @@ def test_pingpong_kernel_call_loads_q_and_stores_the_output_by_tma(sm90):
     assert (kwargs["SUM_LANE"], kwargs["Q_BUFFERS"], kwargs["OUT_TMA"]) == (8, 2, True)
     for out_tma in (True, False):
         kernel.warmup(*args, **{**kwargs, "OUT_TMA": out_tma}, grid=grid)
+
+
+@needs_gluon
+@pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
+def test_pingpong_q_and_output_that_tma_cannot_address_are_refused_by_kernel_call_and_copied_by_the_launcher(
+        sm90, monkeypatch):
+    """q two bytes past 16-byte alignment: ``kernel_call`` names what TMA needs; ``launch_gluon_attention`` hands the
+    kernel an aligned copy of q (same values) and an aligned output instead."""
+    storage = torch.zeros(4096 * 16 * 72 + 1, dtype=torch.bfloat16)
+    storage[1:] = torch.randn(4096 * 16 * 72).to(torch.bfloat16)
+    q = storage[1:].view(4096, 16, 72)
+    k = v = torch.zeros(4096, 16, 72, dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, 4096], dtype=torch.int32)
+    assert q.data_ptr() % 16 == 2 and not gluon_kernel.tma_rows(q)
+    with pytest.raises(ValueError, match=r"q needs unit stride on D, adjacent heads and a 16-byte aligned base and "
+                                         r"row stride, got strides \(1152, 72, 1\) of 2-byte elements at address "
+                                         r"\d+ \(2 past 16-byte alignment\)"):
+        gluon_kernel.kernel_call(q, k, v, torch.empty_like(k), cu_seqlens, 4096, 0.1)
+    kernel = RecordingKernel()
+    real_call = gluon_kernel.kernel_call
+    monkeypatch.setattr(gluon_kernel, "kernel_call", lambda *a, **kw: (kernel, *real_call(*a, **kw)[1:]))
+    monkeypatch.setattr(gluon_kernel, "launch_overflow_fixup", lambda *args: None)
+    out = gluon_kernel.launch_gluon_attention(q, k, v, cu_seqlens, 4096, 0.1, tiles=gluon_kernel.PINGPONG_TILES)
+    ((_, args, _),) = kernel.calls
+    copied = args[-3].base
+    assert copied is not q and gluon_kernel.tma_rows(copied) and torch.equal(copied, q)
+    assert args[-1].base is out and gluon_kernel.tma_rows(out)

@@ -408,6 +408,21 @@ def descriptor(t: torch.Tensor, block_n: int, width: int):
 FLAGS_ARG = 7  # the ping-pong kernel's FLAGS among kernel_call's positional args
 
 
+def tma_rows(t: torch.Tensor) -> bool:
+    """Whether TMA can address ``t`` ``[T, H, D]`` as ``[T, H * D]`` rows: unit stride on D, heads adjacent, base
+    and row stride 16-byte aligned."""
+    return (t.stride(-1) == 1 and t.stride(1) == t.shape[-1] and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def tma_rows_like(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor shaped like ``t`` ``[T, H, D]`` that ``tma_rows`` accepts: heads adjacent, rows padded to 16
+    bytes where ``H * D`` lanes are not."""
+    per_16_bytes = 16 // t.element_size()
+    row = -(-t.shape[1] * t.shape[2] // per_16_bytes) * per_16_bytes
+    return torch.empty_strided(t.shape, (row, t.shape[2], 1), dtype=t.dtype, device=t.device)
+
+
 def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int, scale: float, tiles: tuple | None = None, padding_slot: bool = True,
                 flags: torch.Tensor | None = None) -> tuple[object, tuple[int, int, int], tuple, dict]:
@@ -435,6 +450,12 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
                          f"warps), got tiles {tiles}")
     from hwgraph.attention.gluon_pingpong import hopper_attention_pingpong_kernel
 
+    for name, t in (("q", q), ("out", out)):
+        if not tma_rows(t):
+            raise ValueError(f"the ping-pong kernel loads q and stores its output by TMA: {name} needs unit stride "
+                             f"on D, adjacent heads and a 16-byte aligned base and row stride, got strides "
+                             f"{tuple(t.stride())} of {t.element_size()}-byte elements at address {t.data_ptr()} "
+                             f"({t.data_ptr() % 16} past 16-byte alignment)")
     n_tiles = grid[0] * heads * num_seqs
     fixed_shift = uses_fixed_shift(q.dtype, max_seqlen)
     if not fixed_shift:
@@ -483,11 +504,16 @@ def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            padding_slot: bool = True) -> torch.Tensor:
     """Run the kernel: ``q, k, v`` ``[T, H, D]`` (fp16/bf16, unit stride on D, k and v addressable by TMA as
     ``triton_kernel.uses_tma`` checks) -> a new ``[T, H, D]``. ``tiles``: as ``kernel_call``'s. ``padding_slot``:
-    as ``launch_varlen_attention``'s."""
+    as ``launch_varlen_attention``'s. A q that TMA cannot address (``tma_rows``) is copied into one it can, and the
+    output is allocated so (rows padded to 16 bytes where ``H * D`` lanes are not)."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"the Gluon attention kernel needs triton.experimental.gluon: {GLUON_IMPORT_ERROR}")
     q = heads_adjacent_q(q)  # its head stride is a constexpr: one compile per head width
+    if not tma_rows(q):  # the ping-pong kernel loads q by TMA
+        q = tma_rows_like(q).copy_(q)
     out = torch.empty_like(q)
+    if not tma_rows(out):  # and stores the output by TMA (empty_like of a strided view is contiguous)
+        out = tma_rows_like(q)
     if q.shape[0] == 0:
         return out
     kernel, grid, args, kwargs = kernel_call(q, k, v, out, cu_seqlens, max_seqlen, scale, tiles, padding_slot)
