@@ -34,8 +34,8 @@ from hwgraph.attention.triton_kernel import (
     head_split,
     head_stride,
     head_width,
-    heads_adjacent_q,
     launch_overflow_fixup,
+    tma_rows,
 )
 
 try:
@@ -107,6 +107,11 @@ if gluon is not None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
+    def times_rows(o, per_row):
+        """``o`` with each row multiplied by its entry of ``per_row`` (a row vector in any layout)."""
+        return o * gl.convert_layout(per_row, gl.SliceLayout(1, o.type.layout))[:, None]
+
+    @gluon.jit
     def mma_row_sum(o_b, LANE: gl.constexpr):
         """Each row's softmax sum, read from lane ``LANE`` of the second p.v part's accumulator, where v's tile held
         ones (``gluon_pingpong.mark_ones``): p.v summed p there, rescaled with the other lanes."""
@@ -140,7 +145,7 @@ if gluon is not None:
         layout: gl.constexpr = o.type.layout
         BLOCK_M: gl.constexpr = o.shape[0]
         WIDTH: gl.constexpr = o.shape[1]
-        o = o * gl.convert_layout(inv_l, gl.SliceLayout(1, layout))[:, None]
+        o = times_rows(o, inv_l)
         r = rows + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         c = lane0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
         ptr = Out + ((start + r).to(gl.int64) * stride_ot + head * stride_oh)[:, None] + c[None, :]
@@ -190,9 +195,9 @@ if gluon is not None:
     @gluon.jit
     def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
         """The accumulators times the online softmax's correction ``alpha`` (per row)."""
-        o_a = o_a * gl.convert_layout(alpha, gl.SliceLayout(1, o_a.type.layout))[:, None]
+        o_a = times_rows(o_a, alpha)
         if HAS_B:
-            o_b = o_b * gl.convert_layout(alpha, gl.SliceLayout(1, o_b.type.layout))[:, None]
+            o_b = times_rows(o_b, alpha)
         return o_a, o_b
 
     @gluon.jit
@@ -408,13 +413,6 @@ def descriptor(t: torch.Tensor, block_n: int, width: int):
 FLAGS_ARG = 7  # the ping-pong kernel's FLAGS among kernel_call's positional args
 
 
-def tma_rows(t: torch.Tensor) -> bool:
-    """Whether TMA can address ``t`` ``[T, H, D]`` as ``[T, H * D]`` rows: unit stride on D, heads adjacent, base
-    and row stride 16-byte aligned."""
-    return (t.stride(-1) == 1 and t.stride(1) == t.shape[-1] and t.data_ptr() % 16 == 0
-            and (t.stride(0) * t.element_size()) % 16 == 0)
-
-
 def tma_rows_like(t: torch.Tensor) -> torch.Tensor:
     """A new tensor shaped like ``t`` ``[T, H, D]`` that ``tma_rows`` accepts: heads adjacent, rows padded to 16
     bytes where ``H * D`` lanes are not."""
@@ -508,12 +506,11 @@ def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     output is allocated so (rows padded to 16 bytes where ``H * D`` lanes are not)."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"the Gluon attention kernel needs triton.experimental.gluon: {GLUON_IMPORT_ERROR}")
-    q = heads_adjacent_q(q)  # its head stride is a constexpr: one compile per head width
-    if not tma_rows(q):  # the ping-pong kernel loads q by TMA
+    # q's head stride is a constexpr (one compile per head width), and the ping-pong kernel loads q and stores its
+    # output by TMA: q is copied unless its heads are adjacent and its rows TMA-addressable (the tower's q is).
+    if not tma_rows(q):
         q = tma_rows_like(q).copy_(q)
-    out = torch.empty_like(q)
-    if not tma_rows(out):  # and stores the output by TMA (empty_like of a strided view is contiguous)
-        out = tma_rows_like(q)
+    out = tma_rows_like(q)
     if q.shape[0] == 0:
         return out
     kernel, grid, args, kwargs = kernel_call(q, k, v, out, cu_seqlens, max_seqlen, scale, tiles, padding_slot)

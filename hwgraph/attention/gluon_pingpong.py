@@ -79,6 +79,7 @@ if GLUON_IMPORT_ERROR is None:
         softmax_step,
         store_out,
         store_out_part,
+        times_rows,
         tma_load,
         wait_scores,
         zero_padding_rows,
@@ -347,8 +348,7 @@ if GLUON_IMPORT_ERROR is None:
                     gl.store(FLAGS + 2 * tile + HALF, overflow_flag(o_a, o_b, l_i, seqlen - r0, HAS_B))
                 if OUT_TMA and r0 + HALF_M <= seqlen:
                     inv_l = 1.0 / l_i
-                    qa_h.store((o_a * gl.convert_layout(inv_l, gl.SliceLayout(1, o_a.type.layout))[:, None]
-                                ).to(dtype))
+                    qa_h.store(times_rows(o_a, inv_l).to(dtype))
                     fence_async_shared()
                     cta_barrier()
                     tma_store(oa_desc, [start + r0, head * HEAD_DIM], qa_h)

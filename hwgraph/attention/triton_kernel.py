@@ -369,9 +369,14 @@ def uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     if TensorDescriptor is None or not has_tma(q.device.index):  # a CUDA tensor's device always has its index
         return False
-    size = q.element_size()
-    return all(t.stride(-1) == 1 and t.stride(1) == t.shape[-1] and t.data_ptr() % 16 == 0
-               and (t.stride(0) * size) % 16 == 0 and t.shape[1] * t.shape[2] * size >= 16 for t in (k, v))
+    return all(tma_rows(t) and t.shape[1] * t.shape[2] * t.element_size() >= 16 for t in (k, v))
+
+
+def tma_rows(t: torch.Tensor) -> bool:
+    """Whether TMA can address ``t`` ``[T, H, D]`` as ``[T, H * D]`` rows: unit stride on D, heads adjacent, base
+    and row stride 16-byte aligned."""
+    return (t.stride(-1) == 1 and t.stride(1) == t.shape[-1] and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
 @functools.cache
