@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import time
 
 import torch
@@ -86,6 +87,44 @@ def host_summary(fn, samples=30):
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50))
 
 
+@contextlib.contextmanager
+def startup_log(path: str):
+    """Log Triton's compilations while the block runs, then dynamo's cache counters and a cProfile summary."""
+    import cProfile
+    import pstats
+
+    import triton
+
+    begin = time.perf_counter()
+
+    def listener(*args, **kwargs):
+        src, hit = kwargs.get("src", args[0] if args else None), kwargs.get("cache_hit")
+        name = str(getattr(src, "name", None) or getattr(getattr(src, "fn", None), "__name__", "?"))
+        print(f"  triton {'hit ' if hit else 'MISS'} at {time.perf_counter() - begin:6.2f} s: {name[:100]}")
+
+    knobs = getattr(triton, "knobs", None)
+    compilation = getattr(knobs, "compilation", None)
+    if compilation is not None and hasattr(compilation, "listener"):
+        compilation.listener = listener
+    else:
+        print("  (this Triton has no compilation listener)")
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        if compilation is not None and hasattr(compilation, "listener"):
+            compilation.listener = None
+        from torch._dynamo.utils import counters
+
+        for group in ("inductor", "aot_autograd", "stats"):
+            wanted = {k: v for k, v in counters[group].items() if "cache" in k or "calls" in k or "unique" in k}
+            print(f"  dynamo counters[{group!r}]: {wanted}")
+        prof.dump_stats(path)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[49, 256, 1024])
@@ -95,6 +134,9 @@ def main():
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--capture-only", action="store_true", help="capture and report startup cost, then stop")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain (uncompiled) replay")
+    ap.add_argument("--startup-log", metavar="PSTATS", help="where capture time goes: every Triton compilation "
+                    "(kernel, cache hit or not, seconds since the capture began), dynamo's inductor and AOT cache "
+                    "counters, and the top functions of a cProfile of the captures (saved to PSTATS)")
     ap.add_argument("--cpu-profile", action="store_true", help="host time per operator of one eager forward")
     ap.add_argument("--host", action="store_true", help="where one eager forward's host time goes: its wall time "
                     "without a sync, CUDA runtime calls, top operators by self time, device busy time, and any "
@@ -109,10 +151,12 @@ def main():
     budgets = sorted({1 << max(6, (t - 1).bit_length()) for t in args.tokens})
     modes = ([] if args.no_plain else [("replay", False)]) + ([("compiled", True)] if args.compile else [])
     managers = {}
+    profiler = startup_log(args.startup_log) if args.startup_log else contextlib.nullcontext()
     for name, comp in modes:
         start = time.perf_counter()
         m = EncoderGraphManager(tower, budgets=budgets, max_images_per_graph=4, attention=args.kernel, compile=comp)
-        m.capture()
+        with profiler:
+            m.capture()
         print(f"{name}: captured {sorted(m.graphs)} in {time.perf_counter() - start:.1f} s; per budget "
               f"{ {b: round(s, 1) for b, s in m.stats()['capture_seconds_per_budget'].items()} } s; memory MiB "
               f"{ {b: round(v / 2**20) for b, v in m.stats()['capture_bytes_per_budget'].items()} }; "
