@@ -8,7 +8,9 @@ against the working tree's) or one of ``TOGGLES``:
 - ``mma-row-sum``: the ping-pong kernel's row sums on the tensor cores (session 14, ``gluon_kernel.sum_lane``)
   against the consumers' adds;
 - ``out-tma``: the ping-pong kernel's output stored by TMA through the q buffer (session 14,
-  ``gluon_kernel.OUT_TMA``) against pointer stores from the MMA layout.
+  ``gluon_kernel.OUT_TMA``) against pointer stores from the MMA layout;
+- ``rotary-warps``: the rotary kernel with 8 warps per program (session 15, ``fused.rotary_warps``) against
+  Triton's default 4.
 For each TOKENS, two graphs of one TOKENS-token image on the same tower and pixels (TRITON_ATTN, one slot:
 ``replay_gaps.one_image_graph``): one captured as shipped, one with the toggle off while it is captured. Their
 replays are timed side by side (``measure_interleaved``: 10 warm-ups, 30 rounds in shuffled order), ``--rounds``
@@ -32,6 +34,7 @@ from hwgraph.attention import gluon_kernel
 from hwgraph.bench import kernel_view, warm_device
 from hwgraph.budgets import filling_grid
 from hwgraph.manager import relative_error
+from hwgraph.models.qwen3_omni import fused
 from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
 from hwgraph.timing import measure_interleaved
 
@@ -52,6 +55,8 @@ TOGGLES = {
     "mma-row-sum": ("row sums on tensor cores", "row sums added",
                     lambda: patched(gluon_kernel, "sum_lane", lambda head_dim: -1)),
     "out-tma": ("output by TMA", "output by pointer stores", lambda: patched(gluon_kernel, "OUT_TMA", False)),
+    "rotary-warps": ("rotary with 8 warps", "rotary with 4 warps",
+                     lambda: patched(fused, "rotary_warps", lambda heads, head_dim: 4)),
 }
 
 

@@ -1,7 +1,8 @@
 """The fused rotary kernel (``hwgraph.models.qwen3_omni.fused.rotary_qk_launch``) at the tower's shapes: device time
 per call and effective bandwidth, against the unfused torch computation.
 
-Usage: python benchmarks/rotary.py
+Usage: python benchmarks/rotary.py [--warps]
+``--warps``: the kernel with 1, 2, 4, 8 and 16 warps per program (bit-identical results).
 Each cell: 20 calls captured in one CUDA graph, replayed, divided by 20 (``hwgraph.timing.graphed_ms``), for q and k
 of 16 heads of 72 in bf16 out of the qkv matmul's ``[T, 3, H, D]`` view, ``cos``/``sin`` ``[T, 72]`` float32. Bytes:
 q and k read and written once, ``cos`` and ``sin`` read once. ``max ulp``: the largest difference from the torch
@@ -12,6 +13,8 @@ Session 9 measured 1, 2, 4 and 8 tokens per program (``rotary-tokens-per-program
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -31,8 +34,38 @@ def max_ulp(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return (diff[big] / ulp[big]).max().item(), diff.max().item()
 
 
+def launch_with_warps(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_warps: int) -> torch.Tensor:
+    """``fused.rotary_qk_launch`` with ``num_warps`` warps per program."""
+    from hwgraph.models.qwen3_omni.fused_kernels import rotary_qk_kernel
+
+    tokens, _, heads, head_dim = qkv.shape
+    out = torch.empty((2, tokens, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
+    rotary_qk_kernel[(tokens,)](
+        qkv, cos, sin, out, qkv.stride(0), qkv.stride(1), cos.stride(0), tokens * heads * head_dim,
+        H=heads, D=head_dim, STRIDE_H=qkv.stride(2), BLOCK_H=fused.next_pow2(heads),
+        BLOCK_HALF=fused.next_pow2(head_dim // 2), num_warps=num_warps)
+    return out
+
+
+def warps_sweep():
+    for tokens in (256, 1024, 4096):
+        qkv = torch.randn(tokens, 3 * HEADS * DIM, device="cuda", dtype=torch.bfloat16).view(tokens, 3, HEADS, DIM)
+        angles = torch.randn(tokens, DIM // 2, device="cuda")
+        cos = torch.cat((angles.cos(), angles.cos()), -1)
+        sin = torch.cat((-angles.sin(), angles.sin()), -1)
+        want = fused.rotary_qk_launch(qkv, cos, sin)
+        cells = []
+        for warps in (1, 2, 4, 8, 16):
+            same = torch.equal(launch_with_warps(qkv, cos, sin, warps), want)
+            ms = graphed_ms(lambda q=qkv, c=cos, s=sin, w=warps: launch_with_warps(q, c, s, w))
+            cells.append(f"{warps} warps {ms * 1000:.1f} us{'' if same else ' (DIFFERS)'}")
+        print(f"{tokens} tokens: " + " | ".join(cells), flush=True)
+
+
 def main():
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    if "--warps" in sys.argv:
+        return warps_sweep()
     for tokens in (256, 1024, 4096, 16384):
         qkv = torch.randn(tokens, 3 * HEADS * DIM, device="cuda", dtype=torch.bfloat16).view(tokens, 3, HEADS, DIM)
         angles = torch.randn(tokens, DIM // 2, device="cuda")

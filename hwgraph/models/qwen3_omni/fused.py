@@ -58,9 +58,9 @@ def rotary_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 
 def rotary_qk_launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The Triton path: returns ``[2, T, H, D]`` (rotated q, then k), contiguous. One program per token: on the H200
-    2.4 us for 256 tokens and 13.1 us for 4096 (3.1 TB/s; ``benchmarks/rotary.py``; more tokens per program measured
-    slower or equal)."""
+    """The Triton path: returns ``[2, T, H, D]`` (rotated q, then k), contiguous. One program per token (more tokens
+    per program measured slower or equal), with ``rotary_warps`` warps. On the H200 (``benchmarks/rotary.py``),
+    16 heads of 72: 13.1 us for 4096 tokens with 4 warps (3.1 TB/s), 10.9-11.0 us with 8."""
     from hwgraph.models.qwen3_omni.fused_kernels import rotary_qk_kernel
 
     tokens, _, heads, head_dim = qkv.shape
@@ -70,8 +70,16 @@ def rotary_qk_launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     if tokens:
         rotary_qk_kernel[(tokens,)](
             qkv, cos, sin, out, qkv.stride(0), qkv.stride(1), cos.stride(0), tokens * heads * head_dim,
-            H=heads, D=head_dim, STRIDE_H=qkv.stride(2), BLOCK_H=next_pow2(heads), BLOCK_HALF=next_pow2(head_dim // 2))
+            H=heads, D=head_dim, STRIDE_H=qkv.stride(2), BLOCK_H=next_pow2(heads), BLOCK_HALF=next_pow2(head_dim // 2),
+            num_warps=rotary_warps(heads, head_dim))
     return out
+
+
+def rotary_warps(heads: int, head_dim: int) -> int:
+    """Warps per program of ``rotary_qk_kernel``: one per 128 elements of its ``[heads, head_dim / 2]`` tile (padded
+    to powers of two), 1 to 8. For 16 heads of 72 that is 8, which measured 17-18% faster than Triton's default 4 on
+    the H200 at 1024 and 4096 tokens, with identical results (``benchmarks/rotary.py --warps``)."""
+    return max(1, min(8, next_pow2(heads) * next_pow2(head_dim // 2) // 128))
 
 
 @torch.library.custom_op("hwgraph::rotary_qk", mutates_args=())
