@@ -34,19 +34,6 @@ def max_ulp(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return (diff[big] / ulp[big]).max().item(), diff.max().item()
 
 
-def launch_with_warps(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_warps: int) -> torch.Tensor:
-    """``fused.rotary_qk_launch`` with ``num_warps`` warps per program."""
-    from hwgraph.models.qwen3_omni.fused_kernels import rotary_qk_kernel
-
-    tokens, _, heads, head_dim = qkv.shape
-    out = torch.empty((2, tokens, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
-    rotary_qk_kernel[(tokens,)](
-        qkv, cos, sin, out, qkv.stride(0), qkv.stride(1), cos.stride(0), tokens * heads * head_dim,
-        H=heads, D=head_dim, STRIDE_H=qkv.stride(2), BLOCK_H=fused.next_pow2(heads),
-        BLOCK_HALF=fused.next_pow2(head_dim // 2), num_warps=num_warps)
-    return out
-
-
 def warps_sweep():
     for tokens in (256, 1024, 4096):
         qkv = torch.randn(tokens, 3 * HEADS * DIM, device="cuda", dtype=torch.bfloat16).view(tokens, 3, HEADS, DIM)
@@ -56,8 +43,8 @@ def warps_sweep():
         want = fused.rotary_qk_launch(qkv, cos, sin)
         cells = []
         for warps in (1, 2, 4, 8, 16):
-            same = torch.equal(launch_with_warps(qkv, cos, sin, warps), want)
-            ms = graphed_ms(lambda q=qkv, c=cos, s=sin, w=warps: launch_with_warps(q, c, s, w))
+            same = torch.equal(fused.rotary_qk_launch(qkv, cos, sin, num_warps=warps), want)
+            ms = graphed_ms(lambda q=qkv, c=cos, s=sin, w=warps: fused.rotary_qk_launch(q, c, s, num_warps=w))
             cells.append(f"{warps} warps {ms * 1000:.1f} us{'' if same else ' (DIFFERS)'}")
         print(f"{tokens} tokens: " + " | ".join(cells), flush=True)
 

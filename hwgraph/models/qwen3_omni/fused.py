@@ -57,10 +57,12 @@ def rotary_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return out[:, 0], out[:, 1]
 
 
-def rotary_qk_launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary_qk_launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_warps: int | None = None) -> torch.Tensor:
     """The Triton path: returns ``[2, T, H, D]`` (rotated q, then k), contiguous. One program per token (more tokens
-    per program measured slower or equal), with ``rotary_warps`` warps. On the H200 (``benchmarks/rotary.py``),
-    16 heads of 72: 13.1 us for 4096 tokens with 4 warps (3.1 TB/s), 10.9-11.0 us with 8."""
+    per program measured slower or equal), with ``num_warps`` warps (default ``rotary_warps``). On the H200
+    (``benchmarks/rotary.py``), 16 heads of 72: 13.1 us for 4096 tokens with 4 warps (3.1 TB/s), 10.9-11.0 us with
+    8."""
     from hwgraph.models.qwen3_omni.fused_kernels import rotary_qk_kernel
 
     tokens, _, heads, head_dim = qkv.shape
@@ -71,7 +73,7 @@ def rotary_qk_launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
         rotary_qk_kernel[(tokens,)](
             qkv, cos, sin, out, qkv.stride(0), qkv.stride(1), cos.stride(0), tokens * heads * head_dim,
             H=heads, D=head_dim, STRIDE_H=qkv.stride(2), BLOCK_H=next_pow2(heads), BLOCK_HALF=next_pow2(head_dim // 2),
-            num_warps=rotary_warps(heads, head_dim))
+            num_warps=num_warps or rotary_warps(heads, head_dim))
     return out
 
 
