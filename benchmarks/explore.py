@@ -136,7 +136,8 @@ def main():
     ap.add_argument("--no-plain", action="store_true", help="skip the plain (uncompiled) replay")
     ap.add_argument("--startup-log", metavar="PSTATS", help="where capture time goes: every Triton compilation "
                     "(kernel, cache hit or not, seconds since the capture began), dynamo's inductor and AOT cache "
-                    "counters, and the top functions of a cProfile of the captures (saved to PSTATS)")
+                    "counters, and the top functions of a cProfile of the captures (saved to PSTATS, or "
+                    "PSTATS.replay and PSTATS.compiled when both modes run)")
     ap.add_argument("--cpu-profile", action="store_true", help="host time per operator of one eager forward")
     ap.add_argument("--host", action="store_true", help="where one eager forward's host time goes: its wall time "
                     "without a sync, CUDA runtime calls, top operators by self time, device busy time, and any "
@@ -151,11 +152,13 @@ def main():
     budgets = sorted({1 << max(6, (t - 1).bit_length()) for t in args.tokens})
     modes = ([] if args.no_plain else [("replay", False)]) + ([("compiled", True)] if args.compile else [])
     managers = {}
-    profiler = startup_log(args.startup_log) if args.startup_log else contextlib.nullcontext()
     for name, comp in modes:
         start = time.perf_counter()
         m = EncoderGraphManager(tower, budgets=budgets, max_images_per_graph=4, attention=args.kernel, compile=comp)
-        with profiler:
+        # one log per mode (a generator's context manager runs once); the stats file gets the mode's name when
+        # both modes run
+        stats = args.startup_log if len(modes) == 1 else f"{args.startup_log}.{name}"
+        with startup_log(stats) if args.startup_log else contextlib.nullcontext():
             m.capture()
         print(f"{name}: captured {sorted(m.graphs)} in {time.perf_counter() - start:.1f} s; per budget "
               f"{ {b: round(s, 1) for b, s in m.stats()['capture_seconds_per_budget'].items()} } s; memory MiB "

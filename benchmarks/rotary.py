@@ -34,12 +34,17 @@ def max_ulp(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return (diff[big] / ulp[big]).max().item(), diff.max().item()
 
 
+def rotary_inputs(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ``qkv`` ``[T, 3, H, D]`` (a view of the qkv matmul's rows, bf16) and ``cos``, ``sin`` ``[T, D]``
+    float32 with the rotation's sign in ``sin``, as the tower passes them."""
+    qkv = torch.randn(tokens, 3 * HEADS * DIM, device="cuda", dtype=torch.bfloat16).view(tokens, 3, HEADS, DIM)
+    angles = torch.randn(tokens, DIM // 2, device="cuda")
+    return qkv, torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1)
+
+
 def warps_sweep():
     for tokens in (256, 1024, 4096):
-        qkv = torch.randn(tokens, 3 * HEADS * DIM, device="cuda", dtype=torch.bfloat16).view(tokens, 3, HEADS, DIM)
-        angles = torch.randn(tokens, DIM // 2, device="cuda")
-        cos = torch.cat((angles.cos(), angles.cos()), -1)
-        sin = torch.cat((-angles.sin(), angles.sin()), -1)
+        qkv, cos, sin = rotary_inputs(tokens)
         want = fused.rotary_qk_launch(qkv, cos, sin)
         cells = []
         for warps in (1, 2, 4, 8, 16):
@@ -54,10 +59,7 @@ def main():
     if "--warps" in sys.argv:
         return warps_sweep()
     for tokens in (256, 1024, 4096, 16384):
-        qkv = torch.randn(tokens, 3 * HEADS * DIM, device="cuda", dtype=torch.bfloat16).view(tokens, 3, HEADS, DIM)
-        angles = torch.randn(tokens, DIM // 2, device="cuda")
-        cos = torch.cat((angles.cos(), angles.cos()), -1)
-        sin = torch.cat((-angles.sin(), angles.sin()), -1)
+        qkv, cos, sin = rotary_inputs(tokens)
         want = fused.rotary_qk_reference(qkv, cos, sin)
         got = fused.rotary_qk_launch(qkv, cos, sin)
         ulps, absolute = (max(x) for x in zip(*(max_ulp(g, w) for g, w in zip(got, want, strict=True)), strict=True))

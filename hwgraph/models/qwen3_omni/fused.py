@@ -73,7 +73,7 @@ def rotary_qk_launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         rotary_qk_kernel[(tokens,)](
             qkv, cos, sin, out, qkv.stride(0), qkv.stride(1), cos.stride(0), tokens * heads * head_dim,
             H=heads, D=head_dim, STRIDE_H=qkv.stride(2), BLOCK_H=next_pow2(heads), BLOCK_HALF=next_pow2(head_dim // 2),
-            num_warps=num_warps or rotary_warps(heads, head_dim))
+            num_warps=rotary_warps(heads, head_dim) if num_warps is None else num_warps)
     return out
 
 
