@@ -10,7 +10,9 @@ against the working tree's) or one of ``TOGGLES``:
 - ``out-tma``: the ping-pong kernel's output stored by TMA through the q buffer (session 14,
   ``gluon_kernel.OUT_TMA``) against pointer stores from the MMA layout;
 - ``rotary-warps``: the rotary kernel with 8 warps per program (session 15, ``fused.rotary_warps``) against
-  Triton's default 4.
+  Triton's default 4;
+- ``fc1-row-split``: fc1 + GELU in one cuBLAS call (shipped) against two, the last 256 rows in the second, for
+  graphs of at least 2048 rows (``benchmarks/gemm_split.py``: 67.8 against 73.2 µs at 4096 rows; not shipped).
 For each TOKENS, two graphs of one TOKENS-token image on the same tower and pixels (TRITON_ATTN, one slot:
 ``replay_gaps.one_image_graph``): one captured as shipped, one with the toggle off while it is captured. Their
 replays are timed side by side (``measure_interleaved``: 10 warm-ups, 30 rounds in shuffled order), ``--rounds``
@@ -34,7 +36,7 @@ from hwgraph.attention import gluon_kernel
 from hwgraph.bench import kernel_view, warm_device
 from hwgraph.budgets import filling_grid
 from hwgraph.manager import relative_error
-from hwgraph.models.qwen3_omni import fused
+from hwgraph.models.qwen3_omni import fused, layers
 from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
 from hwgraph.timing import measure_interleaved
 
@@ -57,7 +59,19 @@ TOGGLES = {
     "out-tma": ("output by TMA", "output by pointer stores", lambda: patched(gluon_kernel, "OUT_TMA", False)),
     "rotary-warps": ("rotary with 8 warps", "rotary with 4 warps",
                      lambda: patched(fused, "rotary_warps", lambda heads, head_dim: 4)),
+    "fc1-row-split": ("fc1 in one call", "fc1 in two calls", lambda: patched(layers, "linear_gelu_tanh", fc1_split)),
 }
+
+
+def fc1_split(x: torch.Tensor, linear: torch.nn.Linear, tail: int = 256) -> torch.Tensor:
+    """``fused.linear_gelu_tanh`` with the last ``tail`` rows in a second cuBLAS call, from 2048 rows."""
+    if x.shape[0] < 2048:
+        return fused.linear_gelu_tanh(x, linear)
+    out = x.new_empty(x.shape[0], linear.out_features)
+    head = x.shape[0] - tail
+    for rows in (slice(0, head), slice(head, None)):
+        torch._addmm_activation(linear.bias, x[rows], linear.weight.t(), use_gelu=True, out=out[rows])
+    return out
 
 
 def gluon_at(rev: str):
