@@ -58,7 +58,7 @@ def sm90():
 @pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
 @pytest.mark.parametrize(("head_dim", "max_seqlen", "slots"), [
     (72, 4096, 1), (72, 1024, 1), (72, 1024, 2), (72, 256, 1), (64, 4096, 1), (96, 2048, 1), (40, 4096, 1),
-    (128, 4096, 1), (128, 256, 1)])
+    (128, 4096, 1), (128, 256, 1), (96, 1024, 1)])
 def test_gluon_kernel_compiles_for_hopper_and_its_programs_fit_shared_memory(sm90, head_dim, max_seqlen, slots):
     tokens, heads = 300, 2
     qkv = torch.zeros(tokens, 3, heads, head_dim, dtype=torch.bfloat16)
@@ -84,11 +84,16 @@ def test_gluon_kernel_compiles_for_hopper_and_its_programs_fit_shared_memory(sm9
         assert per_sm * compiled.metadata.shared <= 228 * 1024, f"{compiled.metadata.shared} bytes of shared memory"
 
 
+WIDE = gluon_kernel.PINGPONG_WIDE_TILES
+
+
 @pytest.mark.parametrize(("max_seqlen", "head_dim", "num_seqs", "expected"), [
-    (4096, 72, None, gluon_kernel.PINGPONG_TILES), (2048, 72, 4, gluon_kernel.PINGPONG_TILES),
-    (2048, 96, None, gluon_kernel.PINGPONG_TILES), (2047, 72, 2, (128, 64, 8, 3)), (1024, 72, None, (128, 64, 8, 3)),
-    (1024, 72, 4, (128, 64, 8, 3)),
-    # one sequence slot: the ping-pong kernel from 1024 rows (0.016 against 0.021 ms for the TMA kernel)
+    # the ping-pong kernel on 256-row q tiles from 2048 rows (one sequence of 4096: 160.5 against 170.4 µs)
+    (4096, 72, None, WIDE), (4096, 72, 1, WIDE), (2048, 72, 4, WIDE), (2048, 72, 1, WIDE), (2048, 96, None, WIDE),
+    (4096, 64, None, WIDE), (4096, 40, 2, WIDE),
+    (2047, 72, 2, (128, 64, 8, 3)), (1024, 72, None, (128, 64, 8, 3)), (1024, 72, 4, (128, 64, 8, 3)),
+    # one sequence slot: the ping-pong kernel from 1024 rows (0.016 against 0.021 ms for the TMA kernel), on 128-row
+    # q tiles below 2048 (one of 1024 in 1024 rows: 16.9 against 28.8 µs on 256-row tiles)
     (1024, 72, 1, gluon_kernel.PINGPONG_TILES), (2047, 72, 1, gluon_kernel.PINGPONG_TILES),
     (1023, 72, 1, (64, 64, 4, 3)),
     (4096, 128, None, (128, 64, 8, 3)),  # the ping-pong ring of 128 lanes a head does not fit shared memory
@@ -99,6 +104,15 @@ def test_gluon_tiles_follow_the_measured_choice(max_seqlen, head_dim, num_seqs, 
     start = 1024 if num_seqs == 1 else 2048
     assert tiles.pingpong is (max_seqlen >= start and head_dim <= 96)
     assert tiles.stages == (4 if tiles.pingpong else 3)
+    assert (tiles.block_m, tiles.block_n) == ((256, 64) if tiles.pingpong and max_seqlen >= 2048 else
+                                              (128, 128) if tiles.pingpong else (tiles.block_m, tiles.block_n))
+
+
+def test_the_wide_pingpong_tiles_fit_shared_memory_with_two_q_buffers():
+    """256 q rows and four stages of 64 keys: 160 KB at 72 lanes a head, 192 KB at 96, with both q buffers."""
+    for head_dim in (40, 64, 72, 96):
+        assert gluon_kernel.pingpong_fits(head_dim, WIDE, 2)
+        assert gluon_kernel.q_buffers(head_dim, WIDE) == 2
 
 
 def test_the_gluon_kernel_is_not_taken_for_cpu_tensors():
@@ -209,7 +223,8 @@ def test_pingpong_kernel_call_rejects_overflow_flags_too_short_and_ignores_them_
     cu_seqlens = torch.tensor([0, 4096], dtype=torch.int32)
     short = torch.zeros(5, dtype=torch.int32)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    with pytest.raises(ValueError, match=r"flags must be int32 with at least 1024 entries \(two per work tile\), "
+    # 256-row q tiles at 4096 rows (PINGPONG_WIDE_TILES): 16 q blocks x 16 heads, two flags each
+    with pytest.raises(ValueError, match=r"flags must be int32 with at least 512 entries \(two per work tile\), "
                                          r"got torch.int32 with 5"):
         gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), cu_seqlens, 4096, 0.1, flags=short)
     half = qkv.to(torch.float16)
@@ -218,7 +233,8 @@ def test_pingpong_kernel_call_rejects_overflow_flags_too_short_and_ignores_them_
     assert args[gluon_kernel.FLAGS_ARG] is cu_seqlens and kwargs["FIXED_SHIFT"] is False
     _, _, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), cu_seqlens, 4096, 0.1)
     flags = args[gluon_kernel.FLAGS_ARG]
-    assert flags.dtype == torch.int32 and flags.numel() == 1024 and kwargs["FIXED_SHIFT"] is True
+    assert flags.dtype == torch.int32 and flags.numel() == 512 and kwargs["FIXED_SHIFT"] is True
+    assert kwargs["BLOCK_M"] == 256
     # One sequence in 1024 rows also runs the ping-pong kernel, below FIXED_SHIFT_FROM: the online softmax.
     short_cu = torch.tensor([0, 1000], dtype=torch.int32)
     kernel, _, args, kwargs = gluon_kernel.kernel_call(q, k, v, torch.empty_like(q), short_cu, 1024, 0.1)
@@ -276,18 +292,20 @@ def test_pingpong_row_sum_lane_and_q_buffers_follow_the_head_width(head_dim, lan
 
 @needs_gluon
 @pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
-def test_pingpong_kernel_call_loads_q_and_stores_the_output_by_tma(sm90):
-    """The ping-pong call gets TMA descriptors for q's two parts (128-row boxes, the producer's loads) and for the
-    output's first part (64-row boxes, each consumer's half-tile), the row-sum lane and the q buffers; it compiles
+@pytest.mark.parametrize(("max_seqlen", "block_m"), [(4096, 256), (1024, 128)])  # PINGPONG_WIDE_TILES, PINGPONG_TILES
+def test_pingpong_kernel_call_loads_q_and_stores_the_output_by_tma(sm90, max_seqlen, block_m):
+    """The ping-pong call gets TMA descriptors for q's two parts (q-tile boxes, the producer's loads) and for the
+    output's first part (half-tile boxes, each consumer's rows), the row-sum lane and the q buffers; it compiles
     for sm_90 with both, and without the output's TMA store (``OUT_TMA``)."""
-    qkv = torch.zeros(4096, 3, 16, 72, dtype=torch.bfloat16)
+    qkv = torch.zeros(max_seqlen, 3, 16, 72, dtype=torch.bfloat16)
     q, k, v = qkv[:, 0].contiguous(), qkv[:, 1], qkv[:, 2]
     out = torch.empty_like(q)
-    cu_seqlens = torch.tensor([0, 4096], dtype=torch.int32)
-    kernel, grid, args, kwargs = gluon_kernel.kernel_call(q, k, v, out, cu_seqlens, 4096, 0.1)
+    cu_seqlens = torch.tensor([0, max_seqlen], dtype=torch.int32)
+    kernel, grid, args, kwargs = gluon_kernel.kernel_call(q, k, v, out, cu_seqlens, max_seqlen, 0.1)
+    assert kwargs["BLOCK_M"] == block_m
     qa_desc, qb_desc, oa_desc = args[-3:]
-    assert qa_desc.base is q and qa_desc.block_shape == [128, 64] and qb_desc.block_shape == [128, 16]
-    assert oa_desc.base is out and oa_desc.block_shape == [64, 64]
+    assert qa_desc.base is q and qa_desc.block_shape == [block_m, 64] and qb_desc.block_shape == [block_m, 16]
+    assert oa_desc.base is out and oa_desc.block_shape == [block_m // 2, 64]
     assert (kwargs["SUM_LANE"], kwargs["Q_BUFFERS"], kwargs["OUT_TMA"]) == (8, 2, True)
     for out_tma in (True, False):
         kernel.warmup(*args, **{**kwargs, "OUT_TMA": out_tma}, grid=grid)

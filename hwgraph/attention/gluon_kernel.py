@@ -14,8 +14,8 @@ lanes past the head are never stored. Same grid: ``(m blocks, heads, sequences +
 rows past ``cu_seqlens[-1]``.
 
 From 2048 rows (from 1024 in a call of one sequence slot) ``gluon_tiles`` takes a warp-specialised, persistent
-form of this kernel instead (``gluon_pingpong.py``, built from the helpers here); ``kernel_call`` builds the call of
-either.
+form of this kernel instead (``gluon_pingpong.py``, built from the helpers here), on 256-row q tiles from 2048 rows;
+``kernel_call`` builds the call of either.
 
 Importing this module imports ``triton.experimental.gluon``; ``gluon_available()`` says whether that worked.
 Gluon has no interpreter: the kernel runs on NVIDIA GPUs of compute capability 9.x only (its MMAs are Hopper's).
@@ -369,6 +369,16 @@ class GluonTiles(NamedTuple):
 PINGPONG_TILES = GluonTiles(128, 128, 4, 4, pingpong=True, maxnreg=168, consumer_regs=240, persistent=True)
 PINGPONG_FROM = 2048  # rows of a call with several sequence slots
 PINGPONG_FROM_ONE_SEQUENCE = 1024  # rows of a call with one sequence slot
+# From PINGPONG_WIDE_FROM rows, 256-row q tiles (two consumers of 128 rows) over 64-key blocks: each key block that
+# the producer loads serves twice the q rows, so k and v cross from L2 half as often, and the consumers' registers
+# hold 128x64 scores instead of 64x128. Per call on the H200 (16 heads of 72, bf16, µs; benchmarks/attention_gluon.py
+# --tile 256,64,4,4,1,168,240,1, docs/benchmarks.md, session 16), against PINGPONG_TILES: one sequence of 4096 160.5
+# against 170.4, 3600 in 4096 rows 141.1 / 148.8, four of 784 in 4096 44.6 / 49.2, one of 2048 in 2048 45.6 / 46.6,
+# two of 1024 in 2048 28.4 / 29.3; one of 1024 in 1024 rows 28.8 against 16.9 (64 tiles for 132 SMs), so not below
+# 2048. Three stages: 182.2 at 4096; five: 160.6.
+PINGPONG_WIDE_TILES = GluonTiles(256, 64, 4, 4, pingpong=True, maxnreg=168, consumer_regs=240, persistent=True)
+PINGPONG_WIDE_FROM = 2048
+PINGPONG_WIDE_MAX_HEAD_DIM = 96  # the widest head measured with them (its consumers' accumulators: 96 fp32 a row)
 
 
 def gluon_tiles(max_seqlen: int, head_dim: int, num_seqs: int | None = None) -> GluonTiles:
@@ -376,13 +386,16 @@ def gluon_tiles(max_seqlen: int, head_dim: int, num_seqs: int | None = None) -> 
     Device time per call on the H200 (16 heads of 72, bf16, ms; ``benchmarks/attention_gluon.py --tiles``,
     ``docs/benchmarks.md``): the ping-pong kernel (``PINGPONG_TILES``) from ``PINGPONG_FROM`` rows, or from
     ``PINGPONG_FROM_ONE_SEQUENCE`` with one slot, where its ring fits shared memory (``pingpong_fits``: up to 96
-    lanes a head). Else from 1024 rows 128x64 tiles with 8 warps and 3 stages, 0.229 for one sequence of 4096
-    (128x128: 0.309 with 4 stages; the Triton TMA kernel 0.269), 0.066 for 4x784 and 2048 in 2048 (session 8). They
+    lanes a head); on 256-row q tiles (``PINGPONG_WIDE_TILES``) from ``PINGPONG_WIDE_FROM`` rows. Else from 1024
+    rows 128x64 tiles with 8 warps and 3 stages, 0.229 for one sequence of 4096 (128x128: 0.309 with 4 stages; the
+    Triton TMA kernel 0.269), 0.066 for 4x784 and 2048 in 2048 (session 8). They
     take 114 registers a thread and 82 KB of shared memory, so two programs fit on one SM (128x128: 164 registers,
     143 KB, one program). Below, 64x64 tiles with 4 warps and 3 stages: 0.0088 for 196 patches in 256 rows (the TMA
     kernel 0.0098)."""
     start = PINGPONG_FROM_ONE_SEQUENCE if num_seqs == 1 else PINGPONG_FROM
     if max_seqlen >= start and pingpong_fits(head_dim, PINGPONG_TILES):
+        if max_seqlen >= PINGPONG_WIDE_FROM and head_dim <= PINGPONG_WIDE_MAX_HEAD_DIM:
+            return PINGPONG_WIDE_TILES
         return PINGPONG_TILES
     return GluonTiles(128, 64, 8, 3) if max_seqlen >= 1024 else GluonTiles(64, 64, 4, 3)
 

@@ -134,11 +134,12 @@ def test_triton_attn_takes_the_gluon_kernel_on_hopper_and_it_matches_the_referen
 
 # The ping-pong kernel persistent (one program per SM, several tiles each) and with one program per tile, then the
 # non-specialised kernel.
-GLUON_TILES = [(128, 128, 4, 4, True, 168, 240, True), (128, 128, 4, 4, True, 168, 240, False), (128, 64, 8, 3),
-               (64, 64, 4, 3)]
+GLUON_TILES = [(256, 64, 4, 4, True, 168, 240, True), (128, 128, 4, 4, True, 168, 240, True),
+               (128, 128, 4, 4, True, 168, 240, False), (128, 64, 8, 3), (64, 64, 4, 3)]
 
 
-@pytest.mark.parametrize("tiles", GLUON_TILES, ids=["pingpong-persistent", "pingpong", "128x64", "64x64"])
+@pytest.mark.parametrize("tiles", GLUON_TILES,
+                         ids=["pingpong-wide-persistent", "pingpong-persistent", "pingpong", "128x64", "64x64"])
 @pytest.mark.parametrize(("head_dim", "dtype"), [(72, torch.bfloat16), (72, torch.float16), (64, torch.bfloat16),
                                                  (96, torch.bfloat16), (40, torch.float16)])
 def test_each_gluon_kernel_matches_the_reference_in_a_long_budget(tiles, head_dim, dtype):
@@ -163,15 +164,17 @@ def test_each_gluon_kernel_matches_the_reference_in_a_long_budget(tiles, head_di
     assert torch.equal(launch_gluon_attention(q, k, v, batch.cu_seqlens, 4096, batch.scale, tiles=tiles), out)
 
 
+@pytest.mark.parametrize("wide", [True, False], ids=["256-row-tiles", "128-row-tiles"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_pingpong_kernel_flags_and_recomputes_rows_whose_scores_outgrow_their_shift(dtype):
+def test_pingpong_kernel_flags_and_recomputes_rows_whose_scores_outgrow_their_shift(dtype, wide):
     """In bf16 (from 2048 rows) the ping-pong kernel shifts each row's softmax by its first key block's maximum.
     Rows 0-99 here score one late key (3000) about 2**7 above that in log2 units, which overflows float32: the
-    kernel flags exactly their two 64-row blocks in every head, and ``launch_gluon_attention``'s fixup recomputes
-    them, also when replayed from a CUDA graph, so every row matches the reference. fp16 keeps the online softmax
-    and leaves the flags untouched."""
+    kernel flags exactly the half-tiles that hold them in every head (two of 64 rows with 128-row q tiles, one of
+    128 with 256-row tiles), and ``launch_gluon_attention``'s fixup recomputes them, also when replayed from a CUDA
+    graph, so every row matches the reference. fp16 keeps the online softmax and leaves the flags untouched."""
     from hwgraph.attention.gluon_kernel import (
         PINGPONG_TILES,
+        PINGPONG_WIDE_TILES,
         gluon_available,
         kernel_call,
         launch_gluon_attention,
@@ -187,26 +190,30 @@ def test_pingpong_kernel_flags_and_recomputes_rows_whose_scores_outgrow_their_sh
                                 device="cuda", seed=5)
     batch.q[:100] = 4.0
     batch.k[3000] = 4.0  # q.k = 1152, times the scale 1/sqrt(72) and log2(e): 196 above zero
-    blocks = overflow_blocks(4096, PINGPONG_TILES.block_m)
+    tiles = PINGPONG_WIDE_TILES if wide else PINGPONG_TILES
+    half = tiles.block_m // 2  # each consumer's rows: one flag each
+    blocks = overflow_blocks(4096, tiles.block_m)
     flags = torch.full((2 * HEADS * blocks,), -1, dtype=torch.int32, device="cuda")
     out = torch.empty_like(batch.q)
     kernel, grid, args, kwargs = kernel_call(batch.q, batch.k, batch.v, out, batch.cu_seqlens, 4096, batch.scale,
-                                             PINGPONG_TILES, flags=flags)
+                                             tiles, flags=flags)
     kernel[grid](*args, **kwargs)
     written = flags.view(2, HEADS, blocks).cpu()
     if dtype == torch.bfloat16:
-        real_blocks = [-(-3896 // 64), -(-129 // 64)]
-        assert torch.equal(written[0, :, :2], torch.ones(HEADS, 2, dtype=torch.int32))
-        assert torch.equal(written[0, :, 2:real_blocks[0]], torch.zeros(HEADS, real_blocks[0] - 2, dtype=torch.int32))
+        real_blocks = [-(-3896 // half), -(-129 // half)]
+        hot = -(-100 // half)  # the half-tiles of rows 0-99
+        assert torch.equal(written[0, :, :hot], torch.ones(HEADS, hot, dtype=torch.int32))
+        assert torch.equal(written[0, :, hot:real_blocks[0]],
+                           torch.zeros(HEADS, real_blocks[0] - hot, dtype=torch.int32))
         assert torch.equal(written[1, :, :real_blocks[1]], torch.zeros(HEADS, real_blocks[1], dtype=torch.int32))
     else:
         assert torch.equal(written, torch.full_like(written, -1))
     assert_matches_reference(launch_gluon_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, 4096, batch.scale,
-                                                    tiles=PINGPONG_TILES), batch)
+                                                    tiles=tiles), batch)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = launch_gluon_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, 4096, batch.scale,
-                                          tiles=PINGPONG_TILES)
+                                          tiles=tiles)
     graph.replay()
     assert_matches_reference(replayed, batch)
 
@@ -214,13 +221,13 @@ def test_pingpong_kernel_flags_and_recomputes_rows_whose_scores_outgrow_their_sh
 def test_triton_attn_takes_the_pingpong_kernel_from_2048_rows_in_a_cuda_graph():
     """The tower's 1024-token budget (4096 patch rows) replays the ping-pong kernel from a CUDA graph, with new
     sequence boundaries copied into the captured buffers between replays."""
-    from hwgraph.attention.gluon_kernel import PINGPONG_TILES, gluon_available, gluon_tiles
+    from hwgraph.attention.gluon_kernel import PINGPONG_WIDE_TILES, gluon_available, gluon_tiles
     from hwgraph.attention.triton_kernel import launch_varlen_attention, uses_gluon
 
     if torch.cuda.get_device_capability()[0] != 9 or gluon_available() is not None:
         pytest.skip(f"the Gluon kernel needs compute capability 9.x and Gluon (capability "
                     f"{torch.cuda.get_device_capability()}, Gluon: {gluon_available() or 'ok'})")
-    assert gluon_tiles(4096, HEAD_DIM) == PINGPONG_TILES
+    assert gluon_tiles(4096, HEAD_DIM) == PINGPONG_WIDE_TILES
     first = random_packed_batch([4096], HEADS, HEAD_DIM, max_seqlen=4096, dtype=torch.bfloat16, device="cuda", seed=3)
     second = random_packed_batch([2000, 1500, 300], HEADS, HEAD_DIM, padding_rows=4096 - 3800, max_seqlen=4096,
                                  dtype=torch.bfloat16, device="cuda", seed=4)
