@@ -88,12 +88,14 @@ WIDE = gluon_kernel.PINGPONG_WIDE_TILES
 
 
 @pytest.mark.parametrize(("max_seqlen", "head_dim", "num_seqs", "expected"), [
-    # the ping-pong kernel on 256-row q tiles from 2048 rows (one sequence of 4096: 160.5 against 170.4 µs)
-    (4096, 72, None, WIDE), (4096, 72, 1, WIDE), (2048, 72, 4, WIDE), (2048, 72, 1, WIDE), (2048, 96, None, WIDE),
-    (4096, 64, None, WIDE), (4096, 40, 2, WIDE),
+    # the ping-pong kernel on 256-row q tiles from 4096 rows, up to 72 lanes a head (one sequence of 4096: 160.5
+    # against 170.4 µs; at 96 lanes no faster)
+    (4096, 72, None, WIDE), (4096, 72, 1, WIDE), (4096, 64, None, WIDE), (4096, 40, 2, WIDE),
+    (4096, 96, None, gluon_kernel.PINGPONG_TILES), (4095, 72, 1, gluon_kernel.PINGPONG_TILES),
+    (2048, 72, 4, gluon_kernel.PINGPONG_TILES), (2048, 96, None, gluon_kernel.PINGPONG_TILES),
     (2047, 72, 2, (128, 64, 8, 3)), (1024, 72, None, (128, 64, 8, 3)), (1024, 72, 4, (128, 64, 8, 3)),
     # one sequence slot: the ping-pong kernel from 1024 rows (0.016 against 0.021 ms for the TMA kernel), on 128-row
-    # q tiles below 2048 (one of 1024 in 1024 rows: 16.9 against 28.8 µs on 256-row tiles)
+    # q tiles below 4096 (one of 1024 in 1024 rows: 16.9 against 28.8 µs on 256-row tiles)
     (1024, 72, 1, gluon_kernel.PINGPONG_TILES), (2047, 72, 1, gluon_kernel.PINGPONG_TILES),
     (1023, 72, 1, (64, 64, 4, 3)),
     (4096, 128, None, (128, 64, 8, 3)),  # the ping-pong ring of 128 lanes a head does not fit shared memory
@@ -104,13 +106,14 @@ def test_gluon_tiles_follow_the_measured_choice(max_seqlen, head_dim, num_seqs, 
     start = 1024 if num_seqs == 1 else 2048
     assert tiles.pingpong is (max_seqlen >= start and head_dim <= 96)
     assert tiles.stages == (4 if tiles.pingpong else 3)
-    assert (tiles.block_m, tiles.block_n) == ((256, 64) if tiles.pingpong and max_seqlen >= 2048 else
-                                              (128, 128) if tiles.pingpong else (tiles.block_m, tiles.block_n))
+    wide = tiles.pingpong and max_seqlen >= 4096 and head_dim <= 72
+    assert (tiles.block_m, tiles.block_n) == ((256, 64) if wide else (128, 128) if tiles.pingpong else
+                                              (tiles.block_m, tiles.block_n))
 
 
 def test_the_wide_pingpong_tiles_fit_shared_memory_with_two_q_buffers():
-    """256 q rows and four stages of 64 keys: 160 KB at 72 lanes a head, 192 KB at 96, with both q buffers."""
-    for head_dim in (40, 64, 72, 96):
+    """256 q rows and four stages of 64 keys: 160 KB at 72 lanes a head with both q buffers."""
+    for head_dim in (40, 64, 72):
         assert gluon_kernel.pingpong_fits(head_dim, WIDE, 2)
         assert gluon_kernel.q_buffers(head_dim, WIDE) == 2
 

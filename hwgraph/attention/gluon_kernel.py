@@ -14,7 +14,7 @@ lanes past the head are never stored. Same grid: ``(m blocks, heads, sequences +
 rows past ``cu_seqlens[-1]``.
 
 From 2048 rows (from 1024 in a call of one sequence slot) ``gluon_tiles`` takes a warp-specialised, persistent
-form of this kernel instead (``gluon_pingpong.py``, built from the helpers here), on 256-row q tiles from 2048 rows;
+form of this kernel instead (``gluon_pingpong.py``, built from the helpers here), on 256-row q tiles from 4096 rows;
 ``kernel_call`` builds the call of either.
 
 Importing this module imports ``triton.experimental.gluon``; ``gluon_available()`` says whether that worked.
@@ -371,14 +371,16 @@ PINGPONG_FROM = 2048  # rows of a call with several sequence slots
 PINGPONG_FROM_ONE_SEQUENCE = 1024  # rows of a call with one sequence slot
 # From PINGPONG_WIDE_FROM rows, 256-row q tiles (two consumers of 128 rows) over 64-key blocks: each key block that
 # the producer loads serves twice the q rows, so k and v cross from L2 half as often, and the consumers' registers
-# hold 128x64 scores instead of 64x128. Per call on the H200 (16 heads of 72, bf16, µs; benchmarks/attention_gluon.py
-# --tile 256,64,4,4,1,168,240,1, docs/benchmarks.md, session 16), against PINGPONG_TILES: one sequence of 4096 160.5
-# against 170.4, 3600 in 4096 rows 141.1 / 148.8, four of 784 in 4096 44.6 / 49.2, one of 2048 in 2048 45.6 / 46.6,
-# two of 1024 in 2048 28.4 / 29.3; one of 1024 in 1024 rows 28.8 against 16.9 (64 tiles for 132 SMs), so not below
-# 2048. Three stages: 182.2 at 4096; five: 160.6.
+# hold 128x64 scores instead of 64x128. On the H200 (16 heads, bf16; docs/benchmarks.md, session 16), µs per call
+# against PINGPONG_TILES (benchmarks/attention_gluon.py --tile 256,64,4,4,1,168,240,1, attention_wide.py): at 72 lanes
+# one sequence of 4096 159.2-160.5 against 167.7-170.4, 3600 in 4096 rows 141.1 / 148.8, four of 784 in 4096 44.6-44.9
+# / 49.2-49.8; at 64 lanes 132.0 / 137.1 and 36.2 / 41.7; at 96 lanes no faster (183.2 / 181.8, 6 bytes spilled).
+# Whole replays of one 1024-token image (4096 rows), interleaved: 0.995-0.998x (replay_toggle.py wide-tiles). At 2048
+# rows the call gains 1-2% but one 512-token image's replay measured 1% slower, and one sequence of 1024 in 1024 rows
+# takes 28.8 against 16.9 (64 tiles for 132 SMs): so from 4096 rows only.
 PINGPONG_WIDE_TILES = GluonTiles(256, 64, 4, 4, pingpong=True, maxnreg=168, consumer_regs=240, persistent=True)
-PINGPONG_WIDE_FROM = 2048
-PINGPONG_WIDE_MAX_HEAD_DIM = 96  # the widest head measured with them (its consumers' accumulators: 96 fp32 a row)
+PINGPONG_WIDE_FROM = 4096
+PINGPONG_WIDE_MAX_HEAD_DIM = 72  # the widest head measured faster with them
 
 
 def gluon_tiles(max_seqlen: int, head_dim: int, num_seqs: int | None = None) -> GluonTiles:

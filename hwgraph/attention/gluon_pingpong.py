@@ -1,18 +1,20 @@
 """TRITON_ATTN's Gluon kernel for long sequences on Hopper: ``hopper_attention_kernel`` warp-specialised, with
 FlashAttention-3's ping-pong between two consumer warpgroups, and persistent.
 
-One program holds a 128-row q tile as two 64-row halves, each owned by a consumer warpgroup (the default partition
-and a worker), and a one-warp producer partition that fills the k/v ring by TMA. A ring slot is refilled once both
-consumers have released it (its ``empty`` mbarrier counts two arrivals), so the consumers never wait for each other
-to reuse a slot. They do take turns to issue their MMAs (two ``turn`` mbarriers, one arrival each): while one
-warpgroup's q.k and p.v run on the tensor cores, the other runs its softmax, so the softmax of one half hides
-behind the other half's MMAs instead of only behind its own p.v. Each consumer runs the key loop of
-``hopper_attention_kernel`` (its helpers come from ``gluon_kernel.py``) on its half.
+One program holds a ``BLOCK_M``-row q tile as two halves, each owned by a consumer warpgroup (the default partition
+and a worker), and a one-warp producer partition that fills the k/v ring by TMA: 128 rows over 128-key blocks
+(``gluon_kernel.PINGPONG_TILES``), or from 4096 rows 256 over 64-key blocks (``PINGPONG_WIDE_TILES``, session 16),
+where each key block loaded serves twice the q rows (one 4096-patch sequence 160.5 against 170.4 µs). A ring slot
+is refilled once both consumers have released it (its ``empty`` mbarrier counts two arrivals), so the consumers
+never wait for each other to reuse a slot. They do take turns to issue their MMAs (two ``turn`` mbarriers, one
+arrival each): while one warpgroup's q.k and p.v run on the tensor cores, the other runs its softmax, so the softmax
+of one half hides behind the other half's MMAs instead of only behind its own p.v. Each consumer runs the key loop
+of ``hopper_attention_kernel`` (its helpers come from ``gluon_kernel.py``) on its half.
 
 In bf16 from ``gluon_kernel.FIXED_SHIFT_FROM`` rows (``gluon_kernel.uses_fixed_shift``) the key loop keeps no
 running maximum. Each row's softmax is shifted by its first key block's maximum for all its keys (``shifted_step``).
 float32 sums and bf16 p hold p up to 2**127 with unchanged relative precision, so the accumulators are never
-rescaled. A consumer whose rows left the finite range flags its 64-row half-tile (``overflow_flag``), and
+rescaled. A consumer whose rows left the finite range flags its half-tile (``overflow_flag``), and
 ``triton_kernel.overflow_fixup_kernel``, launched after every such call, recomputes exactly those blocks. Per call
 for one 4096-patch sequence, fixup included: 0.174 against 0.191 ms with the online softmax (session 13,
 ``benchmarks/attention_ab.py``).
@@ -344,7 +346,7 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.arrive(empty.index(last), count=1)
                 if not ROW_SUM:
                     l_i = mma_row_sum(o_b, SUM_LANE)
-                if FIXED_SHIFT:  # this half-tile's 64-row block: (slot * HEADS + head) * 2 * M_BLOCKS + 2 * m + HALF
+                if FIXED_SHIFT:  # this half-tile's flag: (slot * HEADS + head) * 2 * M_BLOCKS + 2 * m + HALF
                     gl.store(FLAGS + 2 * tile + HALF, overflow_flag(o_a, o_b, l_i, seqlen - r0, HAS_B))
                 if OUT_TMA and r0 + HALF_M <= seqlen:
                     inv_l = 1.0 / l_i

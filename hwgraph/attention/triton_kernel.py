@@ -25,8 +25,8 @@ turns on the tensor cores (``gluon_pingpong.py``) takes 0.194 ms for the 4096-pa
 
 ``overflow_fixup_kernel`` follows the ping-pong kernel where that kernel shifts each row by its first key block's
 maximum (bf16, from 2048 rows). It recomputes, with this file's pointer loads and online softmax
-(``attend_query_block``), the 64-row query blocks whose rows the fixed shift could not keep finite
-(``launch_overflow_fixup``).
+(``attend_query_block``), the query blocks (each consumer's half-tile: 64 rows, or 128 with the ping-pong kernel's
+256-row tiles) whose rows the fixed shift could not keep finite (``launch_overflow_fixup``).
 """
 
 from __future__ import annotations
