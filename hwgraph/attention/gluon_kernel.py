@@ -396,7 +396,8 @@ def gluon_tiles(max_seqlen: int, head_dim: int, num_seqs: int | None = None) -> 
     kernel 0.0098)."""
     start = PINGPONG_FROM_ONE_SEQUENCE if num_seqs == 1 else PINGPONG_FROM
     if max_seqlen >= start and pingpong_fits(head_dim, PINGPONG_TILES):
-        if max_seqlen >= PINGPONG_WIDE_FROM and head_dim <= PINGPONG_WIDE_MAX_HEAD_DIM:
+        if max_seqlen >= PINGPONG_WIDE_FROM and head_dim <= PINGPONG_WIDE_MAX_HEAD_DIM \
+                and pingpong_fits(head_dim, PINGPONG_WIDE_TILES):
             return PINGPONG_WIDE_TILES
         return PINGPONG_TILES
     return GluonTiles(128, 64, 8, 3) if max_seqlen >= 1024 else GluonTiles(64, 64, 4, 3)
