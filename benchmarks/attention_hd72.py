@@ -59,17 +59,17 @@ def err_of(got, want):
     return ((got.float() - want).norm() / want.norm()).item()
 
 
-def manager_batch(seqs, rows, slots):
-    """A batch as the manager builds it: ``(qkv [rows, 3, H, D], cu_seqlens with slots + 1 entries, real rows,
+def manager_batch(seqs, rows, slots, head_dim=D):
+    """A batch as the manager builds it: ``(qkv [rows, 3, H, head_dim], cu_seqlens with slots + 1 entries, real rows,
     GFLOP)``; q, k, v are qkv's strided views, the rows past the last image padding."""
     torch.manual_seed(0)
-    qkv = torch.randn(rows, 3, H, D, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(rows, 3, H, head_dim, device="cuda", dtype=torch.bfloat16)
     bounds = [0]
     for n in seqs:
         bounds.append(bounds[-1] + n)
     bounds += [bounds[-1]] * (slots + 1 - len(bounds))
     cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
-    return qkv, cu, bounds[-1], sum(4 * n * n * H * D for n in seqs) / 1e9
+    return qkv, cu, bounds[-1], sum(4 * n * n * H * head_dim for n in seqs) / 1e9
 
 
 def row(label, seqs, rows, slots, tiles, extras):

@@ -35,13 +35,14 @@ without a part, and the difference to ``shipped`` bounds what making that part f
 - ``warprescale``: lazyrescale's rows, the skip decided per warp by a vote (no exchange between warps) and taken by
   a branch in PTX around each eight accumulators' multiplies; right result.
 
-``--tile 128,128,4,4,1,168,240``: ``GluonTiles`` fields for every variant (default ``PINGPONG_TILES``).
+``--tile 128,128,4,4,1,168,240``: ``GluonTiles`` fields for every variant (default ``gluon_tiles``' choice for
+this call, as shipped: ``PINGPONG_WIDE_TILES`` since session 16, ``PINGPONG_TILES`` before).
 The row sums on the tensor cores as extra MMAs (p times a tile of ones, instead of adds) were measured with this
 script and the kernel's ``SUM_BY_MMA`` constexpr at commit 00ee9ad (its ``--kw SUM_BY_MMA=1``): no faster, not kept.
 Since session 14 the kernel sums p in a spare lane of v's second part instead (no extra MMA), so ``nosum`` leaves
-nothing out at 72 lanes a head.
-- ``noqload``: q is zeros, not loaded (its scores are all zero, which also lowers the tensor cores' power);
-- ``nostore``: no output stores; ``noqload+nostore`` both.
+nothing out at 72 lanes a head. ``noqload`` (q zeros, not loaded) and ``nostore`` (no output stores) were measured
+at commit f309c58; since the producer loads q by TMA and full half-tiles leave by TMA (4595b58), the helpers they
+replaced are no longer called, so they are only in that commit.
 ``--once``: run the product kernel three times and exit (for ``ncu``).
 """
 
@@ -236,21 +237,6 @@ def rescale(o_a, o_b, alpha, HAS_B: gl.constexpr):
     return o_a, o_b
 '''
 
-NO_Q_LOAD = '''
-@gluon.jit
-def load_q_part(Q, rows, seqlen, start, head, stride_qt, stride_qh, lane0: gl.constexpr, WIDTH: gl.constexpr,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (WIDTH // 8), WIDTH // 8], [num_warps, 1], [1, 0])
-    return gl.zeros([BLOCK_M, WIDTH], Q.dtype.element_ty, layout)
-'''
-
-NO_STORE = '''
-@gluon.jit
-def store_out(Out, o_a, o_b, l_i, rows, seqlen, start, head, stride_ot, stride_oh, D_A: gl.constexpr,
-              HEAD_DIM: gl.constexpr, HAS_B: gl.constexpr):
-    pass
-'''
-
 VARIANTS = {
     "shipped": "",
     "noexp": softmax(exp_p="{}", exp_alpha="{}"),
@@ -288,9 +274,6 @@ def pass_turn(turn, HALF: gl.constexpr):
     "lazyrescale": LAZY,
     "warprescale": LAZY + WARP_VOTE,
     "firstmax": FIRST_MAX + NO_RESCALE,
-    "noqload": NO_Q_LOAD,
-    "nostore": NO_STORE,
-    "noqload+nostore": NO_Q_LOAD + NO_STORE,
 }
 
 IMPORTS = ("\nfrom triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma\n")
@@ -320,7 +303,7 @@ def main():
     names = list(VARIANTS)
     if "--variants" in sys.argv:
         names = sys.argv[sys.argv.index("--variants") + 1].split(",")
-    tiles = gluon_kernel.PINGPONG_TILES
+    tiles = gluon_kernel.gluon_tiles(4096, D, 1)  # as the shipped call runs
     if "--tile" in sys.argv:
         tiles = gluon_kernel.GluonTiles(*(int(x) for x in sys.argv[sys.argv.index("--tile") + 1].split(",")))
     print(f"variants with {tiles}", flush=True)

@@ -1,12 +1,13 @@
 """The ping-pong attention kernel on 256-row q tiles (``gluon_kernel.PINGPONG_WIDE_TILES``: two consumers of 128 rows,
 64-key blocks) against 128-row tiles (``PINGPONG_TILES``: two of 64 rows, 128-key blocks), for head widths other
-than the tower's too: ``gluon_tiles`` takes the wide tiles from 2048 rows up to ``PINGPONG_WIDE_MAX_HEAD_DIM`` lanes.
+than the tower's too: ``gluon_tiles`` takes the wide tiles from ``PINGPONG_WIDE_FROM`` rows up to
+``PINGPONG_WIDE_MAX_HEAD_DIM`` lanes.
 
 Usage: python benchmarks/attention_wide.py [--head-dims 40,64,72,80,96]
-16 heads, bf16, batches as the manager builds them (q, k, v views of one qkv tensor, padding rows after the last
-sequence). Per cell: µs per call (20 calls in one CUDA graph), relative L2 error against ATen flash, and the
-compiled kernel's registers per thread and spilled bytes (ptxas; the consumers' registers after the producer gives
-its up are set by ``setmaxnreg``, not shown here).
+16 heads, bf16, batches as the manager builds them (``attention_hd72.manager_batch``: q, k, v views of one qkv
+tensor). Per cell: µs per call (20 calls in one CUDA graph), relative L2 error against ATen flash, and the compiled
+kernel's registers per thread and spilled bytes (ptxas; the consumers' registers after the producer gives its up are
+set by ``setmaxnreg``, not shown here).
 """
 
 from __future__ import annotations
@@ -15,22 +16,13 @@ import sys
 
 import torch
 import triton
+from attention_hd72 import err_of, manager_batch  # benchmarks/, the script's directory
 
 from hwgraph.attention.gluon_kernel import PINGPONG_TILES, PINGPONG_WIDE_TILES, kernel_call, launch_gluon_attention
 from hwgraph.timing import graphed_ms
 
-HEADS = 16
 CASES = [("1x4096 in 4096", [4096], 4096), ("4x784 in 4096", [784] * 4, 4096), ("1x2048 in 2048", [2048], 2048),
          ("2x1024 in 2048", [1024] * 2, 2048)]
-
-
-def batch(seqs, rows, head_dim):
-    torch.manual_seed(0)
-    qkv = torch.randn(rows, 3, HEADS, head_dim, device="cuda", dtype=torch.bfloat16)
-    bounds = [0]
-    for n in seqs:
-        bounds.append(bounds[-1] + n)
-    return qkv, torch.tensor(bounds, device="cuda", dtype=torch.int32), bounds[-1]
 
 
 def registers(q, k, v, cu, rows, tiles):
@@ -48,7 +40,7 @@ def main():
     for head_dim in dims:
         scale = head_dim**-0.5
         for label, seqs, rows in CASES:
-            qkv, cu, real = batch(seqs, rows, head_dim)
+            qkv, cu, real, _ = manager_batch(seqs, rows, len(seqs), head_dim)
             q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
             want = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, rows, rows, 0.0, False, False,
                                                            scale=scale)[0][:real].float()
@@ -56,7 +48,7 @@ def main():
             for name, tiles in (("128-row", PINGPONG_TILES), ("256-row", PINGPONG_WIDE_TILES)):
                 def fn(tiles=tiles, call=(q, k, v, cu, rows, scale)):
                     return launch_gluon_attention(*call, tiles=tiles)
-                err = ((fn()[:real].float() - want).norm() / want.norm()).item()
+                err = err_of(fn()[:real], want)
                 regs, spills = registers(q, k, v, cu, rows, tiles)
                 cells.append(f"{name} {graphed_ms(fn) * 1e3:.1f} us err {err:.1e} regs {regs} spills {spills}")
             print(f"head_dim {head_dim}, {label}: " + " | ".join(cells), flush=True)

@@ -13,8 +13,9 @@ against the working tree's) or one of ``TOGGLES``:
   Triton's default 4;
 - ``fc1-row-split``: fc1 + GELU in one cuBLAS call (shipped) against two, the last 256 rows in the second, for
   graphs of at least 2048 rows (``benchmarks/gemm_split.py``: 67.8 against 73.2 µs at 4096 rows; not shipped);
-- ``wide-tiles``: the ping-pong kernel on 256-row q tiles from 2048 rows (session 16,
-  ``gluon_kernel.PINGPONG_WIDE_TILES``) against 128-row tiles (``PINGPONG_TILES``) at every size.
+- ``wide-tiles``: the ping-pong kernel on 256-row q tiles from ``gluon_kernel.PINGPONG_WIDE_FROM`` rows (session
+  16, ``PINGPONG_WIDE_TILES``; 4096 since 2048 measured slower) against 128-row tiles (``PINGPONG_TILES``) at
+  every size.
 For each TOKENS, two graphs of one TOKENS-token image on the same tower and pixels (TRITON_ATTN, one slot:
 ``replay_gaps.one_image_graph``): one captured as shipped, one with the toggle off while it is captured. Their
 replays are timed side by side (``measure_interleaved``: 10 warm-ups, 30 rounds in shuffled order), ``--rounds``

@@ -92,13 +92,20 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr, ROW_SUM: gl.constexpr):
-        """Online softmax of the raw scores of keys ``kv_start ..``: ``(p, m, l, alpha)``. Only a block that runs
-        past the sequence's end masks its scores. Without ``ROW_SUM`` l is returned as it came: the caller sums
-        p on the tensor cores (``mma_row_sum``)."""
+    def mask_past_end(s, kv_start, seqlen, BLOCK_N: gl.constexpr):
+        """The raw scores of keys ``kv_start ..`` with the keys past the sequence's end at -inf; only a block that
+        runs past the end pays for the mask."""
         if kv_start + BLOCK_N > seqlen:
             offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
             s = gl.where(((kv_start + offs_n) < seqlen)[None, :], s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def softmax_step(s, m_i, l_i, kv_start, seqlen, qk_scale_log2, BLOCK_N: gl.constexpr, ROW_SUM: gl.constexpr):
+        """Online softmax of the raw scores of keys ``kv_start ..``: ``(p, m, l, alpha)``, the keys past the
+        sequence's end masked (``mask_past_end``). Without ``ROW_SUM`` l is returned as it came: the caller sums
+        p on the tensor cores (``mma_row_sum``)."""
+        s = mask_past_end(s, kv_start, seqlen, BLOCK_N)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
         p = gl.exp2(s * qk_scale_log2 - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)

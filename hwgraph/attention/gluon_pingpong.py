@@ -72,6 +72,7 @@ if GLUON_IMPORT_ERROR is None:
         issue_kv,
         kv_ring,
         loop_state,
+        mask_past_end,
         mma_row_sum,
         p_operands,
         pv_async,
@@ -225,11 +226,9 @@ if GLUON_IMPORT_ERROR is None:
         """The softmax of the raw scores of keys ``kv_start ..`` against each row's fixed ``shift`` (its first key
         block's maximum): ``(p, l)``. No running maximum, so no correction and no rescale of the accumulators; p
         may exceed 1, which float32 and bfloat16 hold up to 2**127 with the same relative precision.
-        ``overflow_flag`` catches a row whose scores rise that far above its shift. Only a block that runs past
-        the sequence's end masks its scores. Without ``ROW_SUM``, l as it came (``mma_row_sum``)."""
-        if kv_start + BLOCK_N > seqlen:
-            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-            s = gl.where(((kv_start + offs_n) < seqlen)[None, :], s, float("-inf"))
+        ``overflow_flag`` catches a row whose scores rise that far above its shift. The keys past the sequence's
+        end are masked (``mask_past_end``). Without ``ROW_SUM``, l as it came (``mma_row_sum``)."""
+        s = mask_past_end(s, kv_start, seqlen, BLOCK_N)
         p = gl.exp2(s * qk_scale_log2 - shift[:, None])
         if ROW_SUM:
             l_i = l_i + gl.sum(p, 1)
