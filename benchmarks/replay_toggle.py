@@ -15,7 +15,9 @@ against the working tree's) or one of ``TOGGLES``:
   graphs of at least 2048 rows (``benchmarks/gemm_split.py``: 67.8 against 73.2 µs at 4096 rows; not shipped);
 - ``wide-tiles``: the ping-pong kernel on 256-row q tiles from ``gluon_kernel.PINGPONG_WIDE_FROM`` rows (session
   16, ``PINGPONG_WIDE_TILES``; 4096 since 2048 measured slower) against 128-row tiles (``PINGPONG_TILES``) at
-  every size.
+  every size;
+- ``residual-in-gemm``: the shipped block against ``residual_gemm.block_forward_in_place`` (proj and fc2 add into
+  the residual in place, cuBLAS beta = 1, their biases added by the LayerNorm kernels; not shipped).
 For each TOKENS, two graphs of one TOKENS-token image on the same tower and pixels (TRITON_ATTN, one slot:
 ``replay_gaps.one_image_graph``): one captured as shipped, one with the toggle off while it is captured. Their
 replays are timed side by side (``measure_interleaved``: 10 warm-ups, 30 rounds in shuffled order), ``--rounds``
@@ -64,7 +66,15 @@ TOGGLES = {
                      lambda: patched(fused, "rotary_warps", lambda heads, head_dim: 4)),
     "fc1-row-split": ("fc1 in one call", "fc1 in two calls", lambda: patched(layers, "linear_gelu_tanh", fc1_split)),
     "wide-tiles": ("256-row q tiles", "128-row q tiles", lambda: patched(gluon_kernel, "PINGPONG_WIDE_FROM", 1 << 30)),
+    "residual-in-gemm": ("shipped", "residual in the products",
+                         lambda: patched(layers.VisionBlock, "forward_fused", residual_in_gemm())),
 }
+
+
+def residual_in_gemm():
+    from residual_gemm import block_forward_in_place  # benchmarks/, the script's directory
+
+    return block_forward_in_place
 
 
 def fc1_split(x: torch.Tensor, linear: torch.nn.Linear, tail: int = 256) -> torch.Tensor:
