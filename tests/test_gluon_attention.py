@@ -315,6 +315,24 @@ def test_pingpong_kernel_call_loads_q_and_stores_the_output_by_tma(sm90, max_seq
 
 
 @needs_gluon
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_descriptors_share_one_default_layout_per_box_and_dtype(dtype):
+    """Every descriptor of a box and dtype carries the one cached layout, equal to the default that Triton builds for
+    that box (the swizzle the kernels' shared buffers are allocated with); other boxes and dtypes get their own."""
+    from triton.experimental.gluon import language as gl
+
+    k = torch.zeros(256, 16, 72, dtype=dtype)
+    first, second = gluon_kernel.descriptor(k, 64, 64), gluon_kernel.descriptor(k.clone(), 64, 64)
+    triton_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    assert first.layout is second.layout
+    assert first.layout == gl.NVMMASharedLayout.get_default_for([64, 64], triton_dtype)
+    narrow = gluon_kernel.descriptor(k, 64, 16).layout
+    assert narrow == gl.NVMMASharedLayout.get_default_for([64, 16], triton_dtype) and narrow != first.layout
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    assert gluon_kernel.descriptor(k.to(other), 64, 64).layout is not first.layout
+
+
+@needs_gluon
 @pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
 def test_pingpong_q_and_output_that_tma_cannot_address_are_refused_by_kernel_call_and_copied_by_the_launcher(
         sm90, monkeypatch):

@@ -427,10 +427,19 @@ def q_buffers(head_dim: int, tiles: GluonTiles) -> int:
 
 def descriptor(t: torch.Tensor, block_n: int, width: int):
     """A Gluon TMA descriptor over ``t`` ``[T, H, D]`` seen as ``[T, H * D]`` (heads adjacent), box
-    ``[block_n, width]`` in the default swizzled shared layout."""
+    ``[block_n, width]`` in the default swizzled shared layout (``shared_layout``)."""
     tokens, heads, head_dim = t.shape
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, width], getattr(gl, GL_DTYPES[t.dtype]))
-    return GluonDescriptor(t, [tokens, heads * head_dim], [t.stride(0), 1], [block_n, width], layout)
+    return GluonDescriptor(t, [tokens, heads * head_dim], [t.stride(0), 1], [block_n, width],
+                           shared_layout(block_n, width, t.dtype))
+
+
+@functools.cache
+def shared_layout(block_n: int, width: int, dtype: torch.dtype):
+    """The default swizzled shared layout of a ``[block_n, width]`` TMA box of ``dtype``: one frozen Triton object
+    per box, built once. Eager calls build their descriptors anew (each holds its tensor), and building the layout
+    was about a sixth of a ping-pong call's host time on the H200's host (seven descriptors a call;
+    ``benchmarks/eager_host.py --parts``, session 17)."""
+    return gl.NVMMASharedLayout.get_default_for([block_n, width], getattr(gl, GL_DTYPES[dtype]))
 
 
 FLAGS_ARG = 7  # the ping-pong kernel's FLAGS among kernel_call's positional args
