@@ -316,6 +316,7 @@ def varlen_attention_tma_kernel(
              mask=row_mask[:, None] & (offs_v < HEAD_DIM)[None, :])
 
 
+@functools.cache  # pure; asked several times by every launch (eager calls pay host time for each)
 def head_split(head_dim: int) -> tuple[int, int]:
     """(D_A, D_B): the head as a power-of-two part and a second power-of-two part (0: none), each at least 16 wide
     (tl.dot's minimum), when that is narrower than one part padded to the next power of two: 72 -> (64, 16),
@@ -328,6 +329,7 @@ def head_split(head_dim: int) -> tuple[int, int]:
     return (first, second) if first + second < whole else (whole, 0)
 
 
+@functools.cache
 def head_width(head_dim: int) -> int:
     """The head padded to a power of two, at least 16: the width of the v tile, the accumulator and the output."""
     return max(16, triton.next_power_of_2(head_dim))
