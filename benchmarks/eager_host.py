@@ -26,7 +26,8 @@ import sys
 import time
 
 import torch
-from replay_gaps import preset_tower  # benchmarks/, the script's directory
+from host_costs import host_us  # benchmarks/, the script's directory
+from replay_gaps import preset_tower
 
 from hwgraph.bench import eager_call, kernel_view, warm_device
 from hwgraph.budgets import filling_grid
@@ -60,18 +61,6 @@ def profile(view, pixels, grid, lines: int = 22) -> str:
     stats.sort_stats("tottime").print_stats(lines)
     stats.sort_stats("cumtime").print_stats(lines)
     return text.getvalue()
-
-
-def host_us(fn, calls: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def parts_at(rows: int, heads: int = 16, head_dim: int = 72) -> None:

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from hwgraph.models.qwen3_omni.fused import linear_gelu_tanh, next_pow2, rotary_qk
+from hwgraph.models.qwen3_omni.fused_kernels import layer_norm_row
 from hwgraph.timing import graphed_ms
 
 HIDDEN, MLP, HEADS = 1152, 4304, 16
@@ -45,14 +46,8 @@ def offset_layer_norm_kernel(x, offset, weight, bias, out, stride_x, eps, N: tl.
     total = (a + o).to(out.dtype.element_ty)
     if WRITE_SUM:
         tl.store(x + r * stride_x + offs, total, mask=m)
-    v = total.to(tl.float32)
-    mean = tl.sum(v, axis=0) / N
-    diff = tl.where(m, v - mean, 0.0)
-    var = tl.sum(diff * diff, axis=0) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(weight + offs, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(bias + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out + r * N + offs, (diff * rstd * w + b).to(out.dtype.element_ty), mask=m)
+    normed = layer_norm_row(total.to(tl.float32), m, offs, weight, bias, eps, N)
+    tl.store(out + r * N + offs, normed.to(out.dtype.element_ty), mask=m)
 
 
 def offset_layer_norm(x: torch.Tensor, offset: torch.Tensor, norm: torch.nn.LayerNorm, write_sum: bool) -> torch.Tensor:
@@ -65,7 +60,8 @@ def offset_layer_norm(x: torch.Tensor, offset: torch.Tensor, norm: torch.nn.Laye
 
 
 def block_forward_in_place(self, x, normed, next_norm, cos, sin, cu_seqlens, max_seqlen, attend):
-    """``VisionBlock.forward_fused`` with both residual adds in the products (``x`` is updated in place)."""
+    """``VisionBlock.forward_fused`` with both residual adds in the products (``x`` is updated in place). The block's
+    two biases are summed once, at its first call, and kept on the block: its weights must not change after."""
     attn, mlp = self.attn, self.mlp
     offset = getattr(self, "_residual_offset", None)
     if offset is None:

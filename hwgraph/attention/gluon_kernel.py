@@ -437,8 +437,8 @@ def descriptor(t: torch.Tensor, block_n: int, width: int):
 def shared_layout(block_n: int, width: int, dtype: torch.dtype):
     """The default swizzled shared layout of a ``[block_n, width]`` TMA box of ``dtype``: one frozen Triton object
     per box, built once. Eager calls build their descriptors anew (each holds its tensor), and building the layout
-    was about a sixth of a ping-pong call's host time on the H200's host (seven descriptors a call;
-    ``benchmarks/eager_host.py --parts``, session 17)."""
+    took about a sixth of a ping-pong call's host time on the H200's host under cProfile (seven descriptors a
+    call; ``benchmarks/eager_host.py --parts``, session 17)."""
     return gl.NVMMASharedLayout.get_default_for([block_n, width], getattr(gl, GL_DTYPES[dtype]))
 
 

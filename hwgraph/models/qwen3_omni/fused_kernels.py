@@ -44,14 +44,21 @@ def add_layer_norm_kernel(x, delta, weight, bias, out, stride_x, stride_d, plane
     d = tl.load(delta + r * stride_d + offs, mask=m, other=0.0).to(tl.float32)
     total = (a + d).to(out.dtype.element_ty)
     tl.store(out + r * N + offs, total, mask=m)
-    v = total.to(tl.float32)
+    normed = layer_norm_row(total.to(tl.float32), m, offs, weight, bias, eps, N)
+    tl.store(out + plane + r * N + offs, normed.to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def layer_norm_row(v, m, offs, weight, bias, eps, N: tl.constexpr):
+    """LayerNorm of one float32 row ``v`` (``m``: its lanes below ``N``) in float32, scaled by ``weight`` and
+    shifted by ``bias`` at ``offs``."""
     mean = tl.sum(v, axis=0) / N
     diff = tl.where(m, v - mean, 0.0)
     var = tl.sum(diff * diff, axis=0) / N
     rstd = 1.0 / tl.sqrt(var + eps)
     w = tl.load(weight + offs, mask=m, other=0.0).to(tl.float32)
     b = tl.load(bias + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out + plane + r * N + offs, (diff * rstd * w + b).to(out.dtype.element_ty), mask=m)
+    return diff * rstd * w + b
 
 
 @triton.jit
