@@ -10,10 +10,11 @@ cycles draws more power and the clock comes down. This measures that guess. For 
 ``replay_toggle.TOGGLES`` it captures the shipped graph and the graph with the toggle off (one TOKENS-token image,
 TRITON_ATTN, ``replay_gaps.one_image_graph``), then, alternating the two graphs, ``--rounds`` times:
 
-- ``at the cap``: 1 s of back-to-back replays to reach the power limit, then ``--seconds`` more, timed with CUDA
-  events and metered with NVML's energy counter (``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver
-  loaded): ms and J per replay, mean W, and the SM clock and power sampled every 16 replays (median);
-- ``after idle``: 20 replays, each after 30 ms of host sleep; median ms and the SM clock read right after.
+- ``back to back``: 1 s of back-to-back replays to reach the power limit (at 1024 tokens), then ``--seconds``
+  more, timed with CUDA events and metered with NVML's energy counter (``nvmlDeviceGetTotalEnergyConsumption``, mJ
+  since the driver loaded): ms and J per replay, mean W, and the SM clock and power sampled every 16 replays
+  (median);
+- ``after idle``: 20 replays, each after 30 ms of host sleep; median ms, and the SM clock read while they run.
 
 At the cap, time per replay is energy per replay over the power limit: a change saves time there only if it saves
 energy. NVML is read through ctypes (``libnvidia-ml.so.1``, which ``nvidia-smi`` uses); device index 0, so run it
@@ -94,7 +95,8 @@ def at_the_cap(nvml: Nvml, replay, seconds: float) -> dict:
 
 
 def after_idle(nvml: Nvml, replay, count: int = 20) -> dict:
-    """``count`` replays, each after 30 ms of host sleep: median ms, and the median SM clock read right after."""
+    """``count`` replays, each after 30 ms of host sleep: median ms, and the SM clock read while each replay runs
+    (the host polls NVML until the replay's end event completes): lowest and median over all readings."""
     times, clocks = [], []
     for _ in range(count):
         time.sleep(0.03)
@@ -102,10 +104,11 @@ def after_idle(nvml: Nvml, replay, count: int = 20) -> dict:
         start.record()
         replay()
         stop.record()
-        stop.synchronize()
-        clocks.append(nvml.sm_mhz())
+        while not stop.query():
+            clocks.append(nvml.sm_mhz())
         times.append(start.elapsed_time(stop))
-    return {"ms": statistics.median(times), "MHz": statistics.median(clocks)}
+    return {"ms": statistics.median(times), "MHz": statistics.median(clocks) if clocks else None,
+            "min MHz": min(clocks, default=None), "readings": len(clocks)}
 
 
 def main():
@@ -124,7 +127,7 @@ def main():
     dev = torch.device("cuda")
     warm_device(dev)
     nvml = Nvml()
-    print(torch.cuda.get_device_name(), f"1x{tokens}, {rounds} rounds, {seconds} s metered at the cap", flush=True)
+    print(torch.cuda.get_device_name(), f"1x{tokens}, {rounds} rounds, {seconds} s metered back to back", flush=True)
     tower = preset_tower(dev)
     gen = torch.Generator().manual_seed(1)
     pixels = torch.randn(tokens * 4, 1536, generator=gen).to(dev, torch.bfloat16)
@@ -141,9 +144,10 @@ def main():
             for name in order:
                 cap = at_the_cap(nvml, graphs[name], seconds)
                 idle = after_idle(nvml, graphs[name])
-                print(f"  round {r} {name}: at the cap {cap['ms']:.3f} ms, {cap['J']:.3f} J, {cap['W']:.0f} W "
+                print(f"  round {r} {name}: back to back {cap['ms']:.3f} ms, {cap['J']:.3f} J, {cap['W']:.0f} W "
                       f"({cap['replays']} replays; sampled {cap['MHz']} MHz, {cap['sampled W']:.0f} W) | after idle "
-                      f"{idle['ms']:.3f} ms ({idle['MHz']} MHz)", flush=True)
+                      f"{idle['ms']:.3f} ms (during the replays {idle['MHz']} MHz, lowest {idle['min MHz']}, "
+                      f"{idle['readings']} readings)", flush=True)
         del shipped, other, graphs
         torch.cuda.empty_cache()
 
