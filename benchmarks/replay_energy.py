@@ -29,7 +29,8 @@ import sys
 import time
 
 import torch
-from replay_gaps import one_image_graph, preset_tower  # benchmarks/, the script's directory
+from power_state import after_idle  # benchmarks/, the script's directory
+from replay_gaps import one_image_graph, preset_tower
 from replay_toggle import TOGGLES
 
 from hwgraph.bench import warm_device
@@ -68,7 +69,7 @@ class Nvml:
         return value.value / 1000
 
 
-def at_the_cap(nvml: Nvml, replay, seconds: float) -> dict:
+def back_to_back(nvml: Nvml, replay, seconds: float) -> dict:
     """Replays back to back for 1 s, then for ``seconds`` metered: ms, J and W per replay, median clock and power."""
     end = time.perf_counter() + 1.0
     while time.perf_counter() < end:
@@ -94,19 +95,10 @@ def at_the_cap(nvml: Nvml, replay, seconds: float) -> dict:
             "sampled W": statistics.median(powers), "replays": n}
 
 
-def after_idle(nvml: Nvml, replay, count: int = 20) -> dict:
-    """``count`` replays, each after 30 ms of host sleep: median ms, and the SM clock read while each replay runs
-    (the host polls NVML until the replay's end event completes): lowest and median over all readings."""
-    times, clocks = [], []
-    for _ in range(count):
-        time.sleep(0.03)
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        stop.record()
-        while not stop.query():
-            clocks.append(nvml.sm_mhz())
-        times.append(start.elapsed_time(stop))
+def rested(nvml: Nvml, replay, count: int = 20) -> dict:
+    """``count`` replays, each after 30 ms of host sleep (``power_state.after_idle``): median ms, and the lowest and
+    median SM clock read while they run."""
+    times, clocks = after_idle(replay, count, 0.03, nvml.sm_mhz)
     return {"ms": statistics.median(times), "MHz": statistics.median(clocks) if clocks else None,
             "min MHz": min(clocks, default=None), "readings": len(clocks)}
 
@@ -142,8 +134,8 @@ def main():
         for r in range(rounds):
             order = list(graphs) if r % 2 == 0 else list(reversed(graphs))
             for name in order:
-                cap = at_the_cap(nvml, graphs[name], seconds)
-                idle = after_idle(nvml, graphs[name])
+                cap = back_to_back(nvml, graphs[name], seconds)
+                idle = rested(nvml, graphs[name])
                 print(f"  round {r} {name}: back to back {cap['ms']:.3f} ms, {cap['J']:.3f} J, {cap['W']:.0f} W "
                       f"({cap['replays']} replays; sampled {cap['MHz']} MHz, {cap['sampled W']:.0f} W) | after idle "
                       f"{idle['ms']:.3f} ms (during the replays {idle['MHz']} MHz, lowest {idle['min MHz']}, "

@@ -11,7 +11,8 @@ multiples of 8 (fc2's 4304 only into 2; its 4 slices of 1076 are timed too, mark
 - ``linear``: ``F.linear`` with its bias, as the tower calls it;
 - ``bmm S``: the S partials only (the sum and bias would be the LayerNorm kernel's);
 - ``bmm S + sum``: with ``partials.sum(0) + bias`` rounded to bf16 in torch, an upper bound of a separate reduction.
-``err``: relative L2 of the S-split sum against ``F.linear`` in float32 (both against float32's product).
+``err``: relative L2 against the product in float64 (``relative_error``, in float32), of ``F.linear`` and of the
+S-split sum rounded to bf16.
 The CUDA plugin captures without a cuBLASLt workspace; run once with ``CUBLASLT_WORKSPACE_SIZE=0`` to time what graphs
 run, and once without to see whether cuBLAS would choose differently with one.
 """
@@ -24,6 +25,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from hwgraph.manager import relative_error
 from hwgraph.timing import graphed_ms
 
 HIDDEN, MLP = 1152, 4304
@@ -41,10 +43,6 @@ def sliced(x: torch.Tensor, w: torch.Tensor, s: int) -> tuple[torch.Tensor, torc
     return x.view(m, s, k // s).transpose(0, 1), w.view(n, s, k // s).permute(1, 2, 0)
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 def main():
     rows_list = [int(a) for a in sys.argv[sys.argv.index("--rows") + 1:]] if "--rows" in sys.argv else [256, 1024]
     dev = torch.device("cuda")
@@ -58,7 +56,7 @@ def main():
             b = torch.randn(HIDDEN, device=dev, generator=gen).bfloat16()
             exact = x.double() @ w.double().t() + b.double()
             cells = [f"linear {graphed_ms(lambda x=x, w=w, b=b: F.linear(x, w, b)) * 1e3:.1f} "
-                     f"(err {relative(F.linear(x, w, b).double(), exact):.1e})"]
+                     f"(err {relative_error(F.linear(x, w, b), exact):.1e})"]
             for s in splits(k):
                 xs, ws = sliced(x, w, s)
                 partials = torch.bmm(xs, ws, out_dtype=torch.float32)
@@ -67,7 +65,7 @@ def main():
                 both = graphed_ms(lambda xs=xs, ws=ws, b=b: (torch.bmm(xs, ws, out_dtype=torch.float32).sum(0)
                                                         + b.float()).bfloat16()) * 1e3
                 aligned = "" if (k // s) % 8 == 0 else " unaligned"
-                cells.append(f"bmm {s}{aligned} {only:.1f}, + sum {both:.1f} (err {relative(got.double(), exact):.1e})")
+                cells.append(f"bmm {s}{aligned} {only:.1f}, + sum {both:.1f} (err {relative_error(got, exact):.1e})")
             print(f"{rows} rows {name} (K {k}): " + " | ".join(cells), flush=True)
 
 
