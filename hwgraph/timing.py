@@ -77,6 +77,11 @@ def one_sample(fn: Callable[[], object], device: torch.device) -> float:
 def graphed_ms(fn: Callable[[], object], calls: int = 20, warmup: int = 10, samples: int = 30) -> float:
     """Device milliseconds of one ``fn()`` on CUDA: ``calls`` calls captured in one CUDA graph and timed by replay
     (``measure``), divided by ``calls``, so host launch cost drops out. For component benchmarks."""
+    return measure(graphed_calls(fn, calls).replay, "cuda", warmup, samples).median / calls
+
+
+def graphed_calls(fn: Callable[[], object], calls: int = 20) -> torch.cuda.CUDAGraph:
+    """``calls`` calls of ``fn`` captured in one CUDA graph, after three warm-up calls off the default stream."""
     stream = torch.cuda.Stream()  # warm up off the default stream, as capture wants
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -87,7 +92,7 @@ def graphed_ms(fn: Callable[[], object], calls: int = 20, warmup: int = 10, samp
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return measure(graph.replay, "cuda", warmup, samples).median / calls
+    return graph
 
 
 def synchronize(device: torch.device) -> None:
