@@ -21,6 +21,7 @@ replay (27 blocks).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -146,17 +147,109 @@ class LtProduct:
                 parts.append(f"{name} {value.value}")
         return ", ".join(parts)
 
-    def run(self, candidate: Candidate):
+    def run(self, candidate: Candidate, x: torch.Tensor | None = None, out: torch.Tensor | None = None):
+        """The product with ``candidate``, of ``x`` (default: the constructor's) into ``out`` (same)."""
+        x = self.x if x is None else x
+        out = self.out if out is None else out
         if self.workspace.numel() < candidate.workspace:
             self.workspace = torch.empty(candidate.workspace, dtype=torch.uint8, device=self.x.device)
         a, b, d = self.layouts
-        out = ctypes.c_void_p(self.out.data_ptr())
+        d_ptr = ctypes.c_void_p(out.data_ptr())
         check(self.lib.cublasLtMatmul(
             self.handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(self.w.data_ptr()), a,
-            ctypes.c_void_p(self.x.data_ptr()), b, ctypes.byref(self.beta), out, d, out, d,
+            ctypes.c_void_p(x.data_ptr()), b, ctypes.byref(self.beta), d_ptr, d, d_ptr, d,
             ctypes.byref(candidate.algo), ctypes.c_void_p(self.workspace.data_ptr()), candidate.workspace,
             ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)), "cublasLtMatmul")
-        return self.out
+        return out
+
+
+class MeasuredLinear:
+    """The tower's products (``F.linear`` with a bias; fc1 + tanh GELU) through cuBLASLt with, per shape, the
+    heuristic candidate (no workspace, as the graphs capture) that ran fastest, as accurate as ATen's, in interleaved
+    graph replays. A shape is measured at its first call outside a capture (the manager's warm-up); a shape first
+    seen while capturing takes the heuristic's first candidate, ATen's own choice. Anything else (no bias, not bf16,
+    not contiguous, not 256-byte aligned) goes to ATen. ``notes`` keeps one line per measured shape."""
+
+    def __init__(self):
+        self.lib = load_cublaslt()
+        self.handle = ctypes.c_void_p()
+        check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.products: dict[tuple, LtProduct] = {}
+        self.choices: dict[tuple, Candidate] = {}
+        self.notes: list[str] = []
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.takes(x, w, b):
+            return torch._C._nn.linear(x, w, b)
+        return self.product(x, w, b, gelu=False)
+
+    def linear_gelu_tanh(self, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+        w, b = linear.weight, linear.bias
+        if not self.takes(x, w, b):
+            return F.gelu(torch._C._nn.linear(x, w, b), approximate="tanh")
+        return self.product(x, w, b, gelu=True)
+
+    @staticmethod
+    def takes(x, w, b) -> bool:
+        tensors = (x, w, b)
+        return (b is not None and x.dim() == 2 and x.is_cuda and all(t.dtype == torch.bfloat16 for t in tensors)
+                and all(t.is_contiguous() and t.data_ptr() % 256 == 0 for t in tensors))
+
+    def product(self, x, w, b, gelu: bool) -> torch.Tensor:
+        (rows, k), n = x.shape, w.shape[0]
+        shape = (rows, k, n, gelu)
+        key = shape + (w.data_ptr(), b.data_ptr())
+        if key not in self.products:
+            self.products[key] = LtProduct(self.lib, self.handle, x, w, b, x.new_empty(rows, n), gelu)
+        product = self.products[key]
+        if shape not in self.choices:
+            capturing = torch.cuda.is_current_stream_capturing()
+            self.choices[shape] = product.candidates(1, 0)[0] if capturing else self.measure(product, x, gelu)
+        return product.run(self.choices[shape], x=x, out=x.new_empty(rows, n))
+
+    def measure(self, product: LtProduct, x: torch.Tensor, gelu: bool) -> Candidate:
+        w, b = product.w, product.b
+        exact = x.double() @ w.double().t() + b.double()
+        if gelu:
+            exact = F.gelu(exact, approximate="tanh")
+
+            def aten():
+                return torch._addmm_activation(b, x, w.t(), use_gelu=True)
+        else:
+            def aten():
+                return torch._C._nn.linear(x, w, b)
+        bound = 1.5 * relative_error(aten(), exact) + 1e-4
+        scratch = x.new_empty(x.shape[0], w.shape[0])
+        candidates = [c for c in product.candidates(32, 0)
+                      if relative_error(product.run(c, x=x, out=scratch), exact) <= bound]
+        calls = {"aten": aten} | {i: (lambda c=c: product.run(c, x=x, out=scratch)) for i, c in enumerate(candidates)}
+        graphs = {label: graphed_calls(fn, CALLS) for label, fn in calls.items()}
+        latency = measure_interleaved({label: g.replay for label, g in graphs.items()}, "cuda")
+        us = {label: lat.median * 1e3 / CALLS for label, lat in latency.items()}
+        best = min((label for label in us if label != "aten"), key=us.get)
+        self.notes.append(f"{x.shape[0]} x {w.shape[1]} -> {w.shape[0]}{' + GELU' if gelu else ''}: aten "
+                          f"{us['aten']:.1f} µs, #0 {us.get(0, float('nan')):.1f}, #{best} {us[best]:.1f} "
+                          f"({kernel_names(calls[best])})")
+        return candidates[best]
+
+
+@contextlib.contextmanager
+def measured_products():
+    """``F.linear`` and ``layers.linear_gelu_tanh`` through one ``MeasuredLinear`` while the context is open."""
+    from hwgraph.models.qwen3_omni import layers
+
+    global MEASURED
+    if MEASURED is None:
+        MEASURED = MeasuredLinear()
+    saved = F.linear, layers.linear_gelu_tanh
+    F.linear, layers.linear_gelu_tanh = MEASURED.linear, MEASURED.linear_gelu_tanh
+    try:
+        yield MEASURED
+    finally:
+        F.linear, layers.linear_gelu_tanh = saved
+
+
+MEASURED: MeasuredLinear | None = None
 
 
 def kernel_names(fn) -> str:

@@ -18,6 +18,8 @@ against the working tree's) or one of ``TOGGLES``:
   every size;
 - ``residual-in-gemm``: the shipped block against ``residual_gemm.block_forward_in_place`` (proj and fc2 add into
   the residual in place, cuBLAS beta = 1, their biases added by the LayerNorm kernels; not shipped).
+- ``measured-products``: every product through ``cublaslt_algos.MeasuredLinear`` (per shape, the candidate of
+  cuBLASLt's heuristic that measured fastest) against ATen's call (the heuristic's first candidate).
 For each TOKENS, two graphs of one TOKENS-token image on the same tower and pixels (TRITON_ATTN, one slot:
 ``replay_gaps.one_image_graph``): one captured as shipped, one with the toggle off while it is captured. Their
 replays are timed side by side (``measure_interleaved``: 10 warm-ups, 30 rounds in shuffled order), ``--rounds``
@@ -68,7 +70,20 @@ TOGGLES = {
     "wide-tiles": ("256-row q tiles", "128-row q tiles", lambda: patched(gluon_kernel, "PINGPONG_WIDE_FROM", 1 << 30)),
     "residual-in-gemm": ("shipped", "residual in the products",
                          lambda: patched(layers.VisionBlock, "forward_fused", residual_in_gemm())),
+    "measured-products": ("ATen's cuBLASLt algorithms", "measured cuBLASLt algorithms", lambda: measured_products()),
 }
+
+
+@contextlib.contextmanager
+def measured_products():
+    """The products through ``cublaslt_algos.MeasuredLinear``; prints what it measured for each new shape."""
+    from cublaslt_algos import measured_products as products  # benchmarks/, the script's directory
+
+    with products() as measured:
+        yield
+    for line in measured.notes:
+        print("  measured:", line, flush=True)
+    measured.notes.clear()
 
 
 def residual_in_gemm():
