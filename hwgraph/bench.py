@@ -88,6 +88,7 @@ class BenchConfig:
     profile: bool = False
     reference: bool = True  # also time transformers' encoder
     compile: bool = False  # torch.compile the block forward (once per shape) before capturing each budget
+    measure_products: bool = False  # capture the products with the backend's measured kernel choice
     seed: int = 0
     budgets: list[int] = field(default_factory=list)  # empty: covering_budgets(groups)
 
@@ -203,19 +204,21 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
     max_images = min(max(g.count for g in groups), min(budgets))
     views = {k: kernel_view(tower, k) for k in kernels}
 
-    def new_manager(kernel: str, compile: bool):
+    def new_manager(kernel: str, compile: bool, measure_products: bool):
         return EncoderGraphManager(views[kernel], device=cfg.device, dtype=cfg.dtype, budgets=budgets,
                                    max_images_per_graph=max_images, graph_backend=cfg.graph_backend,
-                                   attention=kernel, calibrate=calibrate, max_budget=max(budgets), compile=compile)
+                                   attention=kernel, calibrate=calibrate, max_budget=max(budgets), compile=compile,
+                                   measure_products=measure_products)
 
     managers, plains = {}, {}
     try:
         for kernel in kernels:
-            managers[kernel] = new_manager(kernel, cfg.compile)
+            managers[kernel] = new_manager(kernel, cfg.compile, cfg.measure_products)
             managers[kernel].capture()
-            # compiled replay is timed side by side with plain replay, from a manager captured without compile
-            if cfg.compile and not calibrate:
-                plains[kernel] = new_manager(kernel, False)
+            # compiled replay, or replay with measured products, is timed side by side with plain replay, from a
+            # manager captured without either
+            if (cfg.compile or cfg.measure_products) and not calibrate:
+                plains[kernel] = new_manager(kernel, False, False)
                 plains[kernel].capture()
         rows = {kernel: {} for kernel in kernels}
         for group in groups:
@@ -327,6 +330,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         "preset": cfg.preset, "device": str(cfg.device), "dtype": str(cfg.dtype).removeprefix("torch."),
         "timer": "device events" if cfg.device.type == "cuda" else "wall clock",
         "warmup": cfg.warmup, "samples": cfg.samples, "groups": [g.label for g in groups], "compile": cfg.compile,
+        "measure_products": cfg.measure_products,
         "budgets": cfg.budgets or covering_budgets(groups),
         "graph_backend": per_kernel[0]["backend"] if per_kernel else cfg.graph_backend,
         "graph_backend_accelerates": per_kernel[0]["accelerates"] if per_kernel else None,
@@ -361,7 +365,7 @@ def config_from_args(args) -> BenchConfig:
         device=device, dtype=parse_dtype(args.dtype) if args.dtype else (torch.float32 if on_cpu else torch.bfloat16),
         kernels=args.attention, graph_backend=args.backend, warmup=args.warmup, samples=args.samples,
         calibrate=args.calibrate, profile=args.profile, reference=not args.no_transformers, compile=args.compile,
-        budgets=sorted(args.budgets) if args.budgets else [])
+        measure_products=args.measure_products, budgets=sorted(args.budgets) if args.budgets else [])
 
 
 def cmd_bench(args) -> int:
@@ -405,4 +409,7 @@ def register_cli(sub) -> None:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers reference encoder")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the block forward (once per block shape) before capturing each budget")
+    p.add_argument("--measure-products", action="store_true",
+                   help="capture the matrix products with the graph backend's measured kernel choice (CUDA: the "
+                        "fastest of cuBLASLt's candidate algorithms per shape), timed beside plain replay")
     p.set_defaults(func=cmd_bench)

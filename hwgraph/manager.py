@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hwgraph import budgets as budget_rules
+from hwgraph import products
 from hwgraph.compile_mode import compile_block_forward, compile_limits
 from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend
 from hwgraph.hostmem import pinned_copy
@@ -74,6 +75,7 @@ class ManagerStats:
     capture_failures: dict = field(default_factory=dict)  # budget -> reason
     compile_skipped: str | None = None  # compile=True on a backend without inductor: why it captured uncompiled
     compile_failures: dict = field(default_factory=dict)  # budget -> why its compiled capture fell back to plain
+    products: str | None = None  # measure_products=True: what chose the products' kernels, or why ATen did
     calibration: dict = field(default_factory=dict)  # budget -> {"eager_ms", "replay_ms", "kept"}
 
     def as_dict(self) -> dict:
@@ -96,11 +98,17 @@ class EncoderGraphManager:
     static buffers, and a group replays the one with the fewest slots holding its images. ``None``: powers of two
     below ``max_images_per_graph`` and that number for such kernels, else ``max_images_per_graph`` alone; explicit
     counts must lie in 1..``max_images_per_graph``, which is always added.
+
+    ``measure_products=True``: plain captures run the tower's matrix products as the backend's
+    ``product_chooser()`` picks them, by measurement during each capture's warm-up (CUDA: the fastest of cuBLASLt's
+    candidate algorithms per shape, ``hwgraph_cuda.products``). Eager calls and compiled captures keep ATen's;
+    where the backend cannot choose (``products_support()``), every capture does, and ``stats()['products']`` says
+    why, as it says what chose them otherwise.
     """
 
     def __init__(self, tower, device=None, dtype=None, budgets=None, max_images_per_graph=None,
                  graph_backend=None, attention=None, calibrate=False, max_budget=None, verify=True,
-                 log_every=1000, compile=False, slot_counts=None):
+                 log_every=1000, compile=False, slot_counts=None, measure_products=False):
         first = next(tower.parameters())
         self.tower = tower
         self.device = torch.device(device) if device is not None else first.device
@@ -125,6 +133,8 @@ class EncoderGraphManager:
         self.slot_counts = budget_rules.validate_slot_counts(slot_counts, max_images_per_graph)
         self.verify = verify
         self.compile = compile
+        self.measure_products = measure_products
+        self._chooser = None  # measure_products=True: the backend's product chooser, once capture() found one
         self.log_every = log_every
         self.graphs: dict[int, BudgetGraph] = {}
         self.pool = None
@@ -157,6 +167,8 @@ class EncoderGraphManager:
             return self.graphs
         self.pool = self.pool or self.backend.new_pool()
         compiled = self.compile and self._compile_supported()
+        if self.measure_products and self._chooser is None:
+            self._chooser = self._product_chooser()
         for budget in sorted(self.budgets, reverse=True):
             if budget in self.graphs:
                 continue
@@ -169,6 +181,9 @@ class EncoderGraphManager:
                 log.warning("capture of budget %d failed on %s/%s, it stays eager: %s", budget,
                             self.backend.name, self.tower.attention_kernel, reason)
                 self.backend.synchronize()
+        if self._chooser is not None:
+            self._stats.products = self._chooser.describe()
+            log.info("matrix products on %s: %s", self.backend.name, self._stats.products)
         if self.calibrate_on_capture:
             self.calibrate()
         log.info("captured budgets %s (slot counts %s) on %s/%s; memory per budget (MiB): %s", sorted(self.graphs),
@@ -184,6 +199,16 @@ class EncoderGraphManager:
             log.warning("compile=True on %s: %s; capturing without torch.compile", self.backend.name,
                         support.describe())
         return support.ok
+
+    def _product_chooser(self):
+        """measure_products=True: the backend's product chooser, or None with the reason logged and kept."""
+        support = self.backend.products_support()
+        if not support.ok:
+            self._stats.products = f"ATen's: {support.describe()}"
+            log.warning("measure_products=True on %s: %s; capturing ATen's matrix products", self.backend.name,
+                        support.describe())
+            return None
+        return self.backend.product_chooser()
 
     def _capture_budget_compiled(self, budget: int) -> BudgetGraph:
         """A compiled capture; if compiling or capturing it fails, the plain capture of that budget, logged."""
@@ -225,8 +250,10 @@ class EncoderGraphManager:
         self.backend.empty_cache()
         before = self.backend.memory_in_use()
         start = time.perf_counter()
+        # torch.compile traces the products itself: a compiled capture keeps ATen's
+        chooser = None if compiled else self._chooser
         try:
-            with torch.inference_mode(), compile_limits(len(self.budgets)):
+            with torch.inference_mode(), compile_limits(len(self.budgets)), products.chosen_by(chooser):
                 for slots in sorted(self.slot_counts, reverse=True):
                     meta = static_meta.first_seqs(slots)
                     if compiled:

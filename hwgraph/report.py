@@ -23,7 +23,7 @@ def x(value: float | None) -> str | None:
 
 
 def latency_table(result: dict) -> str:
-    """One row per group and kernel; with ``--compile`` the replay is compiled and plain replay has its column."""
+    """One row per group and kernel; with ``--compile`` or ``--measure-products`` plain replay has its column."""
     plain = has_plain_replay(result)
     rows = []
     for r in result["rows"]:
@@ -34,11 +34,17 @@ def latency_table(result: dict) -> str:
                      *([ms(r.get("plain_replay"))] if plain else []), replay,
                      x(s["eager_vs_transformers"]), x(s["replay_vs_transformers"]), x(s["replay_vs_eager"]),
                      *([x(s.get("replay_vs_plain_replay"))] if plain else [])])
-    replay_name = "hwgraph compiled replay" if plain else "hwgraph replay"
+    kind, short = replay_kind(result)
     return md_table(["group", "tokens", "attention", "transformers eager", "hwgraph eager",
-                     *(["hwgraph plain replay"] if plain else []), replay_name,
+                     *(["hwgraph plain replay"] if plain else []), f"hwgraph {kind}" if plain else "hwgraph replay",
                      "eager vs transformers", "replay vs transformers", "replay vs eager",
-                     *(["compiled vs plain replay"] if plain else [])], rows)
+                     *([f"{short} vs plain replay"] if plain else [])], rows)
+
+
+def replay_kind(result: dict) -> tuple[str, str]:
+    """What the replay column holds beside plain replay, long and short (compiled captures keep ATen's products)."""
+    return ("compiled replay", "compiled") if result.get("compile") else \
+        ("replay with measured products", "measured products")
 
 
 def mib(nbytes: int) -> str:
@@ -112,8 +118,8 @@ def calibration_section(cal: dict | None) -> str | None:
 
 INTERLEAVED = (" (per group, transformers and every kernel's eager and replay are sampled in turn, one call of each "
                "per round, each round in a new shuffled order)")
-INTERLEAVED_COMPILED = (" (per group, transformers and every kernel's eager, plain replay and compiled replay are "
-                        "sampled in turn, one call of each per round, each round in a new shuffled order)")
+INTERLEAVED_BESIDE_PLAIN = (" (per group, transformers and every kernel's eager, plain replay and {kind} are sampled "
+                            "in turn, one call of each per round, each round in a new shuffled order)")
 
 
 def heading(result: dict) -> str:
@@ -134,14 +140,14 @@ def heading(result: dict) -> str:
 
 
 def has_plain_replay(result: dict) -> bool:
-    """A compiled bench: plain replay was timed beside the compiled one."""
+    """A compiled bench, or one with measured products: plain replay was timed beside that replay."""
     return any(r.get("plain_replay") for r in result["rows"])
 
 
 def interleaved_note(result: dict) -> str:
     if not result.get("interleaved"):
         return ""
-    return INTERLEAVED_COMPILED if has_plain_replay(result) else INTERLEAVED
+    return INTERLEAVED_BESIDE_PLAIN.format(kind=replay_kind(result)[0]) if has_plain_replay(result) else INTERLEAVED
 
 
 def bench_markdown(result: dict) -> str:

@@ -88,6 +88,17 @@ class GraphBackend(ABC):
         before this backend captures them; the reasons say why not (the manager then captures uncompiled)."""
         return inductor_support(self.device)
 
+    def products_support(self) -> Capability:
+        """Whether ``EncoderGraphManager(measure_products=True)`` can have ``product_chooser()`` pick the matrix
+        products' kernels by measurement while capturing (``hwgraph.products``); the reasons say why not."""
+        return Capability.unavailable(f"the {self.name} graph backend has no measured choice of matrix-product "
+                                      f"kernels; its graphs run ATen's")
+
+    def product_chooser(self) -> Any:
+        """The ``hwgraph.products.ProductChooser`` this backend captures the products with; only called where
+        ``products_support()`` is ok."""
+        raise NotImplementedError(f"the {self.name} graph backend has no product chooser")
+
     @abstractmethod
     def sync_guard(self) -> contextlib.AbstractContextManager:
         """A context inside which any device-to-host synchronisation raises."""

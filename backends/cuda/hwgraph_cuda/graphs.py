@@ -36,3 +36,14 @@ class CudaGraphBackend(TorchCudaGraphBackend):
 
         cap = gate(detect())
         return cls.device_capability(device) if cap.ok else cap
+
+    def products_support(self) -> Capability:
+        from hwgraph_cuda.products import products_support
+
+        return products_support(self.device)
+
+    def product_chooser(self):
+        """The process's ``MeasuredProducts``: the fastest of cuBLASLt's candidates per shape, measured once."""
+        from hwgraph_cuda.products import measured_products
+
+        return measured_products()

@@ -8,7 +8,8 @@ LayerNorm. Here:
   writes them contiguous (float32 math, as transformers does);
 - ``add_layer_norm``: one Triton kernel adds the residual and normalises the sum (LayerNorm of the rounded sum,
   as the unfused pair computes it);
-- ``linear_gelu_tanh``: fc1 with its tanh-GELU as the cuBLASLt epilogue (``torch._addmm_activation``);
+- ``linear_gelu_tanh``: fc1 with its tanh-GELU as the cuBLASLt epilogue (``torch._addmm_activation``, or a
+  measured cuBLASLt algorithm while a graph is captured: ``hwgraph.products``);
 - ``add_position_embedding``: one Triton kernel blends the four learned position rows of each patch and adds them
   to the patch embedding (five kernels unfused, one of them writing ``[4, rows, hidden]`` float32 products).
 
@@ -26,6 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from hwgraph import products
 from hwgraph.attention.varlen_inputs import eager_or_op
 
 FUSED_ENV = "HWGRAPH_FUSED"
@@ -201,9 +203,6 @@ def add_position_embedding(x: torch.Tensor, table: torch.Tensor, indices: torch.
 
 # ---------------------------------------------------------------- fc1 + tanh-GELU
 def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """``gelu(linear(x), approximate="tanh")``; on CUDA the GELU runs as the matmul's epilogue (cuBLASLt's GELU
-    epilogue is the tanh approximation; off CUDA ``_addmm_activation`` would use exact GELU, so it is not used)."""
-    if x.is_cuda and not torch.version.hip and x.dim() == 2 and linear.bias is not None:
-        return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
-    return F.gelu(linear(x), approximate="tanh")
-
+    """``gelu(linear(x), approximate="tanh")``; on CUDA the GELU runs as the matmul's epilogue
+    (``products.aten_linear_gelu_tanh``), or as the active product chooser runs it (``hwgraph.products``)."""
+    return products.linear_gelu_tanh(x, linear.weight, linear.bias)

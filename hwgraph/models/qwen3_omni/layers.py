@@ -12,6 +12,7 @@ from torch import nn
 
 from hwgraph.attention.base import VarlenAttention
 from hwgraph.models.qwen3_omni.fused import add_layer_norm, linear_gelu_tanh, rotary_qk
+from hwgraph.products import linear
 
 
 def activation(name: str):
@@ -39,7 +40,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(pixel_values.to(weight.dtype), weight.view(weight.shape[0], -1), self.proj.bias)
+        return linear(pixel_values.to(weight.dtype), weight.view(weight.shape[0], -1), self.proj.bias)
 
 
 def rotary_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -93,10 +94,10 @@ class VisionAttention(nn.Module):
                 max_seqlen: int, attend: VarlenAttention) -> torch.Tensor:
         tokens = x.shape[0]
         # [T, 3, H, D] view straight off the matmul: v stays a view; q and k come out rotated (one kernel on GPUs).
-        qkv = F.linear(x, self.qkv.weight, self.qkv.bias).view(tokens, 3, self.num_heads, self.head_dim)
+        qkv = linear(x, self.qkv.weight, self.qkv.bias).view(tokens, 3, self.num_heads, self.head_dim)
         q, k = rotary_qk(qkv, cos, sin)
         out = attend(q, k, qkv[:, 2], cu_seqlens, max_seqlen, self.scale)
-        return F.linear(out.reshape(tokens, -1), self.proj.weight, self.proj.bias)
+        return linear(out.reshape(tokens, -1), self.proj.weight, self.proj.bias)
 
 
 class VisionMLP(nn.Module):
@@ -109,7 +110,7 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = linear_gelu_tanh(x, self.linear_fc1) if self.gelu_tanh else self.act(self.linear_fc1(x))
-        return F.linear(hidden, self.linear_fc2.weight, self.linear_fc2.bias)
+        return linear(hidden, self.linear_fc2.weight, self.linear_fc2.bias)
 
 
 class VisionBlock(nn.Module):
@@ -129,7 +130,7 @@ class VisionBlock(nn.Module):
         (computed by the previous block's fused add); returns ``(x_out, next_norm(x_out))``, or ``(x_out, None)``
         when ``next_norm`` is None (the last block).
 
-        Submodules run through ``forward`` and their weights through ``F.linear``, not ``Module.__call__``: the
+        Submodules run through ``forward`` and their weights through ``products.linear``, not ``Module.__call__``: the
         eager tower is bound by host time, and each module call adds about 5 us of it on the H200's host
         (``benchmarks/host_costs.py``), about 0.7 ms per eager forward. Module hooks on them do not fire here."""
         x, normed = add_layer_norm(x, self.attn.forward(normed, cos, sin, cu_seqlens, max_seqlen, attend), self.norm2)
@@ -161,4 +162,4 @@ class PatchMerger(nn.Module):
         else:
             x = F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps).view(-1, self.merged_size)
         # The Sequential's layers called directly (host time, as in VisionBlock.forward_fused).
-        return F.linear(F.gelu(F.linear(x, fc1.weight, fc1.bias)), fc2.weight, fc2.bias)
+        return linear(F.gelu(linear(x, fc1.weight, fc1.bias)), fc2.weight, fc2.bias)

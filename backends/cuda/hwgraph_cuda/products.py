@@ -1,0 +1,284 @@
+"""Measured cuBLASLt algorithms for the tower's matrix products in captured graphs (``hwgraph.products``).
+
+ATen runs a product with a bias (``F.linear``; fc1's ``torch._addmm_activation`` with the tanh GELU as epilogue)
+through ``cublasLtMatmul`` with the first algorithm ``cublasLtMatmulAlgoGetHeuristic`` returns, which the heuristic
+ranks by an estimate. On the H200 another of its candidates is faster for some of the tower's shapes (fc2 at 1024
+rows: 18.2 against 21.0 µs; qkv, proj and fc1 at 4096 rows: 5-8% at the power limit; ``benchmarks/cublaslt_algos.py``).
+PyTorch's TunableOp measures alternatives only on ROCm builds.
+
+``MeasuredProducts`` is the CUDA plugin's product chooser. At a shape's first call outside a capture (the manager's
+warm-up) it asks the heuristic for its candidates without a workspace (the graphs capture without one), drops any
+less accurate than ATen's call against the float64 product, and times the rest and ATen's call in interleaved
+replays of CUDA graphs. The fastest is kept for the process; ATen's call stays where nothing beats it by
+``MARGIN``. cuBLASLt is called through ctypes on the ``libcublasLt`` that torch has loaded: nothing is built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hwgraph.capability import Capability
+from hwgraph.products import aten_linear_gelu_tanh
+from hwgraph.timing import graphed_calls, measure_interleaved
+
+log = logging.getLogger(__name__)
+
+COMPUTE_32F, SCALE_32F = 68, 0  # cublasComputeType_t, cudaDataType_t
+DATA_TYPES = {torch.bfloat16: 14, torch.float16: 2}  # cudaDataType_t of A, B, D
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8  # cublasLtMatmulDescAttributes_t
+EPILOGUE_BIAS, EPILOGUE_GELU_BIAS = 4, 36  # cublasLtEpilogue_t (GELU is the tanh approximation)
+OP_N, OP_T = 0, 1
+PREF_MAX_WORKSPACE_BYTES = 1
+CANDIDATES = 32  # asked of the heuristic per shape
+CALLS = 20  # product calls per timed graph
+MARGIN = 0.01  # a candidate replaces ATen's call only if it is this much faster
+ALIGNMENT = 256  # bytes; the heuristic assumes this alignment of every pointer unless told otherwise
+
+
+class Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]  # cublasLtMatmulAlgo_t
+
+
+class Heuristic(ctypes.Structure):
+    _fields_ = [("algo", Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]  # cublasLtMatmulHeuristicResult_t
+
+
+def mapped_library(stem: str) -> str | None:
+    """The path of a loaded shared library whose file name starts with ``stem`` (Linux), else None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if f"/{stem}" in line})
+    except OSError:
+        return None
+    return paths[0] if paths else None
+
+
+@functools.lru_cache(maxsize=1)
+def cublaslt() -> tuple[ctypes.CDLL | None, str]:
+    """torch's ``libcublasLt`` with the argument types set, or None and why it cannot be used."""
+    if torch.version.hip:
+        return None, f"torch is a ROCm (HIP {torch.version.hip}) build; measured products use NVIDIA's cuBLASLt"
+    if not torch.version.cuda:
+        return None, f"torch {torch.__version__} is not a CUDA build"
+    if not torch.cuda.is_available():
+        return None, "no CUDA device is visible"
+    if mapped_library("libcublasLt.so") is None:  # torch loads cuBLAS and cuBLASLt at its first product
+        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        torch.addmm(a[0], a, a)
+        torch.cuda.synchronize()
+    path = mapped_library("libcublasLt.so")
+    if path is None:
+        return None, "no libcublasLt.so is mapped into this process after a bf16 addmm on CUDA"
+    p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    signatures = {
+        "cublasLtCreate": [ctypes.POINTER(p)],
+        "cublasLtMatmulDescCreate": [ctypes.POINTER(p), i, i],
+        "cublasLtMatmulDescSetAttribute": [p, i, p, size],
+        "cublasLtMatrixLayoutCreate": [ctypes.POINTER(p), i, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+        "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(p)],
+        "cublasLtMatmulPreferenceSetAttribute": [p, i, p, size],
+        "cublasLtMatmulPreferenceDestroy": [p],
+        "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(Heuristic), ctypes.POINTER(i)],
+        "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(Algo), p, size, p],
+    }
+    try:
+        lib = ctypes.CDLL(path)
+        for name, argtypes in signatures.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = i
+    except (OSError, AttributeError) as exc:
+        return None, f"{path} does not provide the cuBLASLt matmul API: {exc}"
+    return lib, ""
+
+
+def products_support(device: torch.device) -> Capability:
+    if device.type != "cuda":
+        return Capability.unavailable(f"measured products run on CUDA devices, not {device.type}")
+    lib, reason = cublaslt()
+    return Capability.available() if lib is not None else Capability.unavailable(reason)
+
+
+def check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} returned cublasStatus_t {status}, expected 0 (CUBLAS_STATUS_SUCCESS)")
+
+
+class LtProduct:
+    """``epilogue(x @ weight.T + bias)`` for one weight, bias and row count, as ``cublasLtMatmul`` descriptors. In
+    cuBLAS's column-major view: A is the weight as ``K x N``, transposed; B is x as ``K x M``; D is out as ``N x M``."""
+
+    def __init__(self, lib, handle, weight: torch.Tensor, bias: torch.Tensor, rows: int, gelu: bool):
+        self.lib, self.handle, self.weight, self.bias = lib, handle, weight, bias
+        n, k = weight.shape
+        self.desc = ctypes.c_void_p()
+        check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, SCALE_32F), "cublasLtMatmulDescCreate")
+        self.set(DESC_TRANSA, ctypes.c_int32(OP_T))
+        self.set(DESC_TRANSB, ctypes.c_int32(OP_N))
+        self.set(DESC_EPILOGUE, ctypes.c_int32(EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS))
+        self.set(DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+        dtype = DATA_TYPES[weight.dtype]
+        self.layouts = [self.layout(dtype, r, c) for r, c in ((k, n), (k, rows), (n, rows))]
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def set(self, attribute: int, value) -> None:
+        check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
+              f"cublasLtMatmulDescSetAttribute({attribute})")
+
+    def layout(self, dtype: int, rows: int, cols: int) -> ctypes.c_void_p:
+        layout = ctypes.c_void_p()
+        check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, rows),
+              "cublasLtMatrixLayoutCreate")
+        return layout
+
+    def candidates(self, count: int = CANDIDATES, workspace_bytes: int = 0) -> list[Heuristic]:
+        """The heuristic's candidates, best estimate first, that need at most ``workspace_bytes``."""
+        pref = ctypes.c_void_p()
+        check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+        try:
+            limit = ctypes.c_uint64(workspace_bytes)
+            check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
+                                                                ctypes.sizeof(limit)), "set MAX_WORKSPACE_BYTES")
+            results, returned = (Heuristic * count)(), ctypes.c_int(0)
+            a, b, d = self.layouts
+            check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, d, d, pref, count, results,
+                                                          ctypes.byref(returned)), "cublasLtMatmulAlgoGetHeuristic")
+        finally:
+            self.lib.cublasLtMatmulPreferenceDestroy(pref)
+        return [r for r in results[:returned.value] if r.state == 0]
+
+    def run(self, algo: Algo, x: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None = None):
+        """``out`` = the product of ``x`` with ``algo`` on the current stream (captured if that stream captures)."""
+        a, b, d = self.layouts
+        d_ptr = ctypes.c_void_p(out.data_ptr())
+        ws_ptr, ws_bytes = (None, 0) if workspace is None else \
+            (ctypes.c_void_p(workspace.data_ptr()), workspace.numel())
+        check(self.lib.cublasLtMatmul(
+            self.handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(self.weight.data_ptr()), a,
+            ctypes.c_void_p(x.data_ptr()), b, ctypes.byref(self.beta), d_ptr, d, d_ptr, d, ctypes.byref(algo),
+            ws_ptr, ws_bytes, ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)), "cublasLtMatmul")
+        return out
+
+
+@dataclass
+class Choice:
+    algo: Algo | None  # None: ATen's call
+    index: int | None  # the candidate's rank in the heuristic's list
+    aten_us: float
+    chosen_us: float
+
+
+class MeasuredProducts:
+    """The product chooser of CUDA graphs (``hwgraph.products.ProductChooser``): per shape (rows, K, N, dtype,
+    epilogue), the measured fastest of cuBLASLt's candidates. It takes 2-D products with a bias, all in bf16 or fp16,
+    contiguous and 256-byte aligned; anything else, and a shape first met inside a capture (measuring needs
+    synchronisation), runs ATen's call."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        self.handle = ctypes.c_void_p()
+        check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.descriptors: dict[tuple, LtProduct] = {}
+        self.choices: dict[tuple, Choice] = {}
+        self.seconds = 0.0
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.takes(x, weight, bias):
+            return F.linear(x, weight, bias)
+        return self.product(x, weight, bias, gelu=False)
+
+    def linear_gelu_tanh(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.takes(x, weight, bias):
+            return aten_linear_gelu_tanh(x, weight, bias)
+        return self.product(x, weight, bias, gelu=True)
+
+    @staticmethod
+    def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        if bias is None or x.dim() != 2 or not x.is_cuda or x.dtype not in DATA_TYPES or x.shape[0] == 0:
+            return False
+        tensors = (x, weight, bias)
+        return (weight.dim() == 2 and x.shape[1] == weight.shape[1] and bias.shape == (weight.shape[0],)
+                and all(t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
+                        and t.data_ptr() % ALIGNMENT == 0 for t in tensors))
+
+    def product(self, x, weight, bias, gelu: bool) -> torch.Tensor:
+        rows, (n, k) = x.shape[0], weight.shape
+        shape = (rows, k, n, x.dtype, gelu)
+        choice = self.choices.get(shape)
+        if choice is None:
+            if torch.cuda.is_current_stream_capturing():
+                return self.aten(x, weight, bias, gelu)
+            choice = self.choices[shape] = self.measure(x, weight, bias, gelu)
+        if choice.algo is None:
+            return self.aten(x, weight, bias, gelu)
+        return self.descriptor(weight, bias, rows, gelu).run(choice.algo, x, x.new_empty(rows, n))
+
+    @staticmethod
+    def aten(x, weight, bias, gelu: bool) -> torch.Tensor:
+        return aten_linear_gelu_tanh(x, weight, bias) if gelu else F.linear(x, weight, bias)
+
+    def descriptor(self, weight, bias, rows: int, gelu: bool) -> LtProduct:
+        key = (weight.data_ptr(), bias.data_ptr(), tuple(weight.shape), weight.dtype, rows, gelu)
+        if key not in self.descriptors:
+            self.descriptors[key] = LtProduct(self.lib, self.handle, weight, bias, rows, gelu)
+        return self.descriptors[key]
+
+    def measure(self, x, weight, bias, gelu: bool) -> Choice:
+        """Time ATen's call and every candidate as accurate as it, interleaved; keep the fastest (see ``MARGIN``).
+        A candidate that fails, or a failure of the measurement itself, leaves the shape on ATen's call, logged."""
+        from hwgraph.manager import relative_error
+
+        start = time.perf_counter()
+        label = f"{x.shape[0]} x {weight.shape[1]} -> {weight.shape[0]}{' + GELU' if gelu else ''} ({x.dtype})"
+        try:
+            exact = x.double() @ weight.double().t() + bias.double()
+            exact = F.gelu(exact, approximate="tanh") if gelu else exact
+            bound = 1.5 * relative_error(self.aten(x, weight, bias, gelu), exact) + 1e-4
+            descriptor = self.descriptor(weight, bias, x.shape[0], gelu)
+            scratch = x.new_empty(x.shape[0], weight.shape[0])
+            calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
+            candidates = descriptor.candidates()
+            for index, candidate in enumerate(candidates):
+                if relative_error(descriptor.run(candidate.algo, x, scratch), exact) <= bound:
+                    calls[index] = functools.partial(descriptor.run, candidate.algo, x, scratch)
+            graphs = {key: graphed_calls(fn, CALLS) for key, fn in calls.items()}
+            timed = measure_interleaved({key: graph.replay for key, graph in graphs.items()}, "cuda", warmup=3,
+                                        samples=10)
+            del graphs
+        except Exception as exc:  # a shape that cannot be measured keeps ATen's call
+            log.warning("measuring cuBLASLt algorithms for %s failed, it keeps ATen's: %s: %s", label,
+                        type(exc).__name__, exc)
+            return Choice(None, None, float("nan"), float("nan"))
+        finally:
+            self.seconds += time.perf_counter() - start
+        us = {key: latency.median * 1e3 / CALLS for key, latency in timed.items()}
+        best = min(us, key=us.get)
+        if best == "aten" or us[best] > us["aten"] * (1 - MARGIN):
+            choice = Choice(None, None, us["aten"], us["aten"])
+        else:
+            choice = Choice(candidates[best].algo, best, us["aten"], us[best])
+        log.info("matrix product %s: ATen's call %.1f µs, %s", label, choice.aten_us,
+                 "kept" if choice.algo is None else f"cuBLASLt candidate #{best} {choice.chosen_us:.1f} µs instead")
+        return choice
+
+    def describe(self) -> str:
+        other = [c for c in self.choices.values() if c.algo is not None]
+        saved = sum(c.aten_us - c.chosen_us for c in other)
+        return (f"measured cuBLASLt algorithms: {len(self.choices)} shapes measured in {self.seconds:.1f} s; "
+                f"{len(other)} run another candidate than ATen's, {saved:.1f} µs faster per call of each together")
+
+
+@functools.lru_cache(maxsize=1)
+def measured_products() -> MeasuredProducts:
+    """The process's chooser: each shape is measured once, whichever manager captures it first."""
+    lib, reason = cublaslt()
+    if lib is None:
+        raise RuntimeError(f"measured products are unavailable: {reason}")
+    return MeasuredProducts(lib)

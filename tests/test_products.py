@@ -1,0 +1,128 @@
+"""The tower's matrix products: ATen's by default, a backend's chooser only inside plain captures
+(``EncoderGraphManager(measure_products=True)``, ``hwgraph.products``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hwgraph import products
+from hwgraph.capability import Capability
+from hwgraph.graphs.base import inductor_support
+from hwgraph.graphs.cpu import CpuGraphBackend
+from hwgraph.manager import EncoderGraphManager
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+
+INDUCTOR = inductor_support(torch.device("cpu"))
+
+
+class RecordingChooser:
+    """ATen's results, counting the products routed through it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def linear(self, x, weight, bias):
+        self.calls += 1
+        return F.linear(x, weight, bias)
+
+    def linear_gelu_tanh(self, x, weight, bias):
+        self.calls += 1
+        return products.aten_linear_gelu_tanh(x, weight, bias)
+
+    def describe(self) -> str:
+        return f"recording chooser: {self.calls} products"
+
+
+def test_without_a_chooser_the_products_are_atens():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(6, generator=g)
+    assert products.ACTIVE is None
+    assert torch.equal(products.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(products.linear(x, w), F.linear(x, w))
+    assert torch.equal(products.linear_gelu_tanh(x, w, b), F.gelu(F.linear(x, w, b), approximate="tanh"))
+
+
+def test_chosen_by_routes_products_through_the_chooser_and_restores_the_previous_one():
+    x, w, b = torch.ones(2, 3), torch.ones(4, 3), torch.zeros(4)
+    outer, inner = RecordingChooser(), RecordingChooser()
+    with products.chosen_by(outer):
+        products.linear(x, w, b)
+        with pytest.raises(ValueError, match="inside"), products.chosen_by(inner):
+            products.linear_gelu_tanh(x, w, b)
+            raise ValueError("raised inside the inner context")
+        assert products.ACTIVE is outer
+        products.linear(x, w, b)
+    assert products.ACTIVE is None
+    assert (outer.calls, inner.calls) == (2, 1)
+
+
+def tiny_tower():
+    torch.manual_seed(0)
+    return Qwen3OmniVisionTower.from_preset("tiny").eval()
+
+
+def check_equal_to_eager(manager, tower, grid):
+    pixels = torch.randn(sum(t * h * w for t, h, w in grid), tower.patch_row_width)
+    got = manager.encode(pixels, grid)
+    want = tower.forward(pixels, grid).split([t * h * w // 4 for t, h, w in grid])
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a.tensors(), b.tensors(), strict=True):
+            torch.testing.assert_close(x, y)
+
+
+def test_a_backend_without_a_chooser_captures_atens_products_and_says_why(caplog):
+    tower = tiny_tower()
+    with caplog.at_level(logging.WARNING, logger="hwgraph.manager"):
+        m = EncoderGraphManager(tower, budgets=[16], graph_backend="cpu", measure_products=True)
+        m.capture()
+    why = "the cpu graph backend has no measured choice of matrix-product kernels; its graphs run ATen's"
+    assert m.stats()["products"] == f"ATen's: {why}"
+    assert why in caplog.text
+    assert sorted(m.graphs) == [16]
+    check_equal_to_eager(m, tower, [(1, 4, 8)])
+    assert EncoderGraphManager(tower, budgets=[16], graph_backend="cpu").stats()["products"] is None
+    m.close()
+
+
+@pytest.fixture
+def recording_backend(monkeypatch):
+    """The CPU reference backend, given a product chooser that records the products captured through it."""
+    chooser = RecordingChooser()
+    monkeypatch.setattr(CpuGraphBackend, "products_support", lambda self: Capability.available())
+    monkeypatch.setattr(CpuGraphBackend, "product_chooser", lambda self: chooser)
+    return chooser
+
+
+def test_plain_captures_take_the_backends_chooser_and_eager_calls_stay_atens(recording_backend):
+    tower = tiny_tower()
+    m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=1, graph_backend="cpu",
+                            measure_products=True)
+    m.capture()
+    # per capture (warm-up and capture) every product of the tower: patch embedding, qkv, proj, fc1, fc2 per block,
+    # two per merger
+    per_forward = 1 + 4 * len(tower.blocks) + 2 * (1 + len(tower.deepstack_visual_indexes))
+    runs = 2 * 2  # two budgets, each run twice by the CPU backend's capture: warm-up, then capture
+    assert recording_backend.calls == runs * per_forward
+    assert m.stats()["products"] == f"recording chooser: {runs * per_forward} products"
+    assert products.ACTIVE is None
+    check_equal_to_eager(m, tower, [(1, 4, 4)])  # a replay (the CPU backend re-runs the recorded callable)
+    check_equal_to_eager(m, tower, [(1, 12, 12)])  # eager: over budget
+    assert recording_backend.calls == runs * per_forward
+    assert m.stats()["eager_reasons"] == {"over budget": 1}
+    m.close()
+
+
+@pytest.mark.skipif(not INDUCTOR.ok, reason=INDUCTOR.describe())
+def test_compiled_captures_keep_atens_products(recording_backend):
+    tower = tiny_tower()
+    m = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=1, graph_backend="cpu", compile=True,
+                            measure_products=True)
+    m.capture()
+    assert m.stats()["compile_failures"] == {} and sorted(m.graphs) == [16]
+    assert recording_backend.calls == 0
+    check_equal_to_eager(m, tower, [(1, 4, 8)])
+    m.close()
