@@ -18,8 +18,8 @@ against the working tree's) or one of ``TOGGLES``:
   every size;
 - ``residual-in-gemm``: the shipped block against ``residual_gemm.block_forward_in_place`` (proj and fc2 add into
   the residual in place, cuBLAS beta = 1, their biases added by the LayerNorm kernels; not shipped).
-- ``measured-products``: every product through ``cublaslt_algos.MeasuredLinear`` (per shape, the candidate of
-  cuBLASLt's heuristic that measured fastest) against ATen's call (the heuristic's first candidate).
+- ``measured-products``: every product through the CUDA plugin's ``MeasuredProducts`` (per shape, the measured
+  fastest of cuBLASLt's candidates; ``EncoderGraphManager(measure_products=True)``) against ATen's calls.
 For each TOKENS, two graphs of one TOKENS-token image on the same tower and pixels (TRITON_ATTN, one slot:
 ``replay_gaps.one_image_graph``): one captured as shipped, one with the toggle off while it is captured. Their
 replays are timed side by side (``measure_interleaved``: 10 warm-ups, 30 rounds in shuffled order), ``--rounds``
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from replay_gaps import one_image_graph, preset_tower  # benchmarks/, the script's directory
 
+from hwgraph import products
 from hwgraph.attention import gluon_kernel
 from hwgraph.bench import kernel_view, warm_device
 from hwgraph.budgets import filling_grid
@@ -76,14 +77,11 @@ TOGGLES = {
 
 @contextlib.contextmanager
 def measured_products():
-    """The products through ``cublaslt_algos.MeasuredLinear``; prints what it measured for each new shape."""
-    from cublaslt_algos import measured_products as products  # benchmarks/, the script's directory
+    """The products through the CUDA plugin's chooser (``EncoderGraphManager(measure_products=True)``'s)."""
+    from hwgraph_cuda.products import measured_products as chooser
 
-    with products() as measured:
+    with products.chosen_by(chooser()):
         yield
-    for line in measured.notes:
-        print("  measured:", line, flush=True)
-    measured.notes.clear()
 
 
 def residual_in_gemm():

@@ -7,6 +7,7 @@ go eager. Outputs handed back are copies: a later replay never overwrites them a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -250,10 +251,12 @@ class EncoderGraphManager:
         self.backend.empty_cache()
         before = self.backend.memory_in_use()
         start = time.perf_counter()
-        # torch.compile traces the products itself: a compiled capture keeps ATen's
-        chooser = None if compiled else self._chooser
+        # torch.compile traces the products itself: a compiled capture keeps ATen's. A plain one takes this
+        # manager's chooser, or else whichever the caller has active (``products.chosen_by``).
+        choice = products.chosen_by(None) if compiled else \
+            products.chosen_by(self._chooser) if self._chooser is not None else contextlib.nullcontext()
         try:
-            with torch.inference_mode(), compile_limits(len(self.budgets)), products.chosen_by(chooser):
+            with torch.inference_mode(), compile_limits(len(self.budgets)), choice:
                 for slots in sorted(self.slot_counts, reverse=True):
                     meta = static_meta.first_seqs(slots)
                     if compiled:

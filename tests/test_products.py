@@ -88,6 +88,22 @@ def test_a_backend_without_a_chooser_captures_atens_products_and_says_why(caplog
     m.close()
 
 
+def products_per_forward(tower) -> int:
+    """The patch embedding, qkv, proj, fc1 and fc2 of every block, and two per merger."""
+    return 1 + 4 * len(tower.blocks) + 2 * (1 + len(tower.deepstack_visual_indexes))
+
+
+def test_a_chooser_the_caller_activated_takes_the_plain_captures_of_a_manager_without_its_own():
+    tower = tiny_tower()
+    chooser = RecordingChooser()
+    with products.chosen_by(chooser):
+        m = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=1, graph_backend="cpu", verify=False)
+        m.capture()
+    assert chooser.calls == 2 * products_per_forward(tower)  # the CPU backend's warm-up and capture
+    assert m.stats()["products"] is None
+    m.close()
+
+
 @pytest.fixture
 def recording_backend(monkeypatch):
     """The CPU reference backend, given a product chooser that records the products captured through it."""
@@ -102,9 +118,7 @@ def test_plain_captures_take_the_backends_chooser_and_eager_calls_stay_atens(rec
     m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=1, graph_backend="cpu",
                             measure_products=True)
     m.capture()
-    # per capture (warm-up and capture) every product of the tower: patch embedding, qkv, proj, fc1, fc2 per block,
-    # two per merger
-    per_forward = 1 + 4 * len(tower.blocks) + 2 * (1 + len(tower.deepstack_visual_indexes))
+    per_forward = products_per_forward(tower)
     runs = 2 * 2  # two budgets, each run twice by the CPU backend's capture: warm-up, then capture
     assert recording_backend.calls == runs * per_forward
     assert m.stats()["products"] == f"recording chooser: {runs * per_forward} products"

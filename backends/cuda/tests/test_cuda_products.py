@@ -1,0 +1,147 @@
+"""Measured cuBLASLt products (``hwgraph_cuda.products``): refused with reasons off CUDA; on a GPU equal to ATen's
+products, captured and replayed right, measured once per shape and never inside a capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hwgraph_cuda import products as lt
+
+from hwgraph.manager import EncoderGraphManager, relative_error
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+from hwgraph.products import aten_linear_gelu_tanh
+
+GPU = torch.version.cuda is not None and not torch.version.hip and torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU with a CUDA build of torch")
+
+
+@pytest.fixture
+def fresh_cublaslt():
+    lt.cublaslt.cache_clear()
+    yield
+    lt.cublaslt.cache_clear()
+
+
+def test_refused_off_cuda_devices_with_the_device_named():
+    assert lt.products_support(torch.device("cpu")).reasons == ("measured products run on CUDA devices, not cpu",)
+
+
+def test_refused_on_a_rocm_build(monkeypatch, fresh_cublaslt):
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    assert lt.cublaslt() == (None, "torch is a ROCm (HIP 6.2.41133) build; measured products use NVIDIA's cuBLASLt")
+    assert lt.products_support(torch.device("cuda")).reasons == (lt.cublaslt()[1],)
+    with pytest.raises(RuntimeError, match="measured products are unavailable: torch is a ROCm"):
+        lt.measured_products.__wrapped__()
+
+
+@pytest.mark.skipif(GPU, reason="checks the reasons given without a usable NVIDIA GPU")
+def test_refused_without_a_cuda_build_or_a_visible_gpu(fresh_cublaslt):
+    lib, reason = lt.cublaslt()
+    assert lib is None
+    assert reason in (f"torch {torch.__version__} is not a CUDA build", "no CUDA device is visible")
+
+
+# ---------------------------------------------------------------- on the GPU
+TOWER_PRODUCTS = [(1152, 3456, False), (1152, 1152, False), (1152, 4304, True), (4304, 1152, False)]
+
+
+def operands(rows: int, k: int, n: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+    return x, w, torch.randn(n, device="cuda", generator=g).bfloat16()
+
+
+def aten(x, w, b, gelu):
+    return aten_linear_gelu_tanh(x, w, b) if gelu else F.linear(x, w, b)
+
+
+@pytest.fixture
+def chooser():
+    lib, reason = lt.cublaslt()
+    assert lib is not None, reason
+    return lt.MeasuredProducts(lib)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("rows", [256, 1024])
+def test_measured_products_equal_atens_within_its_rounding(chooser, rows):
+    for k, n, gelu in TOWER_PRODUCTS:
+        x, w, b = operands(rows, k, n)
+        got = chooser.linear_gelu_tanh(x, w, b) if gelu else chooser.linear(x, w, b)
+        want = aten(x, w, b, gelu)
+        exact = x.double() @ w.double().t() + b.double()
+        exact = F.gelu(exact, approximate="tanh") if gelu else exact
+        assert relative_error(got, exact) <= 1.5 * relative_error(want, exact) + 1e-4
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2e-3)
+    assert len(chooser.choices) == len(TOWER_PRODUCTS)
+    assert chooser.describe().startswith(f"measured cuBLASLt algorithms: {len(TOWER_PRODUCTS)} shapes measured in ")
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_a_chosen_product_replays_on_new_inputs_and_an_unseen_shape_is_not_measured_while_capturing(chooser):
+    x, w, b = operands(1024, 4304, 1152)  # fc2 at 1024 rows: another candidate than ATen's on the H200
+    static = x.clone()
+    chooser.linear(static, w, b)  # measured here, outside the capture
+    (choice,) = chooser.choices.values()
+    unseen_x, unseen_w, unseen_b = operands(512, 1152, 1152, seed=1)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chooser.linear(static, w, b)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph, stream=side):
+        out = chooser.linear(static, w, b)
+        unseen = chooser.linear(unseen_x, unseen_w, unseen_b)
+    assert len(chooser.choices) == 1  # the shape first met while capturing ran ATen's call, unmeasured
+    for seed in (2, 3):
+        static.copy_(operands(1024, 4304, 1152, seed)[0])
+        graph.replay()
+        torch.testing.assert_close(out, F.linear(static, w, b), rtol=2**-7, atol=2e-3)
+        torch.testing.assert_close(unseen, F.linear(unseen_x, unseen_w, unseen_b), rtol=2**-7, atol=2e-3)
+    assert choice.aten_us > 0 and choice.chosen_us > 0
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_inputs_it_does_not_take_run_atens_call_unmeasured(chooser):
+    x, w, b = operands(256, 1152, 1152)
+    wide = torch.empty(256, 1160, device="cuda", dtype=torch.bfloat16)
+    wide[:, :1152] = x
+    misaligned = x.view(-1)[8:8 + 255 * 1152].view(255, 1152)  # contiguous, 16 bytes past a 256-byte boundary
+    cases = [(x, w, None), (x.float(), w.float(), b.float()), (wide[:, :1152], w, b), (misaligned, w, b),
+             (x.unsqueeze(0), w, b)]
+    for xi, wi, bi in cases:
+        assert not chooser.takes(xi, wi, bi)
+        assert torch.equal(chooser.linear(xi, wi, bi), F.linear(xi, wi, bi))
+    assert chooser.choices == {}
+    assert chooser.takes(x, w, b)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_the_manager_captures_measured_products_equal_to_eager_without_host_reads_on_replay():
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=4, deepstack_visual_indexes=[1, 2, 3]).to(
+        "cuda", torch.bfloat16).eval()
+    with EncoderGraphManager(tower, budgets=[64, 256], max_images_per_graph=2, measure_products=True) as m:
+        m.capture()
+        s = m.stats()
+        assert sorted(m.graphs) == [64, 256], s["capture_failures"]
+        assert s["products"].startswith("measured cuBLASLt algorithms: ")
+        for i, grid in enumerate([[(1, 14, 14)], [(1, 14, 14), (1, 16, 16)], [(1, 32, 32)]]):
+            g = torch.Generator(device="cuda").manual_seed(i)
+            pix = torch.randn(sum(t * h * w for t, h, w in grid), 1536, device="cuda", dtype=torch.bfloat16,
+                              generator=g)
+            m.encode(pix, grid)  # warms the pinned host allocator for this grid
+            with m.backend.sync_guard():
+                got = m.encode(pix, grid)
+            with torch.inference_mode():
+                want = tower.forward(pix, grid).split([t * h * w // 4 for t, h, w in grid])
+            for a, e in zip(got, want, strict=True):
+                for gt, wt in zip(a.tensors(), e.tensors(), strict=True):
+                    torch.testing.assert_close(gt, wt, rtol=1.6e-2, atol=1e-2)
+        assert m.stats()["replays_per_budget"] == {64: 2, 256: 4}
