@@ -80,7 +80,7 @@ def measured_products():
     """The products through the CUDA plugin's chooser (``EncoderGraphManager(measure_products=True)``'s)."""
     from hwgraph_cuda.products import measured_products as chooser
 
-    with products.chosen_by(chooser()):
+    with products.chosen_by(chooser(torch.cuda.current_device())):
         yield
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend
 from hwgraph.platform import detect
@@ -43,7 +45,9 @@ class CudaGraphBackend(TorchCudaGraphBackend):
         return products_support(self.device)
 
     def product_chooser(self):
-        """The process's ``MeasuredProducts``: the fastest of cuBLASLt's candidates per shape, measured once."""
+        """The process's ``MeasuredProducts`` for this GPU: the fastest of cuBLASLt's candidates per shape, measured
+        once (and cached between processes, ``hwgraph_cuda.products.cache_path``)."""
         from hwgraph_cuda.products import measured_products
 
-        return measured_products()
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return measured_products(index)

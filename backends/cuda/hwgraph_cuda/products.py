@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import logging
+import os
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -88,12 +92,13 @@ def cublaslt() -> tuple[ctypes.CDLL | None, str]:
         "cublasLtMatmulPreferenceDestroy": [p],
         "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(Heuristic), ctypes.POINTER(i)],
         "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(Algo), p, size, p],
+        "cublasLtGetVersion": [],
     }
     try:
         lib = ctypes.CDLL(path)
         for name, argtypes in signatures.items():
             getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = i
+            getattr(lib, name).restype = size if name == "cublasLtGetVersion" else i
     except (OSError, AttributeError) as exc:
         return None, f"{path} does not provide the cuBLASLt matmul API: {exc}"
     return lib, ""
@@ -173,18 +178,70 @@ class Choice:
     index: int | None  # the candidate's rank in the heuristic's list
     aten_us: float
     chosen_us: float
+    recalled: bool = False  # taken from the cache of an earlier process, not measured in this one
+
+
+def cache_path() -> Path | None:
+    """Where choices persist between processes: ``$HWGRAPH_CACHE_DIR`` (set empty: nowhere), else
+    ``$XDG_CACHE_HOME/hwgraph``, else ``~/.cache/hwgraph``; the file is ``cublaslt-products.json``."""
+    folder = os.environ.get("HWGRAPH_CACHE_DIR")
+    if folder is None:
+        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hwgraph"
+    return Path(folder) / "cublaslt-products.json" if folder else None
+
+
+class ChoiceCache:
+    """Measured choices by shape and setting (GPU, cuBLASLt and torch versions), in a JSON file. A choice is the
+    candidate's rank in the heuristic's list, which is the same for the same descriptors, GPU and library. Reading
+    or writing failures only cost a measurement: they are logged, never raised."""
+
+    def __init__(self, path: Path | None, setting: str):
+        self.path, self.setting = path, setting
+
+    def key(self, label: str) -> str:
+        return f"{self.setting} | {label}"
+
+    def entries(self) -> dict:
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
+            return {}
+
+    def get(self, label: str) -> dict | None:
+        return self.entries().get(self.key(label))
+
+    def put(self, label: str, entry: dict) -> None:
+        if self.path is None:
+            return
+        try:
+            entries = self.entries() | {self.key(label): entry}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as tmp:
+                json.dump(entries, tmp, indent=1, sort_keys=True)
+            os.replace(tmp.name, self.path)  # atomic: a concurrent reader sees the old file or the new one
+        except OSError as exc:
+            log.warning("could not write the measured-products cache %s: %s", self.path, exc)
 
 
 class MeasuredProducts:
-    """The product chooser of CUDA graphs (``hwgraph.products.ProductChooser``): per shape (rows, K, N, dtype,
-    epilogue), the measured fastest of cuBLASLt's candidates. It takes 2-D products with a bias, all in bf16 or fp16,
-    contiguous and 256-byte aligned; anything else, and a shape first met inside a capture (measuring needs
-    synchronisation), runs ATen's call."""
+    """The product chooser of CUDA graphs (``hwgraph.products.ProductChooser``) on one GPU: per shape (rows, K, N,
+    dtype, epilogue), the measured fastest of cuBLASLt's candidates, or one an earlier process measured on the same
+    GPU with the same libraries (``ChoiceCache``; checked for accuracy again). It takes 2-D products with a bias, all
+    in bf16 or fp16, contiguous and 256-byte aligned; anything else, and a shape first met inside a capture
+    (measuring needs synchronisation), runs ATen's call."""
 
-    def __init__(self, lib):
-        self.lib = lib
-        self.handle = ctypes.c_void_p()
-        check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+    def __init__(self, lib, device: torch.device, path: Path | None = None):
+        self.lib, self.device = lib, device
+        with torch.cuda.device(device):
+            self.handle = ctypes.c_void_p()
+            check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+            major, minor = torch.cuda.get_device_capability(device)
+            setting = (f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}), "
+                       f"cuBLASLt {lib.cublasLtGetVersion()}, torch {torch.__version__}")
+        self.cache = ChoiceCache(path, setting)
         self.descriptors: dict[tuple, LtProduct] = {}
         self.choices: dict[tuple, Choice] = {}
         self.seconds = 0.0
@@ -199,9 +256,8 @@ class MeasuredProducts:
             return aten_linear_gelu_tanh(x, weight, bias)
         return self.product(x, weight, bias, gelu=True)
 
-    @staticmethod
-    def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        if bias is None or x.dim() != 2 or not x.is_cuda or x.dtype not in DATA_TYPES or x.shape[0] == 0:
+    def takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        if bias is None or x.dim() != 2 or x.device != self.device or x.dtype not in DATA_TYPES or x.shape[0] == 0:
             return False
         tensors = (x, weight, bias)
         return (weight.dim() == 2 and x.shape[1] == weight.shape[1] and bias.shape == (weight.shape[0],)
@@ -215,7 +271,10 @@ class MeasuredProducts:
         if choice is None:
             if torch.cuda.is_current_stream_capturing():
                 return self.aten(x, weight, bias, gelu)
-            choice = self.choices[shape] = self.measure(x, weight, bias, gelu)
+            start = time.perf_counter()
+            choice = self.recall(x, weight, bias, gelu) or self.measure(x, weight, bias, gelu)
+            self.seconds += time.perf_counter() - start
+            self.choices[shape] = choice
         if choice.algo is None:
             return self.aten(x, weight, bias, gelu)
         return self.descriptor(weight, bias, rows, gelu).run(choice.algo, x, x.new_empty(rows, n))
@@ -230,34 +289,64 @@ class MeasuredProducts:
             self.descriptors[key] = LtProduct(self.lib, self.handle, weight, bias, rows, gelu)
         return self.descriptors[key]
 
-    def measure(self, x, weight, bias, gelu: bool) -> Choice:
-        """Time ATen's call and every candidate as accurate as it, interleaved; keep the fastest (see ``MARGIN``).
-        A candidate that fails, or a failure of the measurement itself, leaves the shape on ATen's call, logged."""
+    @staticmethod
+    def label(x, weight, gelu: bool) -> str:
+        return f"{x.shape[0]} x {weight.shape[1]} -> {weight.shape[0]}{' + GELU' if gelu else ''} ({x.dtype})"
+
+    def accuracy(self, x, weight, bias, gelu: bool) -> tuple[torch.Tensor, float]:
+        """The float64 product, and the relative error a candidate may have: ATen's, 1.5 times, plus 1e-4."""
         from hwgraph.manager import relative_error
 
-        start = time.perf_counter()
-        label = f"{x.shape[0]} x {weight.shape[1]} -> {weight.shape[0]}{' + GELU' if gelu else ''} ({x.dtype})"
+        exact = x.double() @ weight.double().t() + bias.double()
+        exact = F.gelu(exact, approximate="tanh") if gelu else exact
+        return exact, 1.5 * relative_error(self.aten(x, weight, bias, gelu), exact) + 1e-4
+
+    def recall(self, x, weight, bias, gelu: bool) -> Choice | None:
+        """The cached choice for this shape, if there is one and its candidate is still as accurate as ATen's."""
+        from hwgraph.manager import relative_error
+
+        label = self.label(x, weight, gelu)
+        entry = self.cache.get(label)
+        if entry is None:
+            return None
         try:
-            exact = x.double() @ weight.double().t() + bias.double()
-            exact = F.gelu(exact, approximate="tanh") if gelu else exact
-            bound = 1.5 * relative_error(self.aten(x, weight, bias, gelu), exact) + 1e-4
+            index, aten_us, chosen_us = entry["index"], float(entry["aten_us"]), float(entry["chosen_us"])
+            if index is None:
+                return Choice(None, None, aten_us, chosen_us, recalled=True)
             descriptor = self.descriptor(weight, bias, x.shape[0], gelu)
-            scratch = x.new_empty(x.shape[0], weight.shape[0])
+            candidates = descriptor.candidates()
+            exact, bound = self.accuracy(x, weight, bias, gelu)
+            if relative_error(descriptor.run(candidates[index].algo, x, x.new_empty(exact.shape)), exact) <= bound:
+                return Choice(candidates[index].algo, index, aten_us, chosen_us, recalled=True)
+            reason = "its candidate is less accurate than ATen's call"
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        log.info("the cached choice for %s does not hold (%s); measuring again", label, reason)
+        return None
+
+    def measure(self, x, weight, bias, gelu: bool) -> Choice:
+        """Time ATen's call and every candidate as accurate as it, interleaved; keep the fastest (see ``MARGIN``).
+        A failure of a candidate or of the measurement leaves the shape on ATen's call, logged and not cached."""
+        from hwgraph.manager import relative_error
+
+        label = self.label(x, weight, gelu)
+        try:
+            exact, bound = self.accuracy(x, weight, bias, gelu)
+            descriptor = self.descriptor(weight, bias, x.shape[0], gelu)
+            scratch = x.new_empty(exact.shape)
             calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
             candidates = descriptor.candidates()
             for index, candidate in enumerate(candidates):
                 if relative_error(descriptor.run(candidate.algo, x, scratch), exact) <= bound:
                     calls[index] = functools.partial(descriptor.run, candidate.algo, x, scratch)
             graphs = {key: graphed_calls(fn, CALLS) for key, fn in calls.items()}
-            timed = measure_interleaved({key: graph.replay for key, graph in graphs.items()}, "cuda", warmup=3,
-                                        samples=10)
+            timed = measure_interleaved({key: graph.replay for key, graph in graphs.items()}, self.device,
+                                        warmup=3, samples=10)
             del graphs
         except Exception as exc:  # a shape that cannot be measured keeps ATen's call
             log.warning("measuring cuBLASLt algorithms for %s failed, it keeps ATen's: %s: %s", label,
                         type(exc).__name__, exc)
             return Choice(None, None, float("nan"), float("nan"))
-        finally:
-            self.seconds += time.perf_counter() - start
         us = {key: latency.median * 1e3 / CALLS for key, latency in timed.items()}
         best = min(us, key=us.get)
         if best == "aten" or us[best] > us["aten"] * (1 - MARGIN):
@@ -266,19 +355,22 @@ class MeasuredProducts:
             choice = Choice(candidates[best].algo, best, us["aten"], us[best])
         log.info("matrix product %s: ATen's call %.1f µs, %s", label, choice.aten_us,
                  "kept" if choice.algo is None else f"cuBLASLt candidate #{best} {choice.chosen_us:.1f} µs instead")
+        self.cache.put(label, {"index": choice.index, "aten_us": choice.aten_us, "chosen_us": choice.chosen_us})
         return choice
 
     def describe(self) -> str:
         other = [c for c in self.choices.values() if c.algo is not None]
+        recalled = sum(c.recalled for c in self.choices.values())
         saved = sum(c.aten_us - c.chosen_us for c in other)
-        return (f"measured cuBLASLt algorithms: {len(self.choices)} shapes measured in {self.seconds:.1f} s; "
-                f"{len(other)} run another candidate than ATen's, {saved:.1f} µs faster per call of each together")
+        return (f"measured cuBLASLt algorithms: {len(self.choices)} shapes in {self.seconds:.1f} s ({recalled} from "
+                f"the cache {self.cache.path}); {len(other)} run another candidate than ATen's, {saved:.1f} µs "
+                f"faster per call of each together")
 
 
-@functools.lru_cache(maxsize=1)
-def measured_products() -> MeasuredProducts:
-    """The process's chooser: each shape is measured once, whichever manager captures it first."""
+@functools.cache
+def measured_products(index: int) -> MeasuredProducts:
+    """The process's chooser for GPU ``index``: each shape is measured once, whichever manager captures it first."""
     lib, reason = cublaslt()
     if lib is None:
         raise RuntimeError(f"measured products are unavailable: {reason}")
-    return MeasuredProducts(lib)
+    return MeasuredProducts(lib, torch.device("cuda", index), cache_path())

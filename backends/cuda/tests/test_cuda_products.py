@@ -32,7 +32,7 @@ def test_refused_on_a_rocm_build(monkeypatch, fresh_cublaslt):
     assert lt.cublaslt() == (None, "torch is a ROCm (HIP 6.2.41133) build; measured products use NVIDIA's cuBLASLt")
     assert lt.products_support(torch.device("cuda")).reasons == (lt.cublaslt()[1],)
     with pytest.raises(RuntimeError, match="measured products are unavailable: torch is a ROCm"):
-        lt.measured_products.__wrapped__()
+        lt.measured_products.__wrapped__(0)
 
 
 @pytest.mark.skipif(GPU, reason="checks the reasons given without a usable NVIDIA GPU")
@@ -40,6 +40,38 @@ def test_refused_without_a_cuda_build_or_a_visible_gpu(fresh_cublaslt):
     lib, reason = lt.cublaslt()
     assert lib is None
     assert reason in (f"torch {torch.__version__} is not a CUDA build", "no CUDA device is visible")
+
+
+def test_the_cache_lives_where_the_environment_says(monkeypatch, tmp_path):
+    monkeypatch.setenv("HWGRAPH_CACHE_DIR", str(tmp_path / "c"))
+    assert lt.cache_path() == tmp_path / "c" / "cublaslt-products.json"
+    monkeypatch.setenv("HWGRAPH_CACHE_DIR", "")
+    assert lt.cache_path() is None
+    monkeypatch.delenv("HWGRAPH_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert lt.cache_path() == tmp_path / "xdg" / "hwgraph" / "cublaslt-products.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert lt.cache_path() == tmp_path / "home" / ".cache" / "hwgraph" / "cublaslt-products.json"
+
+
+def test_the_cache_keeps_choices_per_setting_and_survives_bad_files(tmp_path, caplog):
+    path = tmp_path / "sub" / "cublaslt-products.json"
+    h200, other = lt.ChoiceCache(path, "H200, cuBLASLt 1"), lt.ChoiceCache(path, "H200, cuBLASLt 2")
+    assert h200.get("256 x 1152 -> 1152") is None  # no file yet
+    h200.put("256 x 1152 -> 1152", {"index": 3, "aten_us": 5.0, "chosen_us": 4.0})
+    other.put("256 x 1152 -> 1152", {"index": None, "aten_us": 5.1, "chosen_us": 5.1})
+    assert h200.get("256 x 1152 -> 1152") == {"index": 3, "aten_us": 5.0, "chosen_us": 4.0}
+    assert other.get("256 x 1152 -> 1152")["index"] is None
+    assert lt.ChoiceCache(None, "H200").get("256 x 1152 -> 1152") is None
+    lt.ChoiceCache(None, "H200").put("x", {"index": 1})  # nowhere to write: nothing happens
+    path.write_text("{not json")
+    assert h200.get("256 x 1152 -> 1152") is None
+    assert f"ignoring the measured-products cache {path}" in caplog.text
+    blocked = lt.ChoiceCache(tmp_path / "file" / "cublaslt-products.json", "H200")
+    (tmp_path / "file").write_text("a file where the folder should be")
+    blocked.put("x", {"index": 1})
+    assert "could not write the measured-products cache" in caplog.text
 
 
 # ---------------------------------------------------------------- on the GPU
@@ -61,7 +93,7 @@ def aten(x, w, b, gelu):
 def chooser():
     lib, reason = lt.cublaslt()
     assert lib is not None, reason
-    return lt.MeasuredProducts(lib)
+    return lt.MeasuredProducts(lib, torch.device("cuda", 0), None)
 
 
 @pytest.mark.cuda
@@ -103,6 +135,29 @@ def test_a_chosen_product_replays_on_new_inputs_and_an_unseen_shape_is_not_measu
         torch.testing.assert_close(out, F.linear(static, w, b), rtol=2**-7, atol=2e-3)
         torch.testing.assert_close(unseen, F.linear(unseen_x, unseen_w, unseen_b), rtol=2**-7, atol=2e-3)
     assert choice.aten_us > 0 and choice.chosen_us > 0
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_a_second_chooser_recalls_the_first_ones_choices_from_the_cache_and_measures_what_no_longer_holds(tmp_path):
+    lib, _ = lt.cublaslt()
+    first = lt.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
+    shapes = [operands(1024, 4304, 1152), operands(256, 1152, 1152)]
+    for x, w, b in shapes:
+        first.linear(x, w, b)
+    second = lt.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
+    for x, w, b in shapes:
+        torch.testing.assert_close(second.linear(x, w, b), first.linear(x, w, b), rtol=0, atol=0)
+    assert [c.recalled for c in second.choices.values()] == [True, True]
+    assert [c.index for c in second.choices.values()] == [c.index for c in first.choices.values()]
+    assert "2 shapes in " in second.describe() and "(2 from the cache" in second.describe()
+    label = lt.MeasuredProducts.label(shapes[0][0], shapes[0][1], False)
+    second.cache.put(label, {"index": 999, "aten_us": 1.0, "chosen_us": 0.5})  # no such candidate
+    third = lt.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
+    third.linear(*shapes[0])
+    (choice,) = third.choices.values()
+    assert not choice.recalled and choice.aten_us > 1.0  # measured again, and cached again
+    assert third.cache.get(label)["index"] == choice.index
 
 
 @pytest.mark.cuda
