@@ -109,7 +109,9 @@ def test_measured_products_equal_atens_within_its_rounding(chooser, rows):
         assert relative_error(got, exact) <= 1.5 * relative_error(want, exact) + 1e-4
         torch.testing.assert_close(got, want, rtol=2**-7, atol=2e-3)
     assert len(chooser.choices) == len(TOWER_PRODUCTS)
-    assert chooser.describe().startswith(f"measured cuBLASLt algorithms: {len(TOWER_PRODUCTS)} shapes measured in ")
+    described = chooser.describe()
+    assert described.startswith(f"measured cuBLASLt algorithms: {len(TOWER_PRODUCTS)} shapes in ")
+    assert "(0 from the cache None)" in described
 
 
 @pytest.mark.cuda
