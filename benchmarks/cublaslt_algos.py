@@ -72,7 +72,7 @@ class Operands:
     """One shape's ``LtProduct`` (the CUDA plugin's descriptors) with its operands and output."""
 
     def __init__(self, lib, handle, x, w, b, gelu: bool):
-        self.lib, self.x, self.out = lib, x, x.new_empty(x.shape[0], w.shape[0])
+        self.lib, self.x, self.w, self.out = lib, x, w, x.new_empty(x.shape[0], w.shape[0])
         self.product = LtProduct(lib, handle, w, b, x.shape[0], gelu)
 
     def candidates(self, count: int, limit: int) -> list[Candidate]:
@@ -81,7 +81,7 @@ class Operands:
                 for h in self.product.candidates(count, limit)]
 
     def run(self, candidate: Candidate) -> torch.Tensor:
-        return self.product.run(candidate.algo, self.x, self.out, candidate.workspace)
+        return self.product.run(candidate.algo, self.x, self.w, self.out, candidate.workspace)
 
 
 def kernel_names(fn) -> str:

@@ -117,11 +117,12 @@ def check(status: int, call: str) -> None:
 
 
 class LtProduct:
-    """``epilogue(x @ weight.T + bias)`` for one weight, bias and row count, as ``cublasLtMatmul`` descriptors. In
-    cuBLAS's column-major view: A is the weight as ``K x N``, transposed; B is x as ``K x M``; D is out as ``N x M``."""
+    """``epilogue(x @ weight.T + bias)`` for one weight shape, bias and row count, as ``cublasLtMatmul`` descriptors.
+    In cuBLAS's column-major view: A is the weight as ``K x N``, transposed; B is x as ``K x M``; D is out as
+    ``N x M``. The descriptors hold the bias's address, not the tensor: they never keep a tower's memory alive."""
 
     def __init__(self, lib, handle, weight: torch.Tensor, bias: torch.Tensor, rows: int, gelu: bool):
-        self.lib, self.handle, self.weight, self.bias = lib, handle, weight, bias
+        self.lib, self.handle = lib, handle
         n, k = weight.shape
         self.desc = ctypes.c_void_p()
         check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, SCALE_32F), "cublasLtMatmulDescCreate")
@@ -159,14 +160,16 @@ class LtProduct:
             self.lib.cublasLtMatmulPreferenceDestroy(pref)
         return [r for r in results[:returned.value] if r.state == 0]
 
-    def run(self, algo: Algo, x: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None = None):
-        """``out`` = the product of ``x`` with ``algo`` on the current stream (captured if that stream captures)."""
+    def run(self, algo: Algo, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+            workspace: torch.Tensor | None = None):
+        """``out`` = the product of ``x`` and ``weight`` (the shape and the bias the descriptors were made for) with
+        ``algo``, on the current stream (captured if that stream captures)."""
         a, b, d = self.layouts
         d_ptr = ctypes.c_void_p(out.data_ptr())
         ws_ptr, ws_bytes = (None, 0) if workspace is None else \
             (ctypes.c_void_p(workspace.data_ptr()), workspace.numel())
         check(self.lib.cublasLtMatmul(
-            self.handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(self.weight.data_ptr()), a,
+            self.handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(weight.data_ptr()), a,
             ctypes.c_void_p(x.data_ptr()), b, ctypes.byref(self.beta), d_ptr, d, d_ptr, d, ctypes.byref(algo),
             ws_ptr, ws_bytes, ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)), "cublasLtMatmul")
         return out
@@ -277,7 +280,7 @@ class MeasuredProducts:
             self.choices[shape] = choice
         if choice.algo is None:
             return self.aten(x, weight, bias, gelu)
-        return self.descriptor(weight, bias, rows, gelu).run(choice.algo, x, x.new_empty(rows, n))
+        return self.descriptor(weight, bias, rows, gelu).run(choice.algo, x, weight, x.new_empty(rows, n))
 
     @staticmethod
     def aten(x, weight, bias, gelu: bool) -> torch.Tensor:
@@ -316,7 +319,8 @@ class MeasuredProducts:
             descriptor = self.descriptor(weight, bias, x.shape[0], gelu)
             candidates = descriptor.candidates()
             exact, bound = self.accuracy(x, weight, bias, gelu)
-            if relative_error(descriptor.run(candidates[index].algo, x, x.new_empty(exact.shape)), exact) <= bound:
+            out = descriptor.run(candidates[index].algo, x, weight, x.new_empty(exact.shape))
+            if relative_error(out, exact) <= bound:
                 return Choice(candidates[index].algo, index, aten_us, chosen_us, recalled=True)
             reason = "its candidate is less accurate than ATen's call"
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -337,8 +341,8 @@ class MeasuredProducts:
             calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
             candidates = descriptor.candidates()
             for index, candidate in enumerate(candidates):
-                if relative_error(descriptor.run(candidate.algo, x, scratch), exact) <= bound:
-                    calls[index] = functools.partial(descriptor.run, candidate.algo, x, scratch)
+                if relative_error(descriptor.run(candidate.algo, x, weight, scratch), exact) <= bound:
+                    calls[index] = functools.partial(descriptor.run, candidate.algo, x, weight, scratch)
             graphs = {key: graphed_calls(fn, CALLS) for key, fn in calls.items()}
             timed = measure_interleaved({key: graph.replay for key, graph in graphs.items()}, self.device,
                                         warmup=3, samples=10)

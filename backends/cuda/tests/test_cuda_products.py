@@ -3,6 +3,9 @@ products, captured and replayed right, measured once per shape and never inside 
 
 from __future__ import annotations
 
+import ctypes
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,6 +75,51 @@ def test_the_cache_keeps_choices_per_setting_and_survives_bad_files(tmp_path, ca
     (tmp_path / "file").write_text("a file where the folder should be")
     blocked.put("x", {"index": 1})
     assert "could not write the measured-products cache" in caplog.text
+
+
+class FakeCublasLt:
+    """Stands in for ``libcublasLt``: records what ``LtProduct`` passes, and every call succeeds."""
+
+    def __init__(self):
+        self.attributes, self.layouts, self.matmuls = {}, [], []
+
+    def cublasLtMatmulDescCreate(self, desc, compute, scale):
+        desc._obj.value = 100
+        self.compute = (compute, scale)
+        return 0
+
+    def cublasLtMatmulDescSetAttribute(self, desc, attribute, value, size):
+        self.attributes[attribute] = value._obj.value
+        return 0
+
+    def cublasLtMatrixLayoutCreate(self, layout, dtype, rows, cols, ld):
+        self.layouts.append((dtype, rows, cols, ld))
+        layout._obj.value = len(self.layouts)
+        return 0
+
+    def cublasLtMatmul(self, handle, desc, alpha, a, a_desc, b, b_desc, beta, c, c_desc, d, d_desc, algo, workspace,
+                       workspace_bytes, stream):
+        self.matmuls.append({"A": (a.value, a_desc.value), "B": (b.value, b_desc.value), "C": (c.value, c_desc.value),
+                             "D": (d.value, d_desc.value), "workspace": (workspace, workspace_bytes),
+                             "stream": stream.value, "desc": desc.value})
+        return 0
+
+
+def test_lt_product_hands_cublaslt_the_column_major_view_of_the_call_and_holds_no_tensor(monkeypatch):
+    fake, bf16 = FakeCublasLt(), torch.bfloat16
+    weight, bias = torch.zeros(6, 4, dtype=bf16), torch.zeros(6, dtype=bf16)
+    product = lt.LtProduct(fake, ctypes.c_void_p(7), weight, bias, rows=5, gelu=True)
+    assert fake.compute == (lt.COMPUTE_32F, lt.SCALE_32F)
+    assert fake.attributes == {lt.DESC_TRANSA: lt.OP_T, lt.DESC_TRANSB: lt.OP_N,
+                               lt.DESC_EPILOGUE: lt.EPILOGUE_GELU_BIAS, lt.DESC_BIAS_POINTER: bias.data_ptr()}
+    # A: the weight as K x N (transposed by TRANSA), B: x as K x M, D: out as N x M; column-major, packed
+    assert fake.layouts == [(14, 4, 6, 4), (14, 4, 5, 4), (14, 6, 5, 6)]
+    assert not [name for name, value in vars(product).items() if isinstance(value, torch.Tensor)]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=99))
+    x, other_weight, out = torch.zeros(5, 4, dtype=bf16), torch.zeros(6, 4, dtype=bf16), torch.empty(5, 6, dtype=bf16)
+    assert product.run(lt.Algo(), x, other_weight, out) is out
+    assert fake.matmuls == [{"A": (other_weight.data_ptr(), 1), "B": (x.data_ptr(), 2), "C": (out.data_ptr(), 3),
+                             "D": (out.data_ptr(), 3), "workspace": (None, 0), "stream": 99, "desc": 100}]
 
 
 # ---------------------------------------------------------------- on the GPU
