@@ -30,6 +30,9 @@ PADDED_CACHE_SIZE = 64  # padded, pinned host metadata kept for this many recent
 VERIFY_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
+COMPILED_PRODUCTS = "ATen's: compiled captures keep them (torch.compile traces the products itself)"
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """``||got - want|| / ||want||`` in float32 (one host read: used at capture time, never on the replay path)."""
     diff = torch.linalg.vector_norm(got.float() - want.float())
@@ -183,7 +186,8 @@ class EncoderGraphManager:
                             self.backend.name, self.tower.attention_kernel, reason)
                 self.backend.synchronize()
         if self._chooser is not None:
-            self._stats.products = self._chooser.describe()
+            self._stats.products = COMPILED_PRODUCTS if compiled and not self._stats.compile_failures else \
+                self._chooser.describe()
             log.info("matrix products on %s: %s", self.backend.name, self._stats.products)
         if self.calibrate_on_capture:
             self.calibrate()

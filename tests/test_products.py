@@ -13,7 +13,7 @@ from hwgraph import products
 from hwgraph.capability import Capability
 from hwgraph.graphs.base import inductor_support
 from hwgraph.graphs.cpu import CpuGraphBackend
-from hwgraph.manager import EncoderGraphManager
+from hwgraph.manager import COMPILED_PRODUCTS, EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 
 INDUCTOR = inductor_support(torch.device("cpu"))
@@ -138,5 +138,6 @@ def test_compiled_captures_keep_atens_products(recording_backend):
     m.capture()
     assert m.stats()["compile_failures"] == {} and sorted(m.graphs) == [16]
     assert recording_backend.calls == 0
+    assert m.stats()["products"] == COMPILED_PRODUCTS
     check_equal_to_eager(m, tower, [(1, 4, 8)])
     m.close()
