@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.capability import Capability
+from hwgraph.manager import relative_error
 from hwgraph.products import aten_linear_gelu_tanh
 from hwgraph.timing import graphed_calls, measure_interleaved
 
@@ -298,16 +299,12 @@ class MeasuredProducts:
 
     def accuracy(self, x, weight, bias, gelu: bool) -> tuple[torch.Tensor, float]:
         """The float64 product, and the relative error a candidate may have: ATen's, 1.5 times, plus 1e-4."""
-        from hwgraph.manager import relative_error
-
         exact = x.double() @ weight.double().t() + bias.double()
         exact = F.gelu(exact, approximate="tanh") if gelu else exact
         return exact, 1.5 * relative_error(self.aten(x, weight, bias, gelu), exact) + 1e-4
 
     def recall(self, x, weight, bias, gelu: bool) -> Choice | None:
         """The cached choice for this shape, if there is one and its candidate is still as accurate as ATen's."""
-        from hwgraph.manager import relative_error
-
         label = self.label(x, weight, gelu)
         entry = self.cache.get(label)
         if entry is None:
@@ -331,8 +328,6 @@ class MeasuredProducts:
     def measure(self, x, weight, bias, gelu: bool) -> Choice:
         """Time ATen's call and every candidate as accurate as it, interleaved; keep the fastest (see ``MARGIN``).
         A failure of a candidate or of the measurement leaves the shape on ATen's call, logged and not cached."""
-        from hwgraph.manager import relative_error
-
         label = self.label(x, weight, gelu)
         try:
             exact, bound = self.accuracy(x, weight, bias, gelu)
