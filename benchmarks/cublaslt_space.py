@@ -1,0 +1,219 @@
+"""The block's products through cuBLASLt configurations the heuristic does not offer: every enumerated algorithm's
+tiles, stages, CTA swizzling and cluster shapes, and the heuristic's own candidates with other swizzling and clusters.
+
+Usage: python benchmarks/cublaslt_space.py [--rows N ...] [--products qkv,proj,fc1,fc2] [--stages S] [--limit L]
+       (default rows 4096 1024, all four products, at most 3 stage counts per tile, 800 configurations screened
+       per shape besides the heuristic's)
+
+``benchmarks/cublaslt_algos.py`` timed the heuristic's candidates (4-16 per shape), which is what
+``measure_products=True`` chooses from. cuBLASLt also lists its algorithms for the data types
+(``cublasLtMatmulAlgoGetIds``), each with the tiles, stage counts, swizzling and cluster shapes it supports
+(``cublasLtMatmulAlgoCapGetAttribute``); any combination that ``cublasLtMatmulAlgoCheck`` accepts for the
+descriptors without a workspace can run. This script screens all of them (split-K off: it changes the order of the
+sums), then times ATen, the heuristic's fastest and the screen's three fastest as accurate as ATen interleaved,
+as ``cublaslt_algos.py`` does. µs per call, 20 calls per CUDA graph. Run with ``CUBLASLT_WORKSPACE_SIZE=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import itertools
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from cublaslt_algos import BLOCKS, CALLS, PRODUCTS, Candidate, Operands, describe, kernel_names
+from hwgraph_cuda.products import COMPUTE_32F, DATA_TYPES, SCALE_32F, Algo, Heuristic, check, cublaslt
+
+from hwgraph.manager import relative_error
+from hwgraph.timing import graphed_calls, graphed_ms, measure_interleaved
+
+CAP_SPLITK, CAP_SWIZZLING, CAP_TILE_IDS, CAP_STAGES_IDS = 0, 2, 6, 13  # cublasLtMatmulAlgoCapAttributes_t
+CFG_TILE, CFG_SPLITK, CFG_SWIZZLING, CFG_STAGES, CFG_CLUSTER = 1, 2, 4, 6, 8  # cublasLtMatmulAlgoConfigAttributes_t
+CLUSTERS = {2: "1x1", 3: "2x1", 5: "1x2", 6: "2x2", 4: "4x1", 8: "1x4"}  # cublasLtClusterShape_t
+SCREEN = {"warmup": 2, "samples": 5}
+
+
+def bind(lib):
+    p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    signatures = {
+        "cublasLtMatmulAlgoGetIds": [p, i, i, i, i, i, i, i, ctypes.POINTER(i), ctypes.POINTER(i)],
+        "cublasLtMatmulAlgoInit": [p, i, i, i, i, i, i, i, ctypes.POINTER(Algo)],
+        "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ctypes.POINTER(Algo), ctypes.POINTER(Heuristic)],
+        "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(Algo), i, p, size, ctypes.POINTER(size)],
+        "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(Algo), i, p, size],
+    }
+    for name, argtypes in signatures.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = i
+
+
+def cap_values(lib, algo: Algo, attribute: int) -> list[int]:
+    """A capability attribute as a list of uint32 (array attributes) or one value."""
+    needed = ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attribute, None, 0, ctypes.byref(needed)) != 0:
+        return []
+    count = max(1, needed.value // 4)
+    values = (ctypes.c_uint32 * count)()
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attribute, values, ctypes.sizeof(values),
+                                             ctypes.byref(needed)) != 0:
+        return []
+    return list(values[: max(1, needed.value // 4)])
+
+
+def configured(lib, base: Algo, settings: dict[int, int]) -> Algo:
+    algo = Algo()
+    ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(Algo))
+    for attribute, value in settings.items():
+        typed = ctypes.c_uint16(value) if attribute == CFG_CLUSTER else ctypes.c_uint32(value)
+        if lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attribute, ctypes.byref(typed),
+                                                    ctypes.sizeof(typed)) != 0:
+            raise ValueError(f"attribute {attribute} = {value} not settable")
+    return algo
+
+
+def accepted(lib, handle, product, algo: Algo) -> Heuristic | None:
+    """cuBLASLt's check of ``algo`` for the product's descriptors: the result if it runs without a workspace."""
+    result = Heuristic()
+    a, b, d = product.product.layouts
+    if lib.cublasLtMatmulAlgoCheck(handle, product.product.desc, a, b, d, d, ctypes.byref(algo),
+                                   ctypes.byref(result)) != 0:
+        return None
+    return result if result.workspace_size == 0 and result.state == 0 else None
+
+
+def space(lib, handle, product, dtype: int, max_stages: int) -> list[tuple[str, Algo, float]]:
+    """Every accepted configuration: the enumerated algorithms', then the heuristic candidates' variants."""
+    found, seen = [], set()
+
+    def offer(origin: str, algo: Algo):
+        result = accepted(lib, handle, product, algo)
+        key = bytes(algo)
+        if result is not None and key not in seen:
+            seen.add(key)
+            found.append((origin, algo, result.waves))
+
+    ids, returned = (ctypes.c_int * 200)(), ctypes.c_int(0)
+    check(lib.cublasLtMatmulAlgoGetIds(handle, COMPUTE_32F, SCALE_32F, dtype, dtype, dtype, dtype, 200, ids,
+                                       ctypes.byref(returned)), "cublasLtMatmulAlgoGetIds")
+    for algo_id in ids[: returned.value]:
+        base = Algo()
+        if lib.cublasLtMatmulAlgoInit(handle, COMPUTE_32F, SCALE_32F, dtype, dtype, dtype, dtype, algo_id,
+                                      ctypes.byref(base)) != 0:
+            continue
+        tiles = cap_values(lib, base, CAP_TILE_IDS) or [0]
+        stages = (cap_values(lib, base, CAP_STAGES_IDS) or [0])[-max_stages:]
+        swizzles = [0, 1] if (cap_values(lib, base, CAP_SWIZZLING) or [0])[0] else [0]
+        for tile, stage, swizzle, cluster in itertools.product(tiles, stages, swizzles, CLUSTERS):
+            try:
+                algo = configured(lib, base, {CFG_TILE: tile, CFG_STAGES: stage, CFG_SPLITK: 1,
+                                              CFG_SWIZZLING: swizzle, CFG_CLUSTER: cluster})
+            except ValueError:
+                continue
+            offer(f"id {algo_id}", algo)
+    enumerated = len(found)
+    for index, heuristic in enumerate(product.product.candidates(32, 0)):
+        offer(f"heuristic #{index}", heuristic.algo)
+        for swizzle, cluster in itertools.product((0, 1), CLUSTERS):
+            try:
+                offer(f"heuristic #{index} variant", configured(lib, heuristic.algo,
+                                                                {CFG_SWIZZLING: swizzle, CFG_CLUSTER: cluster}))
+            except ValueError:
+                continue
+    print(f"  {enumerated} enumerated configurations and {len(found) - enumerated} heuristic ones accepted "
+          f"({returned.value} algorithm ids)", flush=True)
+    return found
+
+
+def main():
+    def listed(flag: str, default: list[str]) -> list[str]:
+        if flag not in sys.argv:
+            return default
+        values = []
+        for arg in sys.argv[sys.argv.index(flag) + 1:]:
+            if arg.startswith("--"):
+                break
+            values.append(arg)
+        return values
+
+    rows_list = [int(r) for r in listed("--rows", ["4096", "1024"])]
+    wanted = listed("--products", ["qkv,proj,fc1,fc2"])[0].split(",")
+    max_stages = int(listed("--stages", ["3"])[0])
+    limit = int(listed("--limit", ["800"])[0])
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(), torch.__version__, "CUBLASLT_WORKSPACE_SIZE =",
+          os.environ.get("CUBLASLT_WORKSPACE_SIZE", "(unset)"), flush=True)
+    lib, reason = cublaslt()
+    if lib is None:
+        raise SystemExit(reason)
+    bind(lib)
+    handle = ctypes.c_void_p()
+    check(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    gains: dict[int, list[float]] = {}
+    for rows in rows_list:
+        for name, k, n, gelu in PRODUCTS:
+            if name.split()[0] not in wanted:
+                continue
+            x = torch.randn(rows, k, device=dev, generator=gen).bfloat16()
+            w = (torch.randn(n, k, device=dev, generator=gen) * k ** -0.5).bfloat16()
+            b = torch.randn(n, device=dev, generator=gen).bfloat16()
+            exact = x.double() @ w.double().t() + b.double()
+            exact = F.gelu(exact, approximate="tanh") if gelu else exact
+
+            def aten(x=x, w=w, b=b, gelu=gelu):
+                return torch._addmm_activation(b, x, w.t(), use_gelu=True) if gelu else F.linear(x, w, b)
+
+            bound = 1.5 * relative_error(aten(), exact) + 1e-4
+            product = Operands(lib, handle, x, w, b, gelu)
+            print(f"\n{rows} rows, {name} (K {k}, N {n}): aten {graphed_ms(aten) * 1e3:.1f} µs", flush=True)
+            start = time.perf_counter()
+            screened = []
+            configurations = space(lib, handle, product, DATA_TYPES[torch.bfloat16], max_stages)
+            if len(configurations) > limit:  # the heuristic's come last: keep them, thin out the enumerated ones
+                step = len(configurations) / limit
+                configurations = [configurations[int(i * step)] for i in range(limit)] + [
+                    c for c in configurations if c[0].startswith("heuristic")]
+                print(f"  screening {len(configurations)} of them (--limit {limit})", flush=True)
+            for origin, algo, waves in configurations:
+                cand = Candidate(algo, None, waves, f"{origin}: {describe(lib, algo)}")
+                try:
+                    err = relative_error(product.run(cand), exact)
+                    if err > bound:
+                        continue
+                    us = graphed_ms(functools.partial(product.run, cand), **SCREEN) * 1e3
+                except RuntimeError:
+                    continue
+                screened.append((us, cand))
+            screened.sort(key=lambda item: item[0])
+            print(f"  screened {len(screened)} accurate configurations in {time.perf_counter() - start:.0f} s; "
+                  "fastest:", flush=True)
+            for us, cand in screened[:8]:
+                print(f"    {us:6.1f} µs  waves {cand.waves:.2f}  {cand.label}")
+            contenders = {"aten": aten}
+            best_heuristic = next((c for _, c in screened if c.label.startswith("heuristic #")
+                                   and "variant" not in c.label), None)
+            if best_heuristic is not None:
+                contenders["heuristic best"] = functools.partial(product.run, best_heuristic)
+            for rank, (_, cand) in enumerate(screened[:3]):
+                contenders[f"screen #{rank}"] = functools.partial(product.run, cand)
+            graphs = {label: graphed_calls(fn, CALLS) for label, fn in contenders.items()}
+            latency = measure_interleaved({label: g.replay for label, g in graphs.items()}, dev)
+            per_call = {label: (lat.median * 1e3 / CALLS, lat.p95 * 1e3 / CALLS) for label, lat in latency.items()}
+            print("  interleaved, µs per call (median / p95):")
+            for label, (median, p95) in sorted(per_call.items(), key=lambda item: item[1][0]):
+                print(f"    {label:<15} {median:6.1f} / {p95:6.1f}  {kernel_names(contenders[label])}", flush=True)
+            heuristic_us = per_call.get("heuristic best", per_call["aten"])[0]
+            space_us = min(median for label, (median, _) in per_call.items() if label.startswith("screen"))
+            gains.setdefault(rows, []).append((per_call["aten"][0] - heuristic_us, per_call["aten"][0] - space_us))
+    for rows, pairs in gains.items():
+        print(f"\n{rows} rows, ms a replay's 27 blocks would save against ATen: heuristic's best "
+              f"{sum(h for h, _ in pairs) * BLOCKS / 1e3:.3f}, the whole space's "
+              f"{sum(s for _, s in pairs) * BLOCKS / 1e3:.3f}")
+
+
+if __name__ == "__main__":
+    main()
