@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from hwgraph_cuda.products import Algo, LtProduct, check, cublaslt
+from hwgraph_cuda.products import Algo, LtProduct, check, cublaslt, describe_algo
 
 from hwgraph.manager import relative_error
 from hwgraph.timing import graphed_calls, graphed_ms, measure_interleaved
@@ -37,23 +37,6 @@ from hwgraph.timing import graphed_calls, graphed_ms, measure_interleaved
 HIDDEN, MLP, BLOCKS, CALLS = 1152, 4304, 27, 20
 PRODUCTS = (("qkv", HIDDEN, 3 * HIDDEN, False), ("proj", HIDDEN, HIDDEN, False), ("fc1 + GELU", HIDDEN, MLP, True),
             ("fc2", MLP, HIDDEN, False))
-CONFIG = (("tile", 1), ("splitk", 2), ("reduction", 3), ("swizzle", 4), ("custom", 5), ("stages", 6), ("inner", 7),
-          ("cluster", 8))  # cublasLtMatmulAlgoConfigAttributes_t
-
-
-def describe(lib, algo: Algo) -> str:
-    """A candidate's configuration attributes that fit in 8 bytes, as ``name value`` pairs."""
-    get = lib.cublasLtMatmulAlgoConfigGetAttribute
-    get.argtypes = [ctypes.POINTER(Algo), ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
-                    ctypes.POINTER(ctypes.c_size_t)]
-    parts = []
-    for name, attribute in CONFIG:
-        needed, value = ctypes.c_size_t(0), ctypes.c_uint64(0)
-        if get(ctypes.byref(algo), attribute, None, 0, ctypes.byref(needed)) != 0 or needed.value > 8:
-            continue
-        if get(ctypes.byref(algo), attribute, ctypes.byref(value), needed.value, ctypes.byref(needed)) == 0:
-            parts.append(f"{name} {value.value}")
-    return ", ".join(parts)
 
 
 @dataclass
@@ -77,7 +60,7 @@ class Operands:
 
     def candidates(self, count: int, limit: int) -> list[Candidate]:
         return [Candidate(h.algo, torch.empty(h.workspace_size, dtype=torch.uint8, device=self.x.device)
-                          if h.workspace_size else None, h.waves, describe(self.lib, h.algo))
+                          if h.workspace_size else None, h.waves, describe_algo(self.lib, h.algo))
                 for h in self.product.candidates(count, limit)]
 
     def run(self, candidate: Candidate) -> torch.Tensor:

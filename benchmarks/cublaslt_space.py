@@ -26,30 +26,37 @@ import time
 
 import torch
 import torch.nn.functional as F
-from cublaslt_algos import BLOCKS, CALLS, PRODUCTS, Candidate, Operands, describe, kernel_names
-from hwgraph_cuda.products import COMPUTE_32F, DATA_TYPES, SCALE_32F, Algo, Heuristic, check, cublaslt
+from cublaslt_algos import BLOCKS, CALLS, PRODUCTS, Candidate, Operands, kernel_names
+from hwgraph_cuda.products import (
+    CFG_CLUSTER,
+    CFG_SPLITK,
+    CFG_STAGES,
+    CFG_SWIZZLING,
+    CFG_TILE,
+    COMPUTE_32F,
+    DATA_TYPES,
+    SCALE_32F,
+    Algo,
+    Heuristic,
+    check,
+    configured,
+    cublaslt,
+    describe_algo,
+)
 
 from hwgraph.manager import relative_error
 from hwgraph.timing import graphed_calls, graphed_ms, measure_interleaved
 
-CAP_SPLITK, CAP_SWIZZLING, CAP_TILE_IDS, CAP_STAGES_IDS = 0, 2, 6, 13  # cublasLtMatmulAlgoCapAttributes_t
-CFG_TILE, CFG_SPLITK, CFG_SWIZZLING, CFG_STAGES, CFG_CLUSTER = 1, 2, 4, 6, 8  # cublasLtMatmulAlgoConfigAttributes_t
+CAP_SWIZZLING, CAP_TILE_IDS, CAP_STAGES_IDS = 2, 6, 13  # cublasLtMatmulAlgoCapAttributes_t
 CLUSTERS = {2: "1x1", 3: "2x1", 5: "1x2", 6: "2x2", 4: "4x1", 8: "1x4"}  # cublasLtClusterShape_t
 SCREEN = {"warmup": 2, "samples": 5}
 
 
 def bind(lib):
-    p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-    signatures = {
-        "cublasLtMatmulAlgoGetIds": [p, i, i, i, i, i, i, i, ctypes.POINTER(i), ctypes.POINTER(i)],
-        "cublasLtMatmulAlgoInit": [p, i, i, i, i, i, i, i, ctypes.POINTER(Algo)],
-        "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ctypes.POINTER(Algo), ctypes.POINTER(Heuristic)],
-        "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(Algo), i, p, size, ctypes.POINTER(size)],
-        "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(Algo), i, p, size],
-    }
-    for name, argtypes in signatures.items():
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = i
+    """``cublasLtMatmulAlgoGetIds``, which the CUDA plugin does not use (``cublaslt()`` binds the rest)."""
+    i = ctypes.c_int
+    lib.cublasLtMatmulAlgoGetIds.argtypes = [ctypes.c_void_p, i, i, i, i, i, i, i, ctypes.POINTER(i), ctypes.POINTER(i)]
+    lib.cublasLtMatmulAlgoGetIds.restype = i
 
 
 def cap_values(lib, algo: Algo, attribute: int) -> list[int]:
@@ -63,17 +70,6 @@ def cap_values(lib, algo: Algo, attribute: int) -> list[int]:
                                              ctypes.byref(needed)) != 0:
         return []
     return list(values[: max(1, needed.value // 4)])
-
-
-def configured(lib, base: Algo, settings: dict[int, int]) -> Algo:
-    algo = Algo()
-    ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(Algo))
-    for attribute, value in settings.items():
-        typed = ctypes.c_uint16(value) if attribute == CFG_CLUSTER else ctypes.c_uint32(value)
-        if lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attribute, ctypes.byref(typed),
-                                                    ctypes.sizeof(typed)) != 0:
-            raise ValueError(f"attribute {attribute} = {value} not settable")
-    return algo
 
 
 def accepted(lib, handle, product, algo: Algo) -> Heuristic | None:
@@ -110,21 +106,17 @@ def space(lib, handle, product, dtype: int, max_stages: int) -> list[tuple[str, 
         stages = (cap_values(lib, base, CAP_STAGES_IDS) or [0])[-max_stages:]
         swizzles = [0, 1] if (cap_values(lib, base, CAP_SWIZZLING) or [0])[0] else [0]
         for tile, stage, swizzle, cluster in itertools.product(tiles, stages, swizzles, CLUSTERS):
-            try:
-                algo = configured(lib, base, {CFG_TILE: tile, CFG_STAGES: stage, CFG_SPLITK: 1,
-                                              CFG_SWIZZLING: swizzle, CFG_CLUSTER: cluster})
-            except ValueError:
-                continue
-            offer(f"id {algo_id}", algo)
+            algo = configured(lib, base, {CFG_TILE: tile, CFG_STAGES: stage, CFG_SPLITK: 1, CFG_SWIZZLING: swizzle,
+                                          CFG_CLUSTER: cluster})
+            if algo is not None:
+                offer(f"id {algo_id}", algo)
     enumerated = len(found)
     for index, heuristic in enumerate(product.product.candidates(32, 0)):
         offer(f"heuristic #{index}", heuristic.algo)
         for swizzle, cluster in itertools.product((0, 1), CLUSTERS):
-            try:
-                offer(f"heuristic #{index} variant", configured(lib, heuristic.algo,
-                                                                {CFG_SWIZZLING: swizzle, CFG_CLUSTER: cluster}))
-            except ValueError:
-                continue
+            algo = configured(lib, heuristic.algo, {CFG_SWIZZLING: swizzle, CFG_CLUSTER: cluster})
+            if algo is not None:
+                offer(f"heuristic #{index} variant", algo)
     print(f"  {enumerated} enumerated configurations and {len(found) - enumerated} heuristic ones accepted "
           f"({returned.value} algorithm ids)", flush=True)
     return found
@@ -181,7 +173,7 @@ def main():
                     c for c in configurations if c[0].startswith("heuristic")]
                 print(f"  screening {len(configurations)} of them (--limit {limit})", flush=True)
             for origin, algo, waves in configurations:
-                cand = Candidate(algo, None, waves, f"{origin}: {describe(lib, algo)}")
+                cand = Candidate(algo, None, waves, f"{origin}: {describe_algo(lib, algo)}")
                 try:
                     err = relative_error(product.run(cand), exact)
                     if err > bound:

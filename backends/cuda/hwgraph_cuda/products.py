@@ -6,10 +6,15 @@ ranks by an estimate. On the H200 another of its candidates is faster for some o
 rows: 18.2 against 21.0 µs; qkv, proj and fc1 at 4096 rows: 5-8% at the power limit; ``benchmarks/cublaslt_algos.py``).
 PyTorch's TunableOp measures alternatives only on ROCm builds.
 
+The heuristic's list is not all cuBLASLt can run. Each candidate's algorithm also takes the other tiles and cluster
+shapes it lists among its capabilities, and some of those are faster still: fc1 + GELU at 4096 rows 59.2 µs with
+128x128 tiles in 2x1 clusters, against ATen's 72.3 and the heuristic's best 69-75 (``benchmarks/cublaslt_space.py``).
+
 ``MeasuredProducts`` is the CUDA plugin's product chooser. At a shape's first call outside a capture (the manager's
-warm-up) it asks the heuristic for its candidates without a workspace (the graphs capture without one), drops any
-less accurate than ATen's call against the float64 product, and times the rest and ATen's call in interleaved
-replays of CUDA graphs. The fastest is kept for the process; ATen's call stays where nothing beats it by
+warm-up) it gathers the heuristic's candidates without a workspace (the graphs capture without one) and those
+configurations (``LtProduct.configurations``), drops any that cuBLASLt rejects or that is less accurate than ATen's
+call against the float64 product, screens the rest in short CUDA graphs, and times the ``SHORTLIST`` fastest and
+ATen's call in interleaved replays. The fastest is kept for the process; ATen's call stays where nothing beats it by
 ``MARGIN``. cuBLASLt is called through ctypes on the ``libcublasLt`` that torch has loaded: nothing is built.
 """
 
@@ -41,7 +46,12 @@ DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8  # cubla
 EPILOGUE_BIAS, EPILOGUE_GELU_BIAS = 4, 36  # cublasLtEpilogue_t (GELU is the tanh approximation)
 OP_N, OP_T = 0, 1
 PREF_MAX_WORKSPACE_BYTES = 1
+CFG_ID, CFG_TILE, CFG_SPLITK, CFG_SWIZZLING, CFG_CUSTOM, CFG_STAGES, CFG_CLUSTER = 0, 1, 2, 4, 5, 6, 8
+CAP_TILE_IDS = 6  # cublasLtMatmulAlgoCapAttributes_t
+CLUSTERS = {2: "1x1", 3: "2x1", 5: "1x2", 4: "4x1", 8: "1x4"}  # cublasLtClusterShape_t tried with every tile
 CANDIDATES = 32  # asked of the heuristic per shape
+SCREEN_CALLS = 5  # product calls per screening graph
+SHORTLIST = 4  # the screen's fastest, timed again against ATen's call
 CALLS = 20  # product calls per timed graph
 MARGIN = 0.01  # a candidate replaces ATen's call only if it is this much faster
 ALIGNMENT = 256  # bytes; the heuristic assumes this alignment of every pointer unless told otherwise
@@ -93,6 +103,11 @@ def cublaslt() -> tuple[ctypes.CDLL | None, str]:
         "cublasLtMatmulPreferenceDestroy": [p],
         "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(Heuristic), ctypes.POINTER(i)],
         "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(Algo), p, size, p],
+        "cublasLtMatmulAlgoInit": [p, i, i, i, i, i, i, i, ctypes.POINTER(Algo)],
+        "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ctypes.POINTER(Algo), ctypes.POINTER(Heuristic)],
+        "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(Algo), i, p, size, ctypes.POINTER(size)],
+        "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(Algo), i, p, size, ctypes.POINTER(size)],
+        "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(Algo), i, p, size],
         "cublasLtGetVersion": [],
     }
     try:
@@ -117,6 +132,49 @@ def check(status: int, call: str) -> None:
         raise RuntimeError(f"{call} returned cublasStatus_t {status}, expected 0 (CUBLAS_STATUS_SUCCESS)")
 
 
+def config_value(lib, algo: Algo, attribute: int) -> int:
+    """One of an algorithm's configuration attributes (``cublasLtMatmulAlgoConfigAttributes_t``), or -1."""
+    value, written = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    status = lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attribute, ctypes.byref(value),
+                                                      ctypes.sizeof(value), ctypes.byref(written))
+    if status != 0 or not 0 < written.value <= 8:
+        return -1
+    return value.value & ((1 << (8 * written.value)) - 1)
+
+
+def configured(lib, algo: Algo, settings: dict[int, int]) -> Algo | None:
+    """A copy of ``algo`` with configuration attributes set (cluster shapes are 16-bit, the rest 32-bit), or None
+    if cuBLASLt refuses one."""
+    copy = Algo.from_buffer_copy(algo)
+    for attribute, value in settings.items():
+        typed = ctypes.c_uint16(value) if attribute == CFG_CLUSTER else ctypes.c_uint32(value)
+        if lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(copy), attribute, ctypes.byref(typed),
+                                                    ctypes.sizeof(typed)) != 0:
+            return None
+    return copy
+
+
+def tile_ids(lib, algo: Algo) -> list[int]:
+    """The tiles (``cublasLtMatmulTile_t``) an algorithm lists among its capabilities."""
+    needed = ctypes.c_size_t(0)
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), CAP_TILE_IDS, None, 0, ctypes.byref(needed)) != 0:
+        return []
+    tiles = (ctypes.c_uint32 * max(1, needed.value // 4))()
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), CAP_TILE_IDS, tiles, ctypes.sizeof(tiles),
+                                             ctypes.byref(needed)) != 0:
+        return []
+    return list(tiles[: needed.value // 4])
+
+
+def describe_algo(lib, algo: Algo) -> str:
+    """An algorithm's identity and configuration, for logs and the cache."""
+    cluster = config_value(lib, algo, CFG_CLUSTER)
+    return (f"algorithm {config_value(lib, algo, CFG_ID)}, tile {config_value(lib, algo, CFG_TILE)}, stages "
+            f"{config_value(lib, algo, CFG_STAGES)}, cluster {CLUSTERS.get(cluster, cluster)}, custom "
+            f"{config_value(lib, algo, CFG_CUSTOM)}, swizzle {config_value(lib, algo, CFG_SWIZZLING)}, split-K "
+            f"{config_value(lib, algo, CFG_SPLITK)}")
+
+
 class LtProduct:
     """``epilogue(x @ weight.T + bias)`` for one weight shape, bias and row count, as ``cublasLtMatmul`` descriptors.
     In cuBLAS's column-major view: A is the weight as ``K x N``, transposed; B is x as ``K x M``; D is out as
@@ -131,7 +189,7 @@ class LtProduct:
         self.set(DESC_TRANSB, ctypes.c_int32(OP_N))
         self.set(DESC_EPILOGUE, ctypes.c_int32(EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS))
         self.set(DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
-        dtype = DATA_TYPES[weight.dtype]
+        dtype = self.layouts_dtype = DATA_TYPES[weight.dtype]
         self.layouts = [self.layout(dtype, r, c) for r, c in ((k, n), (k, rows), (n, rows))]
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
@@ -161,6 +219,35 @@ class LtProduct:
             self.lib.cublasLtMatmulPreferenceDestroy(pref)
         return [r for r in results[:returned.value] if r.state == 0]
 
+    def accepts(self, algo: Algo) -> bool:
+        """Whether cuBLASLt accepts ``algo`` for these descriptors (``cublasLtMatmulAlgoCheck``)."""
+        result, (a, b, d) = Heuristic(), self.layouts
+        return (self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, a, b, d, d, ctypes.byref(algo),
+                                                 ctypes.byref(result)) == 0 and result.state == 0)
+
+    def configurations(self, candidates: list[Heuristic]) -> list[Algo]:
+        """Configurations beyond the heuristic's list: each candidate's algorithm and stage setting with every tile
+        the algorithm supports, in each cluster shape of ``CLUSTERS``, without split-K (which would change the
+        order of the sums) or swizzling; those cuBLASLt accepts, each once."""
+        found, seen = [], {bytes(c.algo) for c in candidates}
+        bases = {(config_value(self.lib, c.algo, CFG_ID), config_value(self.lib, c.algo, CFG_STAGES))
+                 for c in candidates}
+        for algo_id, stages in sorted(bases):
+            base, dtype = Algo(), self.layouts_dtype
+            if algo_id < 0 or stages < 0:
+                continue
+            if self.lib.cublasLtMatmulAlgoInit(self.handle, COMPUTE_32F, SCALE_32F, dtype, dtype, dtype, dtype,
+                                               algo_id, ctypes.byref(base)) != 0:
+                continue
+            for tile in tile_ids(self.lib, base):
+                for cluster in CLUSTERS:
+                    algo = configured(self.lib, base, {CFG_TILE: tile, CFG_STAGES: stages, CFG_SPLITK: 1,
+                                                       CFG_SWIZZLING: 0, CFG_CLUSTER: cluster})
+                    if algo is not None and bytes(algo) not in seen and self.accepts(algo):
+                        seen.add(bytes(algo))
+                        found.append(algo)
+        return found
+
     def run(self, algo: Algo, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
             workspace: torch.Tensor | None = None):
         """``out`` = the product of ``x`` and ``weight`` (the shape and the bias the descriptors were made for) with
@@ -179,10 +266,16 @@ class LtProduct:
 @dataclass
 class Choice:
     algo: Algo | None  # None: ATen's call
-    index: int | None  # the candidate's rank in the heuristic's list
+    config: str | None  # the algorithm's configuration (``describe_algo``)
     aten_us: float
     chosen_us: float
     recalled: bool = False  # taken from the cache of an earlier process, not measured in this one
+
+    def entry(self) -> dict:
+        """The cache's record: the algorithm as its bytes (cuBLASLt's ``cublasLtMatmulAlgo_t`` is plain data, valid
+        with the same library, which the cache's setting names), its configuration for people, and the timings."""
+        return {"algo": None if self.algo is None else bytes(self.algo).hex(), "config": self.config,
+                "aten_us": self.aten_us, "chosen_us": self.chosen_us}
 
 
 def cache_path() -> Path | None:
@@ -195,9 +288,8 @@ def cache_path() -> Path | None:
 
 
 class ChoiceCache:
-    """Measured choices by shape and setting (GPU, cuBLASLt and torch versions), in a JSON file. A choice is the
-    candidate's rank in the heuristic's list, which is the same for the same descriptors, GPU and library. Reading
-    or writing failures only cost a measurement: they are logged, never raised."""
+    """Measured choices by shape and setting (GPU, cuBLASLt and torch versions), in a JSON file (``Choice.entry``).
+    Reading or writing failures only cost a measurement: they are logged, never raised."""
 
     def __init__(self, path: Path | None, setting: str):
         self.path, self.setting = path, setting
@@ -304,40 +396,45 @@ class MeasuredProducts:
         return exact, 1.5 * relative_error(self.aten(x, weight, bias, gelu), exact) + 1e-4
 
     def recall(self, x, weight, bias, gelu: bool) -> Choice | None:
-        """The cached choice for this shape, if there is one and its candidate is still as accurate as ATen's."""
+        """The cached choice for this shape, if there is one, cuBLASLt still accepts its algorithm and it is still as
+        accurate as ATen's call."""
         label = self.label(x, weight, gelu)
         entry = self.cache.get(label)
         if entry is None:
             return None
         try:
-            index, aten_us, chosen_us = entry["index"], float(entry["aten_us"]), float(entry["chosen_us"])
-            if index is None:
+            aten_us, chosen_us = float(entry["aten_us"]), float(entry["chosen_us"])
+            if entry["algo"] is None:
                 return Choice(None, None, aten_us, chosen_us, recalled=True)
+            algo = Algo.from_buffer_copy(bytes.fromhex(entry["algo"]))
             descriptor = self.descriptor(weight, bias, x.shape[0], gelu)
-            candidates = descriptor.candidates()
-            exact, bound = self.accuracy(x, weight, bias, gelu)
-            out = descriptor.run(candidates[index].algo, x, weight, x.new_empty(exact.shape))
-            if relative_error(out, exact) <= bound:
-                return Choice(candidates[index].algo, index, aten_us, chosen_us, recalled=True)
-            reason = "its candidate is less accurate than ATen's call"
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            if not descriptor.accepts(algo):
+                reason = "cuBLASLt no longer accepts its algorithm for these operands"
+            else:
+                exact, bound = self.accuracy(x, weight, bias, gelu)
+                if relative_error(descriptor.run(algo, x, weight, x.new_empty(exact.shape)), exact) <= bound:
+                    return Choice(algo, describe_algo(self.lib, algo), aten_us, chosen_us, recalled=True)
+                reason = "its algorithm is less accurate than ATen's call"
+        except (KeyError, TypeError, ValueError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         log.info("the cached choice for %s does not hold (%s); measuring again", label, reason)
         return None
 
     def measure(self, x, weight, bias, gelu: bool) -> Choice:
-        """Time ATen's call and every candidate as accurate as it, interleaved; keep the fastest (see ``MARGIN``).
-        A failure of a candidate or of the measurement leaves the shape on ATen's call, logged and not cached."""
+        """Screen the heuristic's candidates and the other configurations as accurate as ATen's call, then time the
+        ``SHORTLIST`` fastest and ATen's call interleaved; keep the fastest (see ``MARGIN``). A failure of the
+        measurement leaves the shape on ATen's call, logged and not cached."""
         label = self.label(x, weight, gelu)
         try:
             exact, bound = self.accuracy(x, weight, bias, gelu)
             descriptor = self.descriptor(weight, bias, x.shape[0], gelu)
             scratch = x.new_empty(exact.shape)
-            calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
             candidates = descriptor.candidates()
-            for index, candidate in enumerate(candidates):
-                if relative_error(descriptor.run(candidate.algo, x, weight, scratch), exact) <= bound:
-                    calls[index] = functools.partial(descriptor.run, candidate.algo, x, weight, scratch)
+            algos = [c.algo for c in candidates] + descriptor.configurations(candidates)
+            accurate = [a for a in algos if relative_error(descriptor.run(a, x, weight, scratch), exact) <= bound]
+            screened = sorted(accurate, key=lambda a: self.screen(descriptor, a, x, weight, scratch))[:SHORTLIST]
+            calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
+            calls |= {i: functools.partial(descriptor.run, a, x, weight, scratch) for i, a in enumerate(screened)}
             graphs = {key: graphed_calls(fn, CALLS) for key, fn in calls.items()}
             timed = measure_interleaved({key: graph.replay for key, graph in graphs.items()}, self.device,
                                         warmup=3, samples=10)
@@ -351,18 +448,24 @@ class MeasuredProducts:
         if best == "aten" or us[best] > us["aten"] * (1 - MARGIN):
             choice = Choice(None, None, us["aten"], us["aten"])
         else:
-            choice = Choice(candidates[best].algo, best, us["aten"], us[best])
-        log.info("matrix product %s: ATen's call %.1f µs, %s", label, choice.aten_us,
-                 "kept" if choice.algo is None else f"cuBLASLt candidate #{best} {choice.chosen_us:.1f} µs instead")
-        self.cache.put(label, {"index": choice.index, "aten_us": choice.aten_us, "chosen_us": choice.chosen_us})
+            choice = Choice(screened[best], describe_algo(self.lib, screened[best]), us["aten"], us[best])
+        log.info("matrix product %s: %d of %d configurations as accurate as ATen's call (%.1f µs); %s", label,
+                 len(accurate), len(algos), choice.aten_us,
+                 "kept" if choice.algo is None else f"{choice.config}: {choice.chosen_us:.1f} µs instead")
+        self.cache.put(label, choice.entry())
         return choice
+
+    def screen(self, descriptor: LtProduct, algo: Algo, x, weight, out) -> float:
+        """A configuration's median ms over a few replays of a short graph: enough to rank it for the shortlist."""
+        graph = graphed_calls(functools.partial(descriptor.run, algo, x, weight, out), SCREEN_CALLS)
+        return measure_interleaved({"screen": graph.replay}, self.device, warmup=1, samples=3)["screen"].median
 
     def describe(self) -> str:
         other = [c for c in self.choices.values() if c.algo is not None]
         recalled = sum(c.recalled for c in self.choices.values())
         saved = sum(c.aten_us - c.chosen_us for c in other)
         return (f"measured cuBLASLt algorithms: {len(self.choices)} shapes in {self.seconds:.1f} s ({recalled} from "
-                f"the cache {self.cache.path}); {len(other)} run another candidate than ATen's, {saved:.1f} µs "
+                f"the cache {self.cache.path}); {len(other)} run another configuration than ATen's, {saved:.1f} µs "
                 f"faster per call of each together")
 
 

@@ -62,18 +62,22 @@ def test_the_cache_keeps_choices_per_setting_and_survives_bad_files(tmp_path, ca
     path = tmp_path / "sub" / "cublaslt-products.json"
     h200, other = lt.ChoiceCache(path, "H200, cuBLASLt 1"), lt.ChoiceCache(path, "H200, cuBLASLt 2")
     assert h200.get("256 x 1152 -> 1152") is None  # no file yet
-    h200.put("256 x 1152 -> 1152", {"index": 3, "aten_us": 5.0, "chosen_us": 4.0})
-    other.put("256 x 1152 -> 1152", {"index": None, "aten_us": 5.1, "chosen_us": 5.1})
-    assert h200.get("256 x 1152 -> 1152") == {"index": 3, "aten_us": 5.0, "chosen_us": 4.0}
-    assert other.get("256 x 1152 -> 1152")["index"] is None
+    algo = lt.Algo()
+    algo.data[:] = [66, 20, 1, 0, 0, 0, 35, 3]
+    chosen = lt.Choice(algo, "algorithm 66, tile 20", 5.0, 4.0).entry()
+    h200.put("256 x 1152 -> 1152", chosen)
+    other.put("256 x 1152 -> 1152", lt.Choice(None, None, 5.1, 5.1).entry())
+    assert h200.get("256 x 1152 -> 1152") == chosen
+    assert bytes(lt.Algo.from_buffer_copy(bytes.fromhex(chosen["algo"]))) == bytes(algo)  # the bytes round-trip
+    assert other.get("256 x 1152 -> 1152") == {"algo": None, "config": None, "aten_us": 5.1, "chosen_us": 5.1}
     assert lt.ChoiceCache(None, "H200").get("256 x 1152 -> 1152") is None
-    lt.ChoiceCache(None, "H200").put("x", {"index": 1})  # nowhere to write: nothing happens
+    lt.ChoiceCache(None, "H200").put("x", chosen)  # nowhere to write: nothing happens
     path.write_text("{not json")
     assert h200.get("256 x 1152 -> 1152") is None
     assert f"ignoring the measured-products cache {path}" in caplog.text
     blocked = lt.ChoiceCache(tmp_path / "file" / "cublaslt-products.json", "H200")
     (tmp_path / "file").write_text("a file where the folder should be")
-    blocked.put("x", {"index": 1})
+    blocked.put("x", chosen)
     assert "could not write the measured-products cache" in caplog.text
 
 
@@ -122,6 +126,60 @@ def test_lt_product_hands_cublaslt_the_column_major_view_of_the_call_and_holds_n
                              "D": (out.data_ptr(), 3), "workspace": (None, 0), "stream": 99, "desc": 100}]
 
 
+class FakeAlgorithms(FakeCublasLt):
+    """Also stands in for cuBLASLt's algorithm calls: an algorithm's configuration attributes are its ``data``
+    words in the order of ``SLOTS`` (id, tile, split-K, swizzle, custom, stages, cluster); algorithm 66 lists tiles
+    20, 21 and 22, algorithm 7 tile 5; the check rejects tile 22 in 4x1 clusters."""
+
+    TILES = {66: [20, 21, 22], 7: [5]}
+    SLOTS = {lt.CFG_ID: 0, lt.CFG_TILE: 1, lt.CFG_SPLITK: 2, lt.CFG_SWIZZLING: 3, lt.CFG_CUSTOM: 4, lt.CFG_STAGES: 5,
+             lt.CFG_CLUSTER: 6}
+
+    def cublasLtMatmulAlgoInit(self, handle, compute, scale, a, b, c, d, algo_id, algo):
+        assert (compute, scale, a, b, c, d) == (lt.COMPUTE_32F, lt.SCALE_32F, 14, 14, 14, 14)
+        algo._obj.data[:] = [algo_id] + [0] * 7
+        return 0 if algo_id in self.TILES else 15
+
+    def cublasLtMatmulAlgoCapGetAttribute(self, algo, attribute, buffer, size, written):
+        tiles = self.TILES[algo._obj.data[0]]
+        assert attribute == lt.CAP_TILE_IDS
+        written._obj.value = 4 * len(tiles)
+        if buffer is not None:
+            buffer[: len(tiles)] = tiles
+        return 0
+
+    def cublasLtMatmulAlgoConfigGetAttribute(self, algo, attribute, value, size, written):
+        value._obj.value, written._obj.value = algo._obj.data[self.SLOTS[attribute]], 4
+        return 0
+
+    def cublasLtMatmulAlgoConfigSetAttribute(self, algo, attribute, value, size):
+        assert size == (2 if attribute == lt.CFG_CLUSTER else 4)
+        algo._obj.data[self.SLOTS[attribute]] = value._obj.value
+        return 0
+
+    def cublasLtMatmulAlgoCheck(self, handle, desc, a, b, c, d, algo, result):
+        data = algo._obj.data
+        result._obj.state = 0
+        return 15 if (data[1], data[6]) == (22, 4) else 0
+
+
+def test_configurations_try_every_tile_and_cluster_of_the_candidates_algorithms_without_split_k_or_swizzling():
+    fake, bf16 = FakeAlgorithms(), torch.bfloat16
+    product = lt.LtProduct(fake, ctypes.c_void_p(7), torch.zeros(6, 4, dtype=bf16), torch.zeros(6, dtype=bf16), 5,
+                           gelu=False)
+    candidates = [lt.Heuristic(), lt.Heuristic(), lt.Heuristic()]
+    candidates[0].algo.data[:] = [66, 20, 1, 0, 2, 35, 3, 0]  # algorithm 66, tile 20, custom 2, stages 35, 2x1
+    candidates[1].algo.data[:] = [66, 21, 1, 0, 0, 35, 2, 0]
+    candidates[2].algo.data[:] = [9, 1, 1, 0, 0, 12, 2, 0]  # an algorithm cuBLASLt cannot initialise
+    found = [tuple(a.data) for a in product.configurations(candidates)]
+    assert len(found) == len(set(found))
+    # every tile and cluster of algorithm 66 at the candidates' stages, but the rejected one and candidate #1 itself
+    want = {(66, tile, 1, 0, 0, 35, cluster, 0) for tile in (20, 21, 22) for cluster in lt.CLUSTERS}
+    assert set(found) == want - {(66, 22, 1, 0, 0, 35, 4, 0), tuple(candidates[1].algo.data)}
+    assert lt.describe_algo(fake, candidates[0].algo) == ("algorithm 66, tile 20, stages 35, cluster 2x1, custom 2, "
+                                                          "swizzle 0, split-K 1")
+
+
 # ---------------------------------------------------------------- on the GPU
 TOWER_PRODUCTS = [(1152, 3456, False), (1152, 1152, False), (1152, 4304, True), (4304, 1152, False)]
 
@@ -146,7 +204,7 @@ def chooser():
 
 @pytest.mark.cuda
 @needs_gpu
-@pytest.mark.parametrize("rows", [256, 1024])
+@pytest.mark.parametrize("rows", [256, 1024, 4096])
 def test_measured_products_equal_atens_within_its_rounding(chooser, rows):
     for k, n, gelu in TOWER_PRODUCTS:
         x, w, b = operands(rows, k, n)
@@ -165,7 +223,7 @@ def test_measured_products_equal_atens_within_its_rounding(chooser, rows):
 @pytest.mark.cuda
 @needs_gpu
 def test_a_chosen_product_replays_on_new_inputs_and_an_unseen_shape_is_not_measured_while_capturing(chooser):
-    x, w, b = operands(1024, 4304, 1152)  # fc2 at 1024 rows: another candidate than ATen's on the H200
+    x, w, b = operands(1024, 4304, 1152)  # fc2 at 1024 rows: another configuration than ATen's on the H200
     static = x.clone()
     chooser.linear(static, w, b)  # measured here, outside the capture
     (choice,) = chooser.choices.values()
@@ -199,15 +257,23 @@ def test_a_second_chooser_recalls_the_first_ones_choices_from_the_cache_and_meas
     for x, w, b in shapes:
         torch.testing.assert_close(second.linear(x, w, b), first.linear(x, w, b), rtol=0, atol=0)
     assert [c.recalled for c in second.choices.values()] == [True, True]
-    assert [c.index for c in second.choices.values()] == [c.index for c in first.choices.values()]
+    assert [c.config for c in second.choices.values()] == [c.config for c in first.choices.values()]
     assert "2 shapes in " in second.describe() and "(2 from the cache" in second.describe()
     label = lt.MeasuredProducts.label(shapes[0][0], shapes[0][1], False)
-    second.cache.put(label, {"index": 999, "aten_us": 1.0, "chosen_us": 0.5})  # no such candidate
-    third = lt.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
-    third.linear(*shapes[0])
-    (choice,) = third.choices.values()
-    assert not choice.recalled and choice.aten_us > 1.0  # measured again, and cached again
-    assert third.cache.get(label)["index"] == choice.index
+    x, w, b = shapes[0]
+    descriptor = first.descriptor(w, b, x.shape[0], gelu=False)
+    rejected = lt.configured(lib, descriptor.candidates()[0].algo, {lt.CFG_TILE: 10**6})  # no such tile
+    assert rejected is not None and not descriptor.accepts(rejected)
+    broken = [{"index": 3, "aten_us": 1.0, "chosen_us": 0.5},  # session 19's format
+              {"algo": "not hex", "config": None, "aten_us": 1.0, "chosen_us": 0.5},
+              {"algo": bytes(rejected).hex(), "config": None, "aten_us": 1.0, "chosen_us": 0.5}]
+    for entry in broken:
+        second.cache.put(label, entry)
+        third = lt.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
+        third.linear(*shapes[0])
+        (choice,) = third.choices.values()
+        assert not choice.recalled and choice.aten_us > 1.0  # measured again, and cached again
+        assert third.cache.get(label) == choice.entry()
 
 
 @pytest.mark.cuda
