@@ -133,13 +133,15 @@ def check(status: int, call: str) -> None:
 
 
 def config_value(lib, algo: Algo, attribute: int) -> int:
-    """One of an algorithm's configuration attributes (``cublasLtMatmulAlgoConfigAttributes_t``), or -1."""
-    value, written = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    status = lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attribute, ctypes.byref(value),
-                                                      ctypes.sizeof(value), ctypes.byref(written))
-    if status != 0 or not 0 < written.value <= 8:
+    """One of an algorithm's configuration attributes (``cublasLtMatmulAlgoConfigAttributes_t``), or -1. cuBLASLt
+    takes only a buffer of the attribute's own size, which a first call without one reports."""
+    get, size = lib.cublasLtMatmulAlgoConfigGetAttribute, ctypes.c_size_t(0)
+    if get(ctypes.byref(algo), attribute, None, 0, ctypes.byref(size)) != 0 or not 0 < size.value <= 8:
         return -1
-    return value.value & ((1 << (8 * written.value)) - 1)
+    value = ctypes.c_uint64(0)
+    if get(ctypes.byref(algo), attribute, ctypes.byref(value), size.value, ctypes.byref(size)) != 0:
+        return -1
+    return value.value & ((1 << (8 * size.value)) - 1)
 
 
 def configured(lib, algo: Algo, settings: dict[int, int]) -> Algo | None:

@@ -149,7 +149,13 @@ class FakeAlgorithms(FakeCublasLt):
         return 0
 
     def cublasLtMatmulAlgoConfigGetAttribute(self, algo, attribute, value, size, written):
-        value._obj.value, written._obj.value = algo._obj.data[self.SLOTS[attribute]], 4
+        width = 2 if attribute == lt.CFG_CLUSTER else 4  # as cuBLASLt: a buffer of the attribute's size, or none
+        written._obj.value = width
+        if value is None:
+            return 0
+        if size != width:
+            return 7  # CUBLAS_STATUS_INVALID_VALUE
+        value._obj.value = algo._obj.data[self.SLOTS[attribute]]
         return 0
 
     def cublasLtMatmulAlgoConfigSetAttribute(self, algo, attribute, value, size):
@@ -218,6 +224,19 @@ def test_measured_products_equal_atens_within_its_rounding(chooser, rows):
     described = chooser.describe()
     assert described.startswith(f"measured cuBLASLt algorithms: {len(TOWER_PRODUCTS)} shapes in ")
     assert "(0 from the cache None)" in described
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_configurations_add_accepted_tiles_and_clusters_beyond_the_heuristics_list(chooser):
+    x, w, b = operands(4096, 1152, 4304)  # fc1 + GELU at 4096 rows: 128x128 tiles in 2x1 clusters beat the list
+    descriptor = chooser.descriptor(w, b, 4096, gelu=True)
+    candidates = descriptor.candidates()
+    assert candidates and all(lt.config_value(chooser.lib, c.algo, lt.CFG_ID) >= 0 for c in candidates)
+    found = descriptor.configurations(candidates)
+    assert len(found) > len(candidates)
+    assert not {bytes(a) for a in found} & {bytes(c.algo) for c in candidates}
+    assert all(descriptor.accepts(a) and lt.config_value(chooser.lib, a, lt.CFG_SPLITK) == 1 for a in found)
 
 
 @pytest.mark.cuda
