@@ -13,9 +13,10 @@ shapes it lists among its capabilities, and some of those are faster still: fc1 
 ``MeasuredProducts`` is the CUDA plugin's product chooser. At a shape's first call outside a capture (the manager's
 warm-up) it gathers the heuristic's candidates without a workspace (the graphs capture without one) and those
 configurations (``LtProduct.configurations``), drops any that cuBLASLt rejects or that is less accurate than ATen's
-call against the float64 product, screens the rest in short CUDA graphs, and times the ``SHORTLIST`` fastest and
-ATen's call in interleaved replays. The fastest is kept for the process; ATen's call stays where nothing beats it by
-``MARGIN``. cuBLASLt is called through ctypes on the ``libcublasLt`` that torch has loaded: nothing is built.
+call against the float64 product, screens the rest (``MeasuredProducts.screen``), and times the ``SHORTLIST``
+fastest and ATen's call in interleaved replays of CUDA graphs. The fastest is kept for the process; ATen's call stays
+where nothing beats it by ``MARGIN``. cuBLASLt is called through ctypes on the ``libcublasLt`` that torch has loaded:
+nothing is built.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ CFG_ID, CFG_TILE, CFG_SPLITK, CFG_SWIZZLING, CFG_CUSTOM, CFG_STAGES, CFG_CLUSTER
 CAP_TILE_IDS = 6  # cublasLtMatmulAlgoCapAttributes_t
 CLUSTERS = {2: "1x1", 3: "2x1", 5: "1x2", 4: "4x1", 8: "1x4"}  # cublasLtClusterShape_t tried with every tile
 CANDIDATES = 32  # asked of the heuristic per shape
-SCREEN_CALLS = 5  # product calls per screening graph
+SCREEN_CALLS = 5  # product calls per screened configuration
+SCREEN_SLEEP_CYCLES = 400_000  # about 0.2 ms of device time before each, more than launching the calls takes
 SHORTLIST = 4  # the screen's fastest, timed again against ATen's call
 CALLS = 20  # product calls per timed graph
 MARGIN = 0.01  # a candidate replaces ATen's call only if it is this much faster
@@ -433,8 +435,9 @@ class MeasuredProducts:
             scratch = x.new_empty(exact.shape)
             candidates = descriptor.candidates()
             algos = [c.algo for c in candidates] + descriptor.configurations(candidates)
-            accurate = [a for a in algos if relative_error(descriptor.run(a, x, weight, scratch), exact) <= bound]
-            screened = sorted(accurate, key=lambda a: self.screen(descriptor, a, x, weight, scratch))[:SHORTLIST]
+            accurate = [a for a, error in zip(algos, self.errors(descriptor, algos, x, weight, exact, scratch),
+                                              strict=True) if error <= bound]
+            screened = self.screen(descriptor, accurate, x, weight, scratch)[:SHORTLIST]
             calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
             calls |= {i: functools.partial(descriptor.run, a, x, weight, scratch) for i, a in enumerate(screened)}
             graphs = {key: graphed_calls(fn, CALLS) for key, fn in calls.items()}
@@ -457,10 +460,34 @@ class MeasuredProducts:
         self.cache.put(label, choice.entry())
         return choice
 
-    def screen(self, descriptor: LtProduct, algo: Algo, x, weight, out) -> float:
-        """A configuration's median ms over a few replays of a short graph: enough to rank it for the shortlist."""
-        graph = graphed_calls(functools.partial(descriptor.run, algo, x, weight, out), SCREEN_CALLS)
-        return measure_interleaved({"screen": graph.replay}, self.device, warmup=1, samples=3)["screen"].median
+    @staticmethod
+    def errors(descriptor: LtProduct, algos: list[Algo], x, weight, exact, out) -> list[float]:
+        """Each configuration's ``relative_error`` against ``exact``, computed on the device with one host read."""
+        want = exact.float()
+        norms = [torch.linalg.vector_norm(descriptor.run(a, x, weight, out).float() - want) for a in algos]
+        if not norms:
+            return []
+        return (torch.stack(norms) / torch.linalg.vector_norm(want).clamp_min(1e-30)).tolist()
+
+    def screen(self, descriptor: LtProduct, algos: list[Algo], x, weight, out) -> list[Algo]:
+        """``algos`` fastest first, ranked by CUDA events around ``SCREEN_CALLS`` calls of each, best of two passes
+        with one host read. A ``torch.cuda._sleep`` of ``SCREEN_SLEEP_CYCLES`` before each configuration keeps the
+        device behind the host, so the events time the kernels, not the ctypes launches."""
+        passes = []
+        for _ in range(2):
+            events = []
+            for algo in algos:
+                torch.cuda._sleep(SCREEN_SLEEP_CYCLES)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(SCREEN_CALLS):
+                    descriptor.run(algo, x, weight, out)
+                end.record()
+                events.append((start, end))
+            passes.append(events)
+        torch.cuda.synchronize(self.device)
+        ms = [min(a.elapsed_time(b) for a, b in pair) for pair in zip(*passes, strict=True)]
+        return [algo for _, _, algo in sorted(zip(ms, range(len(algos)), algos, strict=True))]
 
     def describe(self) -> str:
         other = [c for c in self.choices.values() if c.algo is not None]
