@@ -435,9 +435,9 @@ class MeasuredProducts:
             scratch = x.new_empty(exact.shape)
             candidates = descriptor.candidates()
             algos = [c.algo for c in candidates] + descriptor.configurations(candidates)
-            accurate = [a for a, error in zip(algos, self.errors(descriptor, algos, x, weight, exact, scratch),
-                                              strict=True) if error <= bound]
-            screened = self.screen(descriptor, accurate, x, weight, scratch)[:SHORTLIST]
+            accurate = [a for a, error in self.errors(descriptor, algos, x, weight, exact, scratch) if error <= bound]
+            with torch.cuda.device(self.device):
+                screened = self.screen(descriptor, accurate, x, weight, scratch)[:SHORTLIST]
             calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
             calls |= {i: functools.partial(descriptor.run, a, x, weight, scratch) for i, a in enumerate(screened)}
             graphs = {key: graphed_calls(fn, CALLS) for key, fn in calls.items()}
@@ -461,13 +461,20 @@ class MeasuredProducts:
         return choice
 
     @staticmethod
-    def errors(descriptor: LtProduct, algos: list[Algo], x, weight, exact, out) -> list[float]:
-        """Each configuration's ``relative_error`` against ``exact``, computed on the device with one host read."""
-        want = exact.float()
-        norms = [torch.linalg.vector_norm(descriptor.run(a, x, weight, out).float() - want) for a in algos]
-        if not norms:
+    def errors(descriptor: LtProduct, algos: list[Algo], x, weight, exact, out) -> list[tuple[Algo, float]]:
+        """Each configuration's ``relative_error`` against ``exact``, computed on the device with one host read.
+        Configurations that cuBLASLt accepted but will not run without a workspace are left out."""
+        want, ran, norms = exact.float(), [], []
+        for algo in algos:
+            try:
+                norms.append(torch.linalg.vector_norm(descriptor.run(algo, x, weight, out).float() - want))
+            except RuntimeError:  # cublasLtMatmul's status: nothing was launched
+                continue
+            ran.append(algo)
+        if not ran:
             return []
-        return (torch.stack(norms) / torch.linalg.vector_norm(want).clamp_min(1e-30)).tolist()
+        errors = (torch.stack(norms) / torch.linalg.vector_norm(want).clamp_min(1e-30)).tolist()
+        return list(zip(ran, errors, strict=True))
 
     def screen(self, descriptor: LtProduct, algos: list[Algo], x, weight, out) -> list[Algo]:
         """``algos`` fastest first, ranked by CUDA events around ``SCREEN_CALLS`` calls of each, best of two passes

@@ -186,6 +186,22 @@ def test_configurations_try_every_tile_and_cluster_of_the_candidates_algorithms_
                                                           "swizzle 0, split-K 1")
 
 
+def test_errors_leave_out_configurations_that_do_not_run(monkeypatch):
+    fake, bf16 = FakeAlgorithms(), torch.bfloat16
+    fake.cublasLtMatmul = lambda *args: 15 if args[12]._obj.data[1] == 22 else 0  # NOT_SUPPORTED for tile 22
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=99))
+    product = lt.LtProduct(fake, ctypes.c_void_p(7), torch.zeros(6, 4, dtype=bf16), torch.zeros(6, dtype=bf16), 5,
+                           gelu=False)
+    algos = [lt.Algo(), lt.Algo(), lt.Algo()]
+    for algo, tile in zip(algos, (20, 22, 21), strict=True):
+        algo.data[1] = tile
+    x, weight = torch.zeros(5, 4, dtype=bf16), torch.zeros(6, 4, dtype=bf16)
+    out, exact = torch.ones(5, 6, dtype=bf16), torch.full((5, 6), 2.0, dtype=torch.float64)
+    errors = lt.MeasuredProducts.errors(product, algos, x, weight, exact, out)
+    assert [(a.data[1], e) for a, e in errors] == [(20, 0.5), (21, 0.5)]  # ||1 - 2|| / ||2||
+    assert lt.MeasuredProducts.errors(product, algos[1:2], x, weight, exact, out) == []
+
+
 # ---------------------------------------------------------------- on the GPU
 TOWER_PRODUCTS = [(1152, 3456, False), (1152, 1152, False), (1152, 4304, True), (4304, 1152, False)]
 
