@@ -48,7 +48,7 @@ from hwgraph.manager import relative_error
 from hwgraph.timing import graphed_calls, graphed_ms, measure_interleaved
 
 CAP_SWIZZLING, CAP_TILE_IDS, CAP_STAGES_IDS = 2, 6, 13  # cublasLtMatmulAlgoCapAttributes_t
-CLUSTERS = {2: "1x1", 3: "2x1", 5: "1x2", 6: "2x2", 4: "4x1", 8: "1x4"}  # cublasLtClusterShape_t
+CLUSTERS = (2, 3, 5, 6, 4, 8)  # cublasLtClusterShape_t 1x1, 2x1, 1x2, 2x2, 4x1, 1x4
 SCREEN = {"warmup": 2, "samples": 5}
 
 

@@ -49,7 +49,9 @@ OP_N, OP_T = 0, 1
 PREF_MAX_WORKSPACE_BYTES = 1
 CFG_ID, CFG_TILE, CFG_SPLITK, CFG_SWIZZLING, CFG_CUSTOM, CFG_STAGES, CFG_CLUSTER = 0, 1, 2, 4, 5, 6, 8
 CAP_TILE_IDS = 6  # cublasLtMatmulAlgoCapAttributes_t
-CLUSTERS = {2: "1x1", 3: "2x1", 5: "1x2", 4: "4x1", 8: "1x4"}  # cublasLtClusterShape_t tried with every tile
+CLUSTER_NAMES = {0: "auto", 2: "1x1", 3: "2x1", 4: "4x1", 5: "1x2", 6: "2x2", 7: "4x2", 8: "1x4", 9: "2x4",
+                 10: "4x4"}  # cublasLtClusterShape_t
+CLUSTERS = (2, 3, 5, 4, 8)  # the cluster shapes tried with every tile: 1x1, 2x1, 1x2, 4x1, 1x4
 CANDIDATES = 32  # asked of the heuristic per shape
 SCREEN_CALLS = 5  # product calls per screened configuration
 SCREEN_SLEEP_CYCLES = 400_000  # about 0.2 ms of device time before each, more than launching the calls takes
@@ -174,7 +176,7 @@ def describe_algo(lib, algo: Algo) -> str:
     """An algorithm's identity and configuration, for logs and the cache."""
     cluster = config_value(lib, algo, CFG_CLUSTER)
     return (f"algorithm {config_value(lib, algo, CFG_ID)}, tile {config_value(lib, algo, CFG_TILE)}, stages "
-            f"{config_value(lib, algo, CFG_STAGES)}, cluster {CLUSTERS.get(cluster, cluster)}, custom "
+            f"{config_value(lib, algo, CFG_STAGES)}, cluster {CLUSTER_NAMES.get(cluster, cluster)}, custom "
             f"{config_value(lib, algo, CFG_CUSTOM)}, swizzle {config_value(lib, algo, CFG_SWIZZLING)}, split-K "
             f"{config_value(lib, algo, CFG_SPLITK)}")
 

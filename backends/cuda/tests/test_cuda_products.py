@@ -184,6 +184,8 @@ def test_configurations_try_every_tile_and_cluster_of_the_candidates_algorithms_
     assert set(found) == want - {(66, 22, 1, 0, 0, 35, 4, 0), tuple(candidates[1].algo.data)}
     assert lt.describe_algo(fake, candidates[0].algo) == ("algorithm 66, tile 20, stages 35, cluster 2x1, custom 2, "
                                                           "swizzle 0, split-K 1")
+    candidates[0].algo.data[6] = 9  # a cluster shape the heuristic offers but configurations do not try
+    assert "cluster 2x4," in lt.describe_algo(fake, candidates[0].algo)
 
 
 def test_errors_leave_out_configurations_that_do_not_run(monkeypatch):
