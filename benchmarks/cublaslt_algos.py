@@ -96,30 +96,50 @@ def report(rows, name, k, n, aten, aten_us, aten_err, product, timed) -> float |
         contenders["#0"] = lambda: product.run(first[4])
     for _us, _err, index, limit, cand in good[:3]:
         contenders.setdefault(f"#{index} ({limit >> 20} MiB)", lambda cand=cand: product.run(cand))
+    per_call = interleaved(contenders)
+    return per_call["aten"][0] - min(median for median, _ in per_call.values())
+
+
+def interleaved(contenders: dict) -> dict[str, tuple[float, float]]:
+    """Time each contender as ``CALLS`` calls in one CUDA graph, interleaved (``measure_interleaved``, so drift in
+    clock and power moves all alike); print and return µs per call (median, p95), with each one's kernels."""
     graphs = {label: graphed_calls(fn, CALLS) for label, fn in contenders.items()}
     latency = measure_interleaved({label: g.replay for label, g in graphs.items()}, "cuda")
     per_call = {label: (lat.median * 1e3 / CALLS, lat.p95 * 1e3 / CALLS) for label, lat in latency.items()}
     print("  interleaved, µs per call (median / p95):")
     for label, (median, p95) in sorted(per_call.items(), key=lambda item: item[1][0]):
-        print(f"    {label:<14} {median:6.1f} / {p95:6.1f}  {kernel_names(contenders[label])}")
-    return per_call["aten"][0] - min(median for median, _ in per_call.values())
+        print(f"    {label:<15} {median:6.1f} / {p95:6.1f}  {kernel_names(contenders[label])}", flush=True)
+    return per_call
 
 
-def main():
-    def listed(flag: str, default: list[int]) -> list[int]:
-        if flag not in sys.argv:
-            return default
-        values = []
-        for arg in sys.argv[sys.argv.index(flag) + 1:]:
-            if arg.startswith("--"):
-                break
-            values.append(int(arg))
-        return values
+def arguments(flag: str, default: list[str]) -> list[str]:
+    """The command-line values after ``flag`` up to the next ``--`` flag, or ``default``."""
+    if flag not in sys.argv:
+        return default
+    values = []
+    for arg in sys.argv[sys.argv.index(flag) + 1:]:
+        if arg.startswith("--"):
+            break
+        values.append(arg)
+    return values
 
-    rows_list = listed("--rows", [256, 1024, 4096])
-    count = listed("--count", [32])[0]
-    limits = [mib << 20 for mib in listed("--workspace", [0, 32])]
-    dev = torch.device("cuda")
+
+def shape_operands(rows: int, k: int, n: int, gelu: bool, gen: torch.Generator):
+    """Random bf16 operands of one product, its float64 result, and ATen's call as the tower makes it."""
+    x = torch.randn(rows, k, device=gen.device, generator=gen).bfloat16()
+    w = (torch.randn(n, k, device=gen.device, generator=gen) * k ** -0.5).bfloat16()
+    b = torch.randn(n, device=gen.device, generator=gen).bfloat16()
+    exact = x.double() @ w.double().t() + b.double()
+    exact = F.gelu(exact, approximate="tanh") if gelu else exact
+
+    def aten():
+        return torch._addmm_activation(b, x, w.t(), use_gelu=True) if gelu else F.linear(x, w, b)
+
+    return x, w, b, exact, aten
+
+
+def session():
+    """Print the device and settings; return torch's cuBLASLt, a handle of its own, and a seeded CUDA generator."""
     print(torch.cuda.get_device_name(), torch.__version__, "CUBLASLT_WORKSPACE_SIZE =",
           os.environ.get("CUBLASLT_WORKSPACE_SIZE", "(unset)"), flush=True)
     lib, reason = cublaslt()
@@ -127,22 +147,18 @@ def main():
         raise SystemExit(reason)
     handle = ctypes.c_void_p()
     check(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
-    gen = torch.Generator(device=dev).manual_seed(0)
+    return lib, handle, torch.Generator(device="cuda").manual_seed(0)
+
+
+def main():
+    rows_list = [int(r) for r in arguments("--rows", ["256", "1024", "4096"])]
+    count = int(arguments("--count", ["32"])[0])
+    limits = [int(mib) << 20 for mib in arguments("--workspace", ["0", "32"])]
+    lib, handle, gen = session()
     totals: dict[int, list[float]] = {}
     for rows in rows_list:
         for name, k, n, gelu in PRODUCTS:
-            x = torch.randn(rows, k, device=dev, generator=gen).bfloat16()
-            w = (torch.randn(n, k, device=dev, generator=gen) * k ** -0.5).bfloat16()
-            b = torch.randn(n, device=dev, generator=gen).bfloat16()
-            exact = x.double() @ w.double().t() + b.double()
-            if gelu:
-                exact = F.gelu(exact, approximate="tanh")
-
-                def aten(x=x, w=w, b=b):
-                    return torch._addmm_activation(b, x, w.t(), use_gelu=True)
-            else:
-                def aten(x=x, w=w, b=b):
-                    return F.linear(x, w, b)
+            x, w, b, exact, aten = shape_operands(rows, k, n, gelu, gen)
             aten_err = relative_error(aten(), exact)
             aten_us = graphed_ms(aten) * 1e3
             product = Operands(lib, handle, x, w, b, gelu)

@@ -20,13 +20,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
-import os
-import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from cublaslt_algos import BLOCKS, CALLS, PRODUCTS, Candidate, Operands, kernel_names
+from cublaslt_algos import BLOCKS, PRODUCTS, Candidate, Operands, arguments, interleaved, session, shape_operands
 from hwgraph_cuda.products import (
     CFG_CLUSTER,
     CFG_SPLITK,
@@ -40,12 +37,11 @@ from hwgraph_cuda.products import (
     Heuristic,
     check,
     configured,
-    cublaslt,
     describe_algo,
 )
 
 from hwgraph.manager import relative_error
-from hwgraph.timing import graphed_calls, graphed_ms, measure_interleaved
+from hwgraph.timing import graphed_ms
 
 CAP_SWIZZLING, CAP_TILE_IDS, CAP_STAGES_IDS = 2, 6, 13  # cublasLtMatmulAlgoCapAttributes_t
 CLUSTERS = (2, 3, 5, 6, 4, 8)  # cublasLtClusterShape_t 1x1, 2x1, 1x2, 2x2, 4x1, 1x4
@@ -123,44 +119,18 @@ def space(lib, handle, product, dtype: int, max_stages: int) -> list[tuple[str, 
 
 
 def main():
-    def listed(flag: str, default: list[str]) -> list[str]:
-        if flag not in sys.argv:
-            return default
-        values = []
-        for arg in sys.argv[sys.argv.index(flag) + 1:]:
-            if arg.startswith("--"):
-                break
-            values.append(arg)
-        return values
-
-    rows_list = [int(r) for r in listed("--rows", ["4096", "1024"])]
-    wanted = listed("--products", ["qkv,proj,fc1,fc2"])[0].split(",")
-    max_stages = int(listed("--stages", ["3"])[0])
-    limit = int(listed("--limit", ["800"])[0])
-    dev = torch.device("cuda")
-    print(torch.cuda.get_device_name(), torch.__version__, "CUBLASLT_WORKSPACE_SIZE =",
-          os.environ.get("CUBLASLT_WORKSPACE_SIZE", "(unset)"), flush=True)
-    lib, reason = cublaslt()
-    if lib is None:
-        raise SystemExit(reason)
+    rows_list = [int(r) for r in arguments("--rows", ["4096", "1024"])]
+    wanted = arguments("--products", ["qkv,proj,fc1,fc2"])[0].split(",")
+    max_stages = int(arguments("--stages", ["3"])[0])
+    limit = int(arguments("--limit", ["800"])[0])
+    lib, handle, gen = session()
     bind(lib)
-    handle = ctypes.c_void_p()
-    check(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
-    gen = torch.Generator(device=dev).manual_seed(0)
     gains: dict[int, list[float]] = {}
     for rows in rows_list:
         for name, k, n, gelu in PRODUCTS:
             if name.split()[0] not in wanted:
                 continue
-            x = torch.randn(rows, k, device=dev, generator=gen).bfloat16()
-            w = (torch.randn(n, k, device=dev, generator=gen) * k ** -0.5).bfloat16()
-            b = torch.randn(n, device=dev, generator=gen).bfloat16()
-            exact = x.double() @ w.double().t() + b.double()
-            exact = F.gelu(exact, approximate="tanh") if gelu else exact
-
-            def aten(x=x, w=w, b=b, gelu=gelu):
-                return torch._addmm_activation(b, x, w.t(), use_gelu=True) if gelu else F.linear(x, w, b)
-
+            x, w, b, exact, aten = shape_operands(rows, k, n, gelu, gen)
             bound = 1.5 * relative_error(aten(), exact) + 1e-4
             product = Operands(lib, handle, x, w, b, gelu)
             print(f"\n{rows} rows, {name} (K {k}, N {n}): aten {graphed_ms(aten) * 1e3:.1f} µs", flush=True)
@@ -195,14 +165,10 @@ def main():
                 contenders["heuristic best"] = functools.partial(product.run, best_heuristic)
             for rank, (_, cand) in enumerate(screened[:3]):
                 contenders[f"screen #{rank}"] = functools.partial(product.run, cand)
-            graphs = {label: graphed_calls(fn, CALLS) for label, fn in contenders.items()}
-            latency = measure_interleaved({label: g.replay for label, g in graphs.items()}, dev)
-            per_call = {label: (lat.median * 1e3 / CALLS, lat.p95 * 1e3 / CALLS) for label, lat in latency.items()}
-            print("  interleaved, µs per call (median / p95):")
-            for label, (median, p95) in sorted(per_call.items(), key=lambda item: item[1][0]):
-                print(f"    {label:<15} {median:6.1f} / {p95:6.1f}  {kernel_names(contenders[label])}", flush=True)
+            per_call = interleaved(contenders)
             heuristic_us = per_call.get("heuristic best", per_call["aten"])[0]
-            space_us = min(median for label, (median, _) in per_call.items() if label.startswith("screen"))
+            space_us = min((median for label, (median, _) in per_call.items() if label.startswith("screen")),
+                           default=per_call["aten"][0])
             gains.setdefault(rows, []).append((per_call["aten"][0] - heuristic_us, per_call["aten"][0] - space_us))
     for rows, pairs in gains.items():
         print(f"\n{rows} rows, ms a replay's 27 blocks would save against ATen: heuristic's best "
