@@ -9,7 +9,8 @@ GELU in cuBLASLt's epilogue, as the tower calls it) through ``cublasLtMatmul`` w
 PyTorch's TunableOp measures alternatives only on ROCm. This script asks the heuristic for up to C candidates for the
 same descriptors (bf16 in and out, fp32 compute, the bias or GELU + bias epilogue, D = W x^T in cuBLAS's
 column-major view), calls each through the CUDA plugin's ctypes binding (``hwgraph_cuda.products``) and times it.
-``EncoderGraphManager(measure_products=True)`` makes the same choice per shape while it captures.
+``EncoderGraphManager(measure_products=True)`` chooses per shape among these candidates and the other tiles and cluster
+shapes of their algorithms (``benchmarks/cublaslt_space.py``) while it captures.
 
 µs per call: 20 calls in one CUDA graph (``hwgraph.timing.graphed_ms``). ``aten``: the tower's call; ``#0``: the
 heuristic's first candidate (ATen's choice when the workspace limits match); ``best``: the fastest candidate whose
