@@ -411,5 +411,5 @@ def register_cli(sub) -> None:
                    help="torch.compile the block forward (once per block shape) before capturing each budget")
     p.add_argument("--measure-products", action="store_true",
                    help="capture the matrix products with the graph backend's measured kernel choice (CUDA: the "
-                        "fastest of cuBLASLt's candidate algorithms per shape), timed beside plain replay")
+                        "fastest cuBLASLt configuration per shape), timed beside plain replay")
     p.set_defaults(func=cmd_bench)

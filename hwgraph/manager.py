@@ -104,8 +104,8 @@ class EncoderGraphManager:
     counts must lie in 1..``max_images_per_graph``, which is always added.
 
     ``measure_products=True``: plain captures run the tower's matrix products as the backend's
-    ``product_chooser()`` picks them, by measurement during each capture's warm-up (CUDA: the fastest of cuBLASLt's
-    candidate algorithms per shape, ``hwgraph_cuda.products``). Eager calls and compiled captures keep ATen's;
+    ``product_chooser()`` picks them, by measurement during each capture's warm-up (CUDA: the fastest cuBLASLt
+    configuration per shape, ``hwgraph_cuda.products``). Eager calls and compiled captures keep ATen's;
     where the backend cannot choose (``products_support()``), every capture does, and ``stats()['products']`` says
     why, as it says what chose them otherwise.
     """

@@ -45,7 +45,7 @@ class CudaGraphBackend(TorchCudaGraphBackend):
         return products_support(self.device)
 
     def product_chooser(self):
-        """The process's ``MeasuredProducts`` for this GPU: the fastest of cuBLASLt's candidates per shape, measured
+        """The process's ``MeasuredProducts`` for this GPU: the fastest cuBLASLt configuration per shape, measured
         once (and cached between processes, ``hwgraph_cuda.products.cache_path``)."""
         from hwgraph_cuda.products import measured_products
 
