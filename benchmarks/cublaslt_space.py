@@ -25,6 +25,7 @@ import time
 import torch
 from cublaslt_algos import BLOCKS, PRODUCTS, Candidate, Operands, arguments, interleaved, session, shape_operands
 from hwgraph_cuda.products import (
+    CAP_TILE_IDS,
     CFG_CLUSTER,
     CFG_SPLITK,
     CFG_STAGES,
@@ -34,7 +35,7 @@ from hwgraph_cuda.products import (
     DATA_TYPES,
     SCALE_32F,
     Algo,
-    Heuristic,
+    cap_values,
     check,
     configured,
     describe_algo,
@@ -43,7 +44,7 @@ from hwgraph_cuda.products import (
 from hwgraph.manager import relative_error
 from hwgraph.timing import graphed_ms
 
-CAP_SWIZZLING, CAP_TILE_IDS, CAP_STAGES_IDS = 2, 6, 13  # cublasLtMatmulAlgoCapAttributes_t
+CAP_SWIZZLING, CAP_STAGES_IDS = 2, 13  # cublasLtMatmulAlgoCapAttributes_t (CAP_TILE_IDS: the plugin's)
 CLUSTERS = (2, 3, 5, 6, 4, 8)  # cublasLtClusterShape_t 1x1, 2x1, 1x2, 2x2, 4x1, 1x4
 SCREEN = {"warmup": 2, "samples": 5}
 
@@ -55,36 +56,12 @@ def bind(lib):
     lib.cublasLtMatmulAlgoGetIds.restype = i
 
 
-def cap_values(lib, algo: Algo, attribute: int) -> list[int]:
-    """A capability attribute as a list of uint32 (array attributes) or one value."""
-    needed = ctypes.c_size_t(0)
-    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attribute, None, 0, ctypes.byref(needed)) != 0:
-        return []
-    count = max(1, needed.value // 4)
-    values = (ctypes.c_uint32 * count)()
-    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attribute, values, ctypes.sizeof(values),
-                                             ctypes.byref(needed)) != 0:
-        return []
-    return list(values[: max(1, needed.value // 4)])
-
-
-def accepted(lib, handle, product, algo: Algo) -> Heuristic | None:
-    """cuBLASLt's check of ``algo`` for the product's descriptors: its result (with the workspace it recommends,
-    which the kernels ATen runs without one also report), or None if cuBLASLt rejects it."""
-    result = Heuristic()
-    a, b, d = product.product.layouts
-    if lib.cublasLtMatmulAlgoCheck(handle, product.product.desc, a, b, d, d, ctypes.byref(algo),
-                                   ctypes.byref(result)) != 0:
-        return None
-    return result if result.state == 0 else None
-
-
 def space(lib, handle, product, dtype: int, max_stages: int) -> list[tuple[str, Algo, float]]:
     """Every accepted configuration: the enumerated algorithms', then the heuristic candidates' variants."""
     found, seen = [], set()
 
     def offer(origin: str, algo: Algo):
-        result = accepted(lib, handle, product, algo)
+        result = product.product.checked(algo)  # with the workspace it recommends: ATen's kernels report one too
         key = bytes(algo)
         if result is not None and key not in seen:
             seen.add(key)

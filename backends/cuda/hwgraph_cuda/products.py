@@ -160,16 +160,17 @@ def configured(lib, algo: Algo, settings: dict[int, int]) -> Algo | None:
     return copy
 
 
-def tile_ids(lib, algo: Algo) -> list[int]:
-    """The tiles (``cublasLtMatmulTile_t``) an algorithm lists among its capabilities."""
+def cap_values(lib, algo: Algo, attribute: int) -> list[int]:
+    """A capability attribute (``cublasLtMatmulAlgoCapAttributes_t``) as uint32 values: an array attribute's
+    elements (``CAP_TILE_IDS``: the tiles an algorithm lists), or a scalar's one value; [] if cuBLASLt refuses."""
     needed = ctypes.c_size_t(0)
-    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), CAP_TILE_IDS, None, 0, ctypes.byref(needed)) != 0:
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attribute, None, 0, ctypes.byref(needed)) != 0:
         return []
-    tiles = (ctypes.c_uint32 * max(1, needed.value // 4))()
-    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), CAP_TILE_IDS, tiles, ctypes.sizeof(tiles),
+    values = (ctypes.c_uint32 * max(1, needed.value // 4))()
+    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attribute, values, ctypes.sizeof(values),
                                              ctypes.byref(needed)) != 0:
         return []
-    return list(tiles[: needed.value // 4])
+    return list(values[: needed.value // 4])
 
 
 def describe_algo(lib, algo: Algo) -> str:
@@ -225,11 +226,16 @@ class LtProduct:
             self.lib.cublasLtMatmulPreferenceDestroy(pref)
         return [r for r in results[:returned.value] if r.state == 0]
 
-    def accepts(self, algo: Algo) -> bool:
-        """Whether cuBLASLt accepts ``algo`` for these descriptors (``cublasLtMatmulAlgoCheck``)."""
+    def checked(self, algo: Algo) -> Heuristic | None:
+        """cuBLASLt's check of ``algo`` for these descriptors (``cublasLtMatmulAlgoCheck``): its result, with the
+        workspace it recommends and its wave count, or None if it rejects ``algo``."""
         result, (a, b, d) = Heuristic(), self.layouts
-        return (self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, a, b, d, d, ctypes.byref(algo),
-                                                 ctypes.byref(result)) == 0 and result.state == 0)
+        status = self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, a, b, d, d, ctypes.byref(algo),
+                                                  ctypes.byref(result))
+        return result if status == 0 and result.state == 0 else None
+
+    def accepts(self, algo: Algo) -> bool:
+        return self.checked(algo) is not None
 
     def configurations(self, candidates: list[Heuristic]) -> list[Algo]:
         """Configurations beyond the heuristic's list: each candidate's algorithm and stage setting with every tile
@@ -245,7 +251,7 @@ class LtProduct:
             if self.lib.cublasLtMatmulAlgoInit(self.handle, COMPUTE_32F, SCALE_32F, dtype, dtype, dtype, dtype,
                                                algo_id, ctypes.byref(base)) != 0:
                 continue
-            for tile in tile_ids(self.lib, base):
+            for tile in cap_values(self.lib, base, CAP_TILE_IDS):
                 for cluster in CLUSTERS:
                     algo = configured(self.lib, base, {CFG_TILE: tile, CFG_STAGES: stages, CFG_SPLITK: 1,
                                                        CFG_SWIZZLING: 0, CFG_CLUSTER: cluster})
