@@ -3,11 +3,13 @@
 Usage: python benchmarks/products_startup.py [--plain]   (run it twice: the second process recalls the first's
 choices from the cache, ``hwgraph_cuda.products.cache_path()``)
 One manager (TRITON_ATTN, budgets 64-1024, one sequence slot) on the real-size tower with random weights; prints the
-capture seconds per budget, their sum, the wall time of ``capture()``, and ``stats()['products']``.
+capture seconds per budget, their sum, the wall time of ``capture()``, and ``stats()['products']`` (with the seconds
+of each phase of measuring); the chooser's INFO log gives each shape's configurations and phases.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -19,6 +21,8 @@ from hwgraph.manager import EncoderGraphManager
 
 def main():
     measure = "--plain" not in sys.argv
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("hwgraph_cuda.products").setLevel(logging.INFO)  # each shape's configurations and phases
     dev = torch.device("cuda")
     warm_device(dev)
     tower = build_tower("qwen3-omni-30b-a3b", dev, torch.bfloat16, 0)

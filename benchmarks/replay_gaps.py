@@ -1,7 +1,8 @@
 """Where does a small image's replay with TRITON_ATTN lose time between kernels?
 
 Usage: python benchmarks/replay_gaps.py [--ab [GROUPS] | --overlap [GROUPS] | --mlp-pad [GROUPS] | --gluon [GROUPS] |
-                                        --pingpong [GROUPS] | --census [TOKENS] | --compiled | --order]
+                                        --pingpong [GROUPS] | --census [TOKENS] [--measure-products] | --compiled |
+                                        --order]
 With TRITON_ATTN one 49-token image replays 3-10% slower than with FLASH_ATTN although its kernels sum to less
 (bench-session6-a.md: 1.743 against 1.645 ms, kernels 1.497 against 1.531). This captures the budget-64 graph (one
 sequence slot) for FLASH_ATTN and for TRITON_ATTN two ways (the TMA kernel as shipped, and the pointer kernel),
@@ -26,7 +27,8 @@ TRITON_ATTN with the Triton TMA kernel only (``use_gluon=False``), with the rela
 in a graph of one sequence slot) against TRITON_ATTN without it (``without_pingpong``: ``hopper_attention_kernel``
 from 2048 rows, the Triton TMA kernel at 1024); GROUPS defaults to those whose budgets have 1024 or more rows.
 ``--census``: the kernels of one image's plain replay with TRITON_ATTN (TOKENS, default 1024, in the smallest
-budget that holds it), by name: launches, summed ms and share of the replay's kernel time.
+budget that holds it), by name: launches, summed ms and share of the replay's kernel time; with
+``--measure-products``, the graph captured with measured products (``EncoderGraphManager(measure_products=True)``).
 ``--compiled``: plain against compiled replay (TRITON_ATTN, 49 and 256 tokens): replay times and the kernels
 that differ between the two graphs.
 ``--order``: one manager's encode timed twice per round, right after an eager forward (or a host sleep, or a GPU
@@ -113,21 +115,25 @@ def census(graph) -> dict[str, tuple[int, float]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def one_image_graph(tower, tokens: int, pixels: torch.Tensor) -> tuple[EncoderGraphManager, int, object, torch.Tensor]:
+def one_image_graph(tower, tokens: int, pixels: torch.Tensor, measure_products: bool = False
+                    ) -> tuple[EncoderGraphManager, int, object, torch.Tensor]:
     """``(manager, budget, graph, embeds)``: a TRITON_ATTN manager with the smallest budget holding one
     ``tokens``-token image (one slot), captured and run once on ``pixels``; that budget, the image's graph and the
     merged embeddings of the run. Keep the manager while replaying the graph: it holds the graph's static inputs."""
     budget = next(b for b in (64, 128, 256, 512, 1024) if b >= tokens)
-    m = EncoderGraphManager(kernel_view(tower, "TRITON_ATTN"), budgets=[budget], max_images_per_graph=1)
+    m = EncoderGraphManager(kernel_view(tower, "TRITON_ATTN"), budgets=[budget], max_images_per_graph=1,
+                            measure_products=measure_products)
     m.capture()
     embeds = m.encode(pixels, [filling_grid(tokens, 2)])[0].embeds
     return m, budget, m.graphs[budget].graph_for(1)[1], embeds
 
 
-def replay_census(device, tokens: int):
+def replay_census(device, tokens: int, measure_products: bool = False):
     """The kernels of one ``tokens`` image's plain replay (TRITON_ATTN), most time first."""
     pixels = torch.randn(tokens * 4, 1536, device=device, dtype=torch.bfloat16)
-    _manager, budget, graph, _ = one_image_graph(preset_tower(device), tokens, pixels)
+    manager, budget, graph, _ = one_image_graph(preset_tower(device), tokens, pixels, measure_products)
+    if measure_products:
+        print("products:", manager.stats()["products"])
     replay = measure_interleaved({"replay": graph.replay}, "cuda")["replay"]
     kernels = census(graph)
     total = sum(ms for _, ms in kernels.values())
@@ -287,7 +293,7 @@ AB_RUNS = {
 def flag_value(flag: str, default: str) -> str:
     """The argument after ``flag`` on the command line, or ``default``."""
     rest = sys.argv[sys.argv.index(flag) + 1:]
-    return rest[0] if rest else default
+    return rest[0] if rest and not rest[0].startswith("--") else default
 
 
 def main():
@@ -302,7 +308,7 @@ def main():
     if "--compiled" in sys.argv:
         return compiled_census(device)
     if "--census" in sys.argv:
-        return replay_census(device, int(flag_value("--census", "1024")))
+        return replay_census(device, int(flag_value("--census", "1024")), "--measure-products" in sys.argv)
     base = preset_tower(device)
     grid = [filling_grid(TOKENS, 2)]
     pixels = torch.randn(TOKENS * 4, 1536, device=device, dtype=torch.bfloat16)

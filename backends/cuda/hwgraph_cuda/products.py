@@ -58,6 +58,7 @@ SCREEN_SLEEP_CYCLES = 400_000  # about 0.2 ms of device time before each, more t
 SHORTLIST = 4  # the screen's fastest, timed again against ATen's call
 CALLS = 20  # product calls per timed graph
 MARGIN = 0.01  # a candidate replaces ATen's call only if it is this much faster
+PHASES = ("configurations", "errors", "screen", "timing")  # the parts of measuring a shape, timed (``describe``)
 ALIGNMENT = 256  # bytes; the heuristic assumes this alignment of every pointer unless told otherwise
 
 
@@ -275,6 +276,22 @@ class LtProduct:
         return out
 
 
+class PhaseClock:
+    """Seconds since the last lap, added to ``totals[phase]`` at each ``lap``; ``str`` lists this clock's laps."""
+
+    def __init__(self, totals: dict[str, float]):
+        self.totals, self.laps, self.last = totals, {}, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = now - self.last
+        self.totals[phase] += now - self.last
+        self.last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.laps.items()) or "nothing"
+
+
 @dataclass
 class Choice:
     algo: Algo | None  # None: ATen's call
@@ -353,6 +370,7 @@ class MeasuredProducts:
         self.descriptors: dict[tuple, LtProduct] = {}
         self.choices: dict[tuple, Choice] = {}
         self.seconds = 0.0
+        self.phases = dict.fromkeys(PHASES, 0.0)  # seconds of measuring, per phase (``measure``)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.takes(x, weight, bias):
@@ -436,22 +454,26 @@ class MeasuredProducts:
         """Screen the heuristic's candidates and the other configurations as accurate as ATen's call, then time the
         ``SHORTLIST`` fastest and ATen's call interleaved; keep the fastest (see ``MARGIN``). A failure of the
         measurement leaves the shape on ATen's call, logged and not cached."""
-        label = self.label(x, weight, gelu)
+        label, clock = self.label(x, weight, gelu), PhaseClock(self.phases)
         try:
-            exact, bound = self.accuracy(x, weight, bias, gelu)
             descriptor = self.descriptor(weight, bias, x.shape[0], gelu)
-            scratch = x.new_empty(exact.shape)
             candidates = descriptor.candidates()
             algos = [c.algo for c in candidates] + descriptor.configurations(candidates)
+            clock.lap("configurations")
+            exact, bound = self.accuracy(x, weight, bias, gelu)
+            scratch = x.new_empty(exact.shape)
             accurate = [a for a, error in self.errors(descriptor, algos, x, weight, exact, scratch) if error <= bound]
+            clock.lap("errors")
             with torch.cuda.device(self.device):
                 screened = self.screen(descriptor, accurate, x, weight, scratch)[:SHORTLIST]
+            clock.lap("screen")
             calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
             calls |= {i: functools.partial(descriptor.run, a, x, weight, scratch) for i, a in enumerate(screened)}
             graphs = {key: graphed_calls(fn, CALLS) for key, fn in calls.items()}
             timed = measure_interleaved({key: graph.replay for key, graph in graphs.items()}, self.device,
                                         warmup=3, samples=10)
             del graphs
+            clock.lap("timing")
         except Exception as exc:  # a shape that cannot be measured keeps ATen's call
             log.warning("measuring cuBLASLt algorithms for %s failed, it keeps ATen's: %s: %s", label,
                         type(exc).__name__, exc)
@@ -462,9 +484,9 @@ class MeasuredProducts:
             choice = Choice(None, None, us["aten"], us["aten"])
         else:
             choice = Choice(screened[best], describe_algo(self.lib, screened[best]), us["aten"], us[best])
-        log.info("matrix product %s: %d of %d configurations as accurate as ATen's call (%.1f µs); %s", label,
-                 len(accurate), len(algos), choice.aten_us,
-                 "kept" if choice.algo is None else f"{choice.config}: {choice.chosen_us:.1f} µs instead")
+        log.info("matrix product %s: %d of %d configurations as accurate as ATen's call (%.1f µs); %s; measured in "
+                 "%s", label, len(accurate), len(algos), choice.aten_us,
+                 "kept" if choice.algo is None else f"{choice.config}: {choice.chosen_us:.1f} µs instead", clock)
         self.cache.put(label, choice.entry())
         return choice
 
@@ -508,9 +530,10 @@ class MeasuredProducts:
         other = [c for c in self.choices.values() if c.algo is not None]
         recalled = sum(c.recalled for c in self.choices.values())
         saved = sum(c.aten_us - c.chosen_us for c in other)
+        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
         return (f"measured cuBLASLt algorithms: {len(self.choices)} shapes in {self.seconds:.1f} s ({recalled} from "
-                f"the cache {self.cache.path}); {len(other)} run another configuration than ATen's, {saved:.1f} µs "
-                f"faster per call of each together")
+                f"the cache {self.cache.path}; measuring: {phases}); {len(other)} run another configuration than "
+                f"ATen's, {saved:.1f} µs faster per call of each together")
 
 
 @functools.cache

@@ -109,6 +109,18 @@ class FakeCublasLt:
         return 0
 
 
+def test_a_phase_clock_adds_each_lap_to_its_phases_total(monkeypatch):
+    now = iter([10.0, 10.5, 12.0, 13.25])
+    monkeypatch.setattr(lt.time, "perf_counter", lambda: next(now))
+    totals = dict.fromkeys(lt.PHASES, 1.0)
+    clock = lt.PhaseClock(totals)
+    clock.lap("configurations")
+    clock.lap("errors")
+    clock.lap("configurations")
+    assert totals == {"configurations": 1.0 + 0.5 + 1.25, "errors": 1.0 + 1.5, "screen": 1.0, "timing": 1.0}
+    assert str(clock) == "configurations 1.25 s, errors 1.50 s"
+
+
 def test_lt_product_hands_cublaslt_the_column_major_view_of_the_call_and_holds_no_tensor(monkeypatch):
     fake, bf16 = FakeCublasLt(), torch.bfloat16
     weight, bias = torch.zeros(6, 4, dtype=bf16), torch.zeros(6, dtype=bf16)
@@ -241,7 +253,9 @@ def test_measured_products_equal_atens_within_its_rounding(chooser, rows):
     assert len(chooser.choices) == len(TOWER_PRODUCTS)
     described = chooser.describe()
     assert described.startswith(f"measured cuBLASLt algorithms: {len(TOWER_PRODUCTS)} shapes in ")
-    assert "(0 from the cache None)" in described
+    assert "(0 from the cache None; measuring: configurations " in described
+    assert all(seconds > 0 for seconds in chooser.phases.values())  # every shape was measured, in every phase
+    assert sum(chooser.phases.values()) <= chooser.seconds
 
 
 @pytest.mark.cuda
