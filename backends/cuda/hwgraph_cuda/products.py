@@ -13,8 +13,9 @@ shapes it lists among its capabilities, and some of those are faster still: fc1 
 ``MeasuredProducts`` is the CUDA plugin's product chooser. At a shape's first call outside a capture (the manager's
 warm-up) it gathers the heuristic's candidates without a workspace (the graphs capture without one) and those
 configurations (``LtProduct.configurations``), drops any that cuBLASLt rejects or that is less accurate than ATen's
-call against the float64 product, screens the rest (``MeasuredProducts.screen``), and times the ``SHORTLIST``
-fastest and ATen's call in interleaved replays of CUDA graphs. The fastest is kept for the process; ATen's call stays
+call against the float64 product, ranks the rest by one quick timing each (``MeasuredProducts.sweep``), screens
+the ``SWEEP_KEEP`` fastest more carefully (``MeasuredProducts.screen``), and times the ``SHORTLIST`` fastest of those
+and ATen's call in interleaved replays of CUDA graphs. The fastest is kept for the process; ATen's call stays
 where nothing beats it by ``MARGIN``. cuBLASLt is called through ctypes on the ``libcublasLt`` that torch has loaded:
 nothing is built.
 """
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -53,12 +56,17 @@ CLUSTER_NAMES = {0: "auto", 2: "1x1", 3: "2x1", 4: "4x1", 5: "1x2", 6: "2x2", 7:
                  10: "4x4"}  # cublasLtClusterShape_t
 CLUSTERS = (2, 3, 5, 4, 8)  # the cluster shapes tried with every tile: 1x1, 2x1, 1x2, 4x1, 1x4
 CANDIDATES = 32  # asked of the heuristic per shape
+SWEEP_CALLS = 3  # back-to-back product calls per configuration in the sweep
+SWEEP_CHUNK = 64  # configurations launched behind one sleep in the sweep
+SWEEP_KEEP = 16  # the sweep's fastest, screened
+FIRST_HOST_US = 100.0  # host time assumed to launch one configuration's sweep calls, until measured
+SLEEP_CYCLES_PER_US = 2_500  # above any SM clock in MHz: a sleep of this many cycles a µs lasts at least that long
 SCREEN_CALLS = 5  # product calls per screened configuration
 SCREEN_SLEEP_CYCLES = 400_000  # about 0.2 ms of device time before each, more than launching the calls takes
 SHORTLIST = 4  # the screen's fastest, timed again against ATen's call
 CALLS = 20  # product calls per timed graph
 MARGIN = 0.01  # a candidate replaces ATen's call only if it is this much faster
-PHASES = ("configurations", "errors", "screen", "timing")  # the parts of measuring a shape, timed (``describe``)
+PHASES = ("configurations", "errors", "sweep", "screen", "timing")  # the parts of measuring a shape (``describe``)
 ALIGNMENT = 256  # bytes; the heuristic assumes this alignment of every pointer unless told otherwise
 
 
@@ -276,6 +284,10 @@ class LtProduct:
         return out
 
 
+def timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
+
+
 class PhaseClock:
     """Seconds since the last lap, added to ``totals[phase]`` at each ``lap``; ``str`` lists this clock's laps."""
 
@@ -451,8 +463,8 @@ class MeasuredProducts:
         return None
 
     def measure(self, x, weight, bias, gelu: bool) -> Choice:
-        """Screen the heuristic's candidates and the other configurations as accurate as ATen's call, then time the
-        ``SHORTLIST`` fastest and ATen's call interleaved; keep the fastest (see ``MARGIN``). A failure of the
+        """Sweep and screen the heuristic's candidates and the other configurations as accurate as ATen's call, then
+        time the ``SHORTLIST`` fastest and ATen's call interleaved; keep the fastest (see ``MARGIN``). A failure of the
         measurement leaves the shape on ATen's call, logged and not cached."""
         label, clock = self.label(x, weight, gelu), PhaseClock(self.phases)
         try:
@@ -465,7 +477,9 @@ class MeasuredProducts:
             accurate = [a for a, error in self.errors(descriptor, algos, x, weight, exact, scratch) if error <= bound]
             clock.lap("errors")
             with torch.cuda.device(self.device):
-                screened = self.screen(descriptor, accurate, x, weight, scratch)[:SHORTLIST]
+                swept = self.sweep(descriptor, accurate, x, weight, scratch)[:SWEEP_KEEP]
+                clock.lap("sweep")
+                screened = self.screen(descriptor, swept, x, weight, scratch)[:SHORTLIST]
             clock.lap("screen")
             calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
             calls |= {i: functools.partial(descriptor.run, a, x, weight, scratch) for i, a in enumerate(screened)}
@@ -506,6 +520,44 @@ class MeasuredProducts:
         errors = (torch.stack(norms) / torch.linalg.vector_norm(want).clamp_min(1e-30)).tolist()
         return list(zip(ran, errors, strict=True))
 
+    def sweep(self, descriptor: LtProduct, algos: list[Algo], x, weight, out) -> list[Algo]:
+        """``algos`` fastest first, by CUDA events between consecutive configurations' ``SWEEP_CALLS`` calls. They are
+        launched ``SWEEP_CHUNK`` configurations at a time behind one ``torch.cuda._sleep`` that outlasts launching the
+        chunk, so the device runs the chunk's calls back to back and each interval times one configuration's
+        kernels. A chunk whose launching took longer than its sleep (the device may have waited for the host) is
+        swept again with longer sleeps, twice at most; each configuration keeps its shortest time. One host read a
+        pass."""
+        ms, pending, host_us = [math.inf] * len(algos), list(range(len(algos))), FIRST_HOST_US
+        for _ in range(3):
+            swept = []
+            for start in range(0, len(pending), SWEEP_CHUNK):
+                chunk, slept = pending[start:start + SWEEP_CHUNK], [timing_event(), timing_event()]
+                torch.cuda._sleep(1)  # the sleep kernel is loaded before the first chunk's launches are timed
+                slept[0].record()
+                torch.cuda._sleep(int(SLEEP_CYCLES_PER_US * host_us * len(chunk)))
+                slept[1].record()
+                began, marks = time.perf_counter(), [slept[1]]
+                for i in chunk:
+                    for _ in range(SWEEP_CALLS):
+                        descriptor.run(algos[i], x, weight, out)
+                    marks.append(timing_event())
+                    marks[-1].record()
+                launch_us = (time.perf_counter() - began) * 1e6
+                swept.append((chunk, slept, marks, launch_us))
+                host_us = 2 * launch_us / len(chunk)
+            torch.cuda.synchronize(self.device)
+            pending = []
+            for chunk, (start, end), marks, launch_us in swept:
+                for i, (a, b) in zip(chunk, itertools.pairwise(marks), strict=True):
+                    ms[i] = min(ms[i], a.elapsed_time(b))
+                if launch_us >= 1e3 * start.elapsed_time(end):
+                    pending += chunk
+            if not pending:
+                break
+            log.debug("sweeping %d configurations again: launching them outlasted their sleep", len(pending))
+            host_us *= 2
+        return [algos[i] for i in sorted(range(len(algos)), key=ms.__getitem__)]
+
     def screen(self, descriptor: LtProduct, algos: list[Algo], x, weight, out) -> list[Algo]:
         """``algos`` fastest first, ranked by CUDA events around ``SCREEN_CALLS`` calls of each, best of two passes
         with one host read. A ``torch.cuda._sleep`` of ``SCREEN_SLEEP_CYCLES`` before each configuration keeps the
@@ -515,7 +567,7 @@ class MeasuredProducts:
             events = []
             for algo in algos:
                 torch.cuda._sleep(SCREEN_SLEEP_CYCLES)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = timing_event(), timing_event()
                 start.record()
                 for _ in range(SCREEN_CALLS):
                     descriptor.run(algo, x, weight, out)

@@ -4,6 +4,7 @@ products, captured and replayed right, measured once per shape and never inside 
 from __future__ import annotations
 
 import ctypes
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -117,7 +118,8 @@ def test_a_phase_clock_adds_each_lap_to_its_phases_total(monkeypatch):
     clock.lap("configurations")
     clock.lap("errors")
     clock.lap("configurations")
-    assert totals == {"configurations": 1.0 + 0.5 + 1.25, "errors": 1.0 + 1.5, "screen": 1.0, "timing": 1.0}
+    assert totals == {"configurations": 1.0 + 0.5 + 1.25, "errors": 1.0 + 1.5, "sweep": 1.0, "screen": 1.0,
+                      "timing": 1.0}
     assert str(clock) == "configurations 1.25 s, errors 1.50 s"
 
 
@@ -269,6 +271,26 @@ def test_configurations_add_accepted_tiles_and_clusters_beyond_the_heuristics_li
     assert len(found) > len(candidates)
     assert not {bytes(a) for a in found} & {bytes(c.algo) for c in candidates}
     assert all(descriptor.accepts(a) and lt.config_value(chooser.lib, a, lt.CFG_SPLITK) == 1 for a in found)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_the_sweep_ranks_every_configuration_and_sweeps_again_where_launching_outlasted_the_sleep(
+        chooser, monkeypatch, caplog):
+    x, w, b = operands(1024, 1152, 4304)
+    descriptor = chooser.descriptor(w, b, 1024, gelu=True)
+    candidates = descriptor.candidates()
+    algos = [c.algo for c in candidates] + descriptor.configurations(candidates)
+    out = x.new_empty(1024, 4304)
+    with caplog.at_level(logging.DEBUG, logger=lt.__name__):
+        assert sorted(map(bytes, chooser.sweep(descriptor, algos, x, w, out))) == sorted(map(bytes, algos))
+    assert f"sweeping {len(algos)} configurations again" not in caplog.text  # sleeps sized to the launching hold
+    caplog.clear()
+    monkeypatch.setattr(lt, "FIRST_HOST_US", 1e-3)  # the first chunk's sleep is far shorter than its launching
+    with caplog.at_level(logging.DEBUG, logger=lt.__name__):
+        ranked = chooser.sweep(descriptor, algos, x, w, out)
+    assert f"sweeping {min(len(algos), lt.SWEEP_CHUNK)} configurations again" in caplog.text
+    assert sorted(map(bytes, ranked)) == sorted(map(bytes, algos))
 
 
 @pytest.mark.cuda
