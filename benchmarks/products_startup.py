@@ -1,6 +1,6 @@
 """Capture time with measured products (``EncoderGraphManager(measure_products=True)``) against plain capture.
 
-Usage: python benchmarks/products_startup.py [--plain]   (run it twice: the second process recalls the first's
+Usage: python benchmarks/products_startup.py [--plain] [--debug]   (run it twice: the second process recalls the first's
 choices from the cache, ``hwgraph_cuda.products.cache_path()``)
 One manager (TRITON_ATTN, budgets 64-1024, one sequence slot) on the real-size tower with random weights; prints the
 capture seconds per budget, their sum, the wall time of ``capture()``, and ``stats()['products']`` (with the seconds
@@ -22,7 +22,8 @@ from hwgraph.manager import EncoderGraphManager
 def main():
     measure = "--plain" not in sys.argv
     logging.basicConfig(format="%(message)s")
-    logging.getLogger("hwgraph_cuda.products").setLevel(logging.INFO)  # each shape's configurations and phases
+    # each shape's configurations and phases; with --debug also each chunk that the sweep had to sweep again
+    logging.getLogger("hwgraph_cuda.products").setLevel(logging.DEBUG if "--debug" in sys.argv else logging.INFO)
     dev = torch.device("cuda")
     warm_device(dev)
     tower = build_tower("qwen3-omni-30b-a3b", dev, torch.bfloat16, 0)

@@ -521,18 +521,21 @@ class MeasuredProducts:
         return list(zip(ran, errors, strict=True))
 
     def sweep(self, descriptor: LtProduct, algos: list[Algo], x, weight, out) -> list[Algo]:
-        """``algos`` fastest first, by CUDA events between consecutive configurations' ``SWEEP_CALLS`` calls. They are
-        launched ``SWEEP_CHUNK`` configurations at a time behind one ``torch.cuda._sleep`` that outlasts launching the
-        chunk, so the device runs the chunk's calls back to back and each interval times one configuration's
-        kernels. A chunk whose launching took longer than its sleep (the device may have waited for the host) is
-        swept again with longer sleeps, twice at most; each configuration keeps its shortest time. One host read a
-        pass."""
+        """``algos`` fastest first, by CUDA events between consecutive configurations' ``SWEEP_CALLS`` calls.
+
+        They are launched ``SWEEP_CHUNK`` configurations at a time, each chunk on an idle device behind one
+        ``torch.cuda._sleep`` twice as long as launching the previous chunk took. The device then runs the chunk's
+        calls back to back, and each interval times one configuration's kernels. A chunk whose launching outlasted
+        its sleep (the device may have waited for the host) is swept again with longer sleeps, twice at most; each
+        configuration keeps its shortest time. One host read a chunk. (A chunk is far smaller than the device's
+        launch queue, about 1000 launches on the H200, so launching it never waits for the device:
+        ``benchmarks/launch_queue.py``.)"""
         ms, pending, host_us = [math.inf] * len(algos), list(range(len(algos))), FIRST_HOST_US
+        torch.cuda._sleep(1)  # the sleep kernel is loaded before any launching is timed
         for _ in range(3):
-            swept = []
+            late = []
             for start in range(0, len(pending), SWEEP_CHUNK):
                 chunk, slept = pending[start:start + SWEEP_CHUNK], [timing_event(), timing_event()]
-                torch.cuda._sleep(1)  # the sleep kernel is loaded before the first chunk's launches are timed
                 slept[0].record()
                 torch.cuda._sleep(int(SLEEP_CYCLES_PER_US * host_us * len(chunk)))
                 slept[1].record()
@@ -543,19 +546,16 @@ class MeasuredProducts:
                     marks.append(timing_event())
                     marks[-1].record()
                 launch_us = (time.perf_counter() - began) * 1e6
-                swept.append((chunk, slept, marks, launch_us))
-                host_us = 2 * launch_us / len(chunk)
-            torch.cuda.synchronize(self.device)
-            pending = []
-            for chunk, (start, end), marks, launch_us in swept:
+                marks[-1].synchronize()
                 for i, (a, b) in zip(chunk, itertools.pairwise(marks), strict=True):
                     ms[i] = min(ms[i], a.elapsed_time(b))
-                if launch_us >= 1e3 * start.elapsed_time(end):
-                    pending += chunk
-            if not pending:
+                if launch_us >= 1e3 * slept[0].elapsed_time(slept[1]):
+                    late += chunk
+                host_us = 2 * launch_us / len(chunk)
+            if not late:
                 break
-            log.debug("sweeping %d configurations again: launching them outlasted their sleep", len(pending))
-            host_us *= 2
+            log.debug("sweeping %d configurations again: launching them outlasted their sleep", len(late))
+            pending, host_us = late, 2 * host_us
         return [algos[i] for i in sorted(range(len(algos)), key=ms.__getitem__)]
 
     def screen(self, descriptor: LtProduct, algos: list[Algo], x, weight, out) -> list[Algo]:
