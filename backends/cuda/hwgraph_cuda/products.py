@@ -524,7 +524,8 @@ class MeasuredProducts:
         """``algos`` fastest first, by CUDA events between consecutive configurations' ``SWEEP_CALLS`` calls.
 
         They are launched ``SWEEP_CHUNK`` configurations at a time, each chunk on an idle device behind one
-        ``torch.cuda._sleep`` twice as long as launching the previous chunk took. The device then runs the chunk's
+        ``torch.cuda._sleep`` at least twice as long as launching the previous chunk took (the first chunk assumes
+        ``FIRST_HOST_US`` a configuration). The device then runs the chunk's
         calls back to back, and each interval times one configuration's kernels. A chunk whose launching outlasted
         its sleep (the device may have waited for the host) is swept again with longer sleeps, twice at most; each
         configuration keeps its shortest time. One host read a chunk. (A chunk is far smaller than the device's
