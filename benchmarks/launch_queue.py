@@ -3,13 +3,16 @@ queue holds behind a sleeping kernel before the next one blocks: the two figures
 ``MeasuredProducts.sweep`` (its chunks must fit the queue, and its sleeps must outlast launching a chunk).
 
 Usage: python benchmarks/launch_queue.py [--rows N]   (default 1024; fc1 + GELU, 1152 -> 4304, bf16)
-Prints the host µs per ``LtProduct.run`` with the device idle (one configuration repeated, and every configuration
-once), per ``torch.cuda._sleep`` and per ``F.linear``; then, behind a 300 ms sleep, after how many launches of each
+Prints the host time of every configuration's first launch and of its second (a first launch may load the kernel),
+the host µs per ``LtProduct.run`` with the device idle (one configuration repeated, and every configuration once),
+per ``torch.cuda._sleep`` and per ``F.linear``; then, behind a 300 ms sleep, after how many launches of each
 kind a launch first takes more than 5 ms (it waited for the queue).
 """
 
 from __future__ import annotations
 
+import os
+import statistics
 import sys
 import time
 
@@ -57,15 +60,27 @@ def main():
     descriptor = chooser.descriptor(w, b, rows, gelu=True)
     candidates = descriptor.candidates()
     algos = [c.algo for c in candidates] + descriptor.configurations(candidates)
-    runnable = []
-    for algo in algos:  # every kernel loaded before anything is timed
+    runnable, first_us = [], []
+    for algo in algos:  # every kernel loaded before anything else is timed
+        torch.cuda.synchronize()
+        began = time.perf_counter()
         try:
             descriptor.run(algo, x, w, out)
-            runnable.append(algo)
         except RuntimeError:
-            pass
+            continue
+        first_us.append((time.perf_counter() - began) * 1e6)
+        runnable.append(algo)
+    again_us = []
+    for algo in runnable:
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        descriptor.run(algo, x, w, out)
+        again_us.append((time.perf_counter() - began) * 1e6)
     torch.cuda.synchronize()
-    print(f"{rows} x 1152 -> 4304 + GELU: {len(runnable)} of {len(algos)} configurations run")
+    print(f"{rows} x 1152 -> 4304 + GELU: {len(runnable)} of {len(algos)} configurations run "
+          f"(CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', 'unset')}); host time of each one's launch, "
+          f"device idle: first launches {sum(first_us) / 1e6:.2f} s in all, median {statistics.median(first_us):.1f} "
+          f"µs; second launches {sum(again_us) / 1e6:.2f} s in all, median {statistics.median(again_us):.1f} µs")
     first = runnable[0]
     kinds = {
         "LtProduct.run, one configuration": lambda i: descriptor.run(first, x, w, out),
