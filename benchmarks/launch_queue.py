@@ -2,7 +2,8 @@
 queue holds behind a sleeping kernel before the next one blocks: the two figures that bound
 ``MeasuredProducts.sweep`` (its chunks must fit the queue, and its sleeps must outlast launching a chunk).
 
-Usage: python benchmarks/launch_queue.py [--rows N]   (default 1024; fc1 + GELU, 1152 -> 4304, bf16)
+Usage: python benchmarks/launch_queue.py [--rows N] [--threads T]   (default 1024; fc1 + GELU, 1152 -> 4304, bf16;
+       --threads: first launch every configuration from T threads before anything else)
 Prints the host time of every configuration's first launch and of its second (a first launch may load the kernel),
 the host µs per ``LtProduct.run`` with the device idle (one configuration repeated, and every configuration once),
 per ``torch.cuda._sleep`` and per ``F.linear``; then, behind a 300 ms sleep, after how many launches of each
@@ -15,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,21 @@ def main():
     descriptor = chooser.descriptor(w, b, rows, gelu=True)
     candidates = descriptor.candidates()
     algos = [c.algo for c in candidates] + descriptor.configurations(candidates)
+    if "--threads" in sys.argv:  # every configuration's first launch from a pool of threads
+        threads = int(sys.argv[sys.argv.index("--threads") + 1])
+
+        def first_launch(algo):
+            try:
+                descriptor.run(algo, x, w, x.new_empty(rows, 4304))
+            except RuntimeError:
+                pass
+
+        began = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(first_launch, algos))
+        torch.cuda.synchronize()
+        print(f"first launches of the {len(algos)} configurations on {threads} threads: "
+              f"{time.perf_counter() - began:.2f} s")
     runnable, first_us = [], []
     for algo in algos:  # every kernel loaded before anything else is timed
         torch.cuda.synchronize()
