@@ -219,6 +219,55 @@ def test_errors_leave_out_configurations_that_do_not_run(monkeypatch):
     assert lt.MeasuredProducts.errors(product, algos[1:2], x, weight, exact, out) == []
 
 
+class FakeDevice:
+    """A device clock for the sweep on the CPU: sleeps and product calls advance it, events read it."""
+
+    def __init__(self, us_per_tile: dict[int, float]):
+        self.now_ms, self.us_per_tile = 0.0, us_per_tile
+
+    def event(self):
+        device = self
+
+        class Event:
+            def record(self):
+                self.ms = device.now_ms
+
+            def elapsed_time(self, other):
+                return other.ms - self.ms
+
+            def synchronize(self):
+                pass
+
+        return Event()
+
+    def sleep(self, cycles: int):
+        self.now_ms += cycles / lt.SLEEP_CYCLES_PER_US / 1e3
+
+    def run(self, algo, x, weight, out):
+        self.now_ms += self.us_per_tile[algo.data[1]] / 1e3
+
+
+@pytest.mark.parametrize("first_host_us", [lt.FIRST_HOST_US, 0.0])
+def test_the_sweep_ranks_configurations_by_their_calls_time_and_sweeps_late_chunks_again(monkeypatch, caplog,
+                                                                                         first_host_us):
+    us = {tile: 5.0 + (tile * 37) % 101 / 10 for tile in range(100)}  # distinct times, in no order of the tiles
+    device = FakeDevice(us)
+    monkeypatch.setattr(lt, "timing_event", device.event)
+    monkeypatch.setattr(torch.cuda, "_sleep", device.sleep)
+    monkeypatch.setattr(lt, "FIRST_HOST_US", first_host_us)
+    algos = [lt.Algo() for _ in us]
+    for algo, tile in zip(algos, us, strict=True):
+        algo.data[1] = tile
+    with caplog.at_level(logging.DEBUG, logger=lt.__name__):
+        ranked = lt.MeasuredProducts.sweep(None, SimpleNamespace(run=device.run), algos, None, None, None)
+    assert [a.data[1] for a in ranked] == sorted(us, key=us.get)
+    again = [int(n) for n in re.findall(r"sweeping (\d+) configurations again", caplog.text)]
+    if first_host_us == 0:  # the first chunk's sleep is empty: it is late, and swept again
+        assert again and again[0] >= lt.SWEEP_CHUNK
+    else:  # its sleep (6.4 ms of the fake clock) outlasts launching 64 fake configurations
+        assert not again or again[0] < lt.SWEEP_CHUNK
+
+
 # ---------------------------------------------------------------- on the GPU
 TOWER_PRODUCTS = [(1152, 3456, False), (1152, 1152, False), (1152, 4304, True), (4304, 1152, False)]
 
@@ -282,7 +331,7 @@ def test_the_sweep_ranks_every_configuration_and_sweeps_again_where_launching_ou
     descriptor = chooser.descriptor(w, b, 1024, gelu=True)
     candidates = descriptor.candidates()
     out, exact = x.new_empty(1024, 4304), F.gelu(x.double() @ w.double().t() + b.double(), approximate="tanh")
-    # as in measure: every kernel has run (and loaded) once before the sweep
+    # as in measure: every configuration has been launched once (its first launch is slow) before the sweep
     algos = [a for a, _ in chooser.errors(descriptor, [c.algo for c in candidates] +
                                           descriptor.configurations(candidates), x, w, exact, out)]
     with caplog.at_level(logging.DEBUG, logger=lt.__name__):
