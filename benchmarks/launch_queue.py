@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
+from cublaslt_algos import shape_operands
 from hwgraph_cuda.products import measured_products
 
 SLEEP_CYCLES = 600_000_000  # about 300 ms
@@ -54,10 +55,7 @@ def queue_depth(launch, limit: int = 4096) -> tuple[int, float]:
 def main():
     rows = int(sys.argv[sys.argv.index("--rows") + 1]) if "--rows" in sys.argv else 1024
     chooser = measured_products(0)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(rows, 1152, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(4304, 1152, device="cuda", generator=g) * 0.03).bfloat16()
-    b = torch.randn(4304, device="cuda", generator=g).bfloat16()
+    x, w, b, _, _ = shape_operands(rows, 1152, 4304, True, torch.Generator(device="cuda").manual_seed(0))
     out = x.new_empty(rows, 4304)
     descriptor = chooser.descriptor(w, b, rows, gelu=True)
     candidates = descriptor.candidates()

@@ -13,11 +13,11 @@ shapes it lists among its capabilities, and some of those are faster still: fc1 
 ``MeasuredProducts`` is the CUDA plugin's product chooser. At a shape's first call outside a capture (the manager's
 warm-up) it gathers the heuristic's candidates without a workspace (the graphs capture without one) and those
 configurations (``LtProduct.configurations``), drops any that cuBLASLt rejects or that is less accurate than ATen's
-call against the float64 product, ranks the rest by one quick timing each (``MeasuredProducts.sweep``), screens
-the ``SWEEP_KEEP`` fastest more carefully (``MeasuredProducts.screen``), and times the ``SHORTLIST`` fastest of those
-and ATen's call in interleaved replays of CUDA graphs. The fastest is kept for the process; ATen's call stays
-where nothing beats it by ``MARGIN``. cuBLASLt is called through ctypes on the ``libcublasLt`` that torch has loaded:
-nothing is built.
+call against the float64 product, ranks the rest by one quick timing each (``MeasuredProducts.sweep``), screens the
+``SWEEP_KEEP`` fastest more carefully (swept again, with ``SCREEN_CALLS`` calls each, best of two passes), and times
+the ``SHORTLIST`` fastest of those and ATen's call in interleaved replays of CUDA graphs. The fastest is kept for the
+process; ATen's call stays where nothing beats it by ``MARGIN``. cuBLASLt is called through ctypes on the
+``libcublasLt`` that torch has loaded: nothing is built.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ CANDIDATES = 32  # asked of the heuristic per shape
 SWEEP_CALLS = 3  # back-to-back product calls per configuration in the sweep
 SWEEP_CHUNK = 64  # configurations launched behind one sleep in the sweep
 SWEEP_KEEP = 16  # the sweep's fastest, screened
-FIRST_HOST_US = 100.0  # host time assumed to launch one configuration's sweep calls, until measured
+FIRST_HOST_US_PER_CALL = 40.0  # host time assumed to launch one call in a sweep (and its share of an event),
+# until measured: twice the 17 µs measured on the H200's host (``benchmarks/launch_queue.py``)
 SLEEP_CYCLES_PER_US = 2_500  # above any SM clock in MHz: a sleep of this many cycles a µs lasts at least that long
-SCREEN_CALLS = 5  # product calls per screened configuration
-SCREEN_SLEEP_CYCLES = 400_000  # about 0.2 ms of device time before each, more than launching the calls takes
+SCREEN_CALLS = 5  # product calls per configuration when the sweep's fastest are swept again (the screen)
 SHORTLIST = 4  # the screen's fastest, timed again against ATen's call
 CALLS = 20  # product calls per timed graph
 MARGIN = 0.01  # a candidate replaces ATen's call only if it is this much faster
@@ -479,7 +479,7 @@ class MeasuredProducts:
             with torch.cuda.device(self.device):
                 swept = self.sweep(descriptor, accurate, x, weight, scratch)[:SWEEP_KEEP]
                 clock.lap("sweep")
-                screened = self.screen(descriptor, swept, x, weight, scratch)[:SHORTLIST]
+                screened = self.sweep(descriptor, swept, x, weight, scratch, SCREEN_CALLS, passes=2)[:SHORTLIST]
             clock.lap("screen")
             calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
             calls |= {i: functools.partial(descriptor.run, a, x, weight, scratch) for i, a in enumerate(screened)}
@@ -520,19 +520,31 @@ class MeasuredProducts:
         errors = (torch.stack(norms) / torch.linalg.vector_norm(want).clamp_min(1e-30)).tolist()
         return list(zip(ran, errors, strict=True))
 
-    def sweep(self, descriptor: LtProduct, algos: list[Algo], x, weight, out) -> list[Algo]:
-        """``algos`` fastest first, by CUDA events between consecutive configurations' ``SWEEP_CALLS`` calls.
-
-        They are launched ``SWEEP_CHUNK`` configurations at a time, each chunk on an idle device behind one
-        ``torch.cuda._sleep`` at least twice as long as launching the previous chunk took (the first chunk assumes
-        ``FIRST_HOST_US`` a configuration). The device then runs the chunk's
-        calls back to back, and each interval times one configuration's kernels. A chunk whose launching outlasted
-        its sleep (the device may have waited for the host) is swept again with longer sleeps, twice at most; each
-        configuration keeps its shortest time. One host read a chunk. (A chunk is far smaller than the device's
-        launch queue, about 1000 launches on the H200, so launching it never waits for the device:
-        ``benchmarks/launch_queue.py``.)"""
-        ms, pending, host_us = [math.inf] * len(algos), list(range(len(algos))), FIRST_HOST_US
+    @staticmethod
+    def sweep(descriptor: LtProduct, algos: list[Algo], x, weight, out, calls: int = SWEEP_CALLS,
+              passes: int = 1) -> list[Algo]:
+        """``algos`` fastest first, by CUDA events between consecutive configurations' ``calls`` back-to-back calls;
+        each configuration keeps its shortest time of ``passes`` passes (``sweep_pass``)."""
+        ms, host_us = [math.inf] * len(algos), FIRST_HOST_US_PER_CALL * calls
         torch.cuda._sleep(1)  # the sleep kernel is loaded before any launching is timed
+        for _ in range(passes):
+            host_us = MeasuredProducts.sweep_pass(descriptor, algos, calls, host_us, ms, x, weight, out)
+        return [algos[i] for i in sorted(range(len(algos)), key=ms.__getitem__)]
+
+    @staticmethod
+    def sweep_pass(descriptor: LtProduct, algos: list[Algo], calls: int, host_us: float, ms: list[float], x, weight,
+                   out) -> float:
+        """One pass of ``sweep``: lowers ``ms[i]`` to the time of ``algos[i]``'s calls if shorter, and returns the host
+        µs a configuration's launching took, doubled (the next pass's first sleep).
+
+        The calls are launched ``SWEEP_CHUNK`` configurations at a time, each chunk on an idle device behind one
+        ``torch.cuda._sleep`` at least twice as long as launching the previous chunk took (the first chunk assumes
+        ``host_us`` a configuration). The device then runs the chunk's calls back to back, and each interval times
+        one configuration's kernels. A chunk whose launching outlasted its sleep (the device may have waited for the
+        host) is swept again with longer sleeps, twice at most. One host read a chunk. (A chunk is far smaller than
+        the device's launch queue, about 1000 launches on the H200, so launching it never waits for the device:
+        ``benchmarks/launch_queue.py``.)"""
+        pending = list(range(len(algos)))
         for _ in range(3):
             late = []
             for start in range(0, len(pending), SWEEP_CHUNK):
@@ -542,7 +554,7 @@ class MeasuredProducts:
                 slept[1].record()
                 began, marks = time.perf_counter(), [slept[1]]
                 for i in chunk:
-                    for _ in range(SWEEP_CALLS):
+                    for _ in range(calls):
                         descriptor.run(algos[i], x, weight, out)
                     marks.append(timing_event())
                     marks[-1].record()
@@ -557,27 +569,7 @@ class MeasuredProducts:
                 break
             log.debug("sweeping %d configurations again: launching them outlasted their sleep", len(late))
             pending, host_us = late, 2 * host_us
-        return [algos[i] for i in sorted(range(len(algos)), key=ms.__getitem__)]
-
-    def screen(self, descriptor: LtProduct, algos: list[Algo], x, weight, out) -> list[Algo]:
-        """``algos`` fastest first, ranked by CUDA events around ``SCREEN_CALLS`` calls of each, best of two passes
-        with one host read. A ``torch.cuda._sleep`` of ``SCREEN_SLEEP_CYCLES`` before each configuration keeps the
-        device behind the host, so the events time the kernels, not the ctypes launches."""
-        passes = []
-        for _ in range(2):
-            events = []
-            for algo in algos:
-                torch.cuda._sleep(SCREEN_SLEEP_CYCLES)
-                start, end = timing_event(), timing_event()
-                start.record()
-                for _ in range(SCREEN_CALLS):
-                    descriptor.run(algo, x, weight, out)
-                end.record()
-                events.append((start, end))
-            passes.append(events)
-        torch.cuda.synchronize(self.device)
-        ms = [min(a.elapsed_time(b) for a, b in pair) for pair in zip(*passes, strict=True)]
-        return [algo for _, _, algo in sorted(zip(ms, range(len(algos)), algos, strict=True))]
+        return host_us
 
     def describe(self) -> str:
         other = [c for c in self.choices.values() if c.algo is not None]

@@ -247,24 +247,27 @@ class FakeDevice:
         self.now_ms += self.us_per_tile[algo.data[1]] / 1e3
 
 
-@pytest.mark.parametrize("first_host_us", [lt.FIRST_HOST_US, 0.0])
+@pytest.mark.parametrize("first_host_us", [lt.FIRST_HOST_US_PER_CALL, 0.0])
 def test_the_sweep_ranks_configurations_by_their_calls_time_and_sweeps_late_chunks_again(monkeypatch, caplog,
                                                                                          first_host_us):
     us = {tile: 5.0 + (tile * 37) % 101 / 10 for tile in range(100)}  # distinct times, in no order of the tiles
     device = FakeDevice(us)
     monkeypatch.setattr(lt, "timing_event", device.event)
     monkeypatch.setattr(torch.cuda, "_sleep", device.sleep)
-    monkeypatch.setattr(lt, "FIRST_HOST_US", first_host_us)
+    monkeypatch.setattr(lt, "FIRST_HOST_US_PER_CALL", first_host_us)
     algos = [lt.Algo() for _ in us]
     for algo, tile in zip(algos, us, strict=True):
         algo.data[1] = tile
     with caplog.at_level(logging.DEBUG, logger=lt.__name__):
-        ranked = lt.MeasuredProducts.sweep(None, SimpleNamespace(run=device.run), algos, None, None, None)
+        ranked = lt.MeasuredProducts.sweep(SimpleNamespace(run=device.run), algos, None, None, None)
     assert [a.data[1] for a in ranked] == sorted(us, key=us.get)
+    screened = lt.MeasuredProducts.sweep(SimpleNamespace(run=device.run), algos, None, None, None, lt.SCREEN_CALLS,
+                                         passes=2)
+    assert [a.data[1] for a in screened] == sorted(us, key=us.get)  # as the screen calls it
     again = [int(n) for n in re.findall(r"sweeping (\d+) configurations again", caplog.text)]
     if first_host_us == 0:  # the first chunk's sleep is empty: it is late, and swept again
         assert again and again[0] >= lt.SWEEP_CHUNK
-    else:  # its sleep (6.4 ms of the fake clock) outlasts launching 64 fake configurations
+    else:  # its sleep (7.68 ms of the fake clock) outlasts launching 64 fake configurations
         assert not again or again[0] < lt.SWEEP_CHUNK
 
 
@@ -338,7 +341,7 @@ def test_the_sweep_ranks_every_configuration_and_sweeps_again_where_launching_ou
         assert sorted(map(bytes, chooser.sweep(descriptor, algos, x, w, out))) == sorted(map(bytes, algos))
     assert f"sweeping {len(algos)} configurations again" not in caplog.text  # sleeps sized to the launching hold
     caplog.clear()
-    monkeypatch.setattr(lt, "FIRST_HOST_US", 1e-3)  # the first chunk's sleep is far shorter than its launching
+    monkeypatch.setattr(lt, "FIRST_HOST_US_PER_CALL", 1e-3)  # the first chunk's sleep is far shorter than its launching
     with caplog.at_level(logging.DEBUG, logger=lt.__name__):
         ranked = chooser.sweep(descriptor, algos, x, w, out)
     again = [int(n) for n in re.findall(r"sweeping (\d+) configurations again", caplog.text)]
