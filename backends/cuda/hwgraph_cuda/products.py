@@ -520,16 +520,23 @@ class MeasuredProducts:
         errors = (torch.stack(norms) / torch.linalg.vector_norm(want).clamp_min(1e-30)).tolist()
         return list(zip(ran, errors, strict=True))
 
-    @staticmethod
-    def sweep(descriptor: LtProduct, algos: list[Algo], x, weight, out, calls: int = SWEEP_CALLS,
+    @classmethod
+    def sweep(cls, descriptor: LtProduct, algos: list[Algo], x, weight, out, calls: int = SWEEP_CALLS,
               passes: int = 1) -> list[Algo]:
-        """``algos`` fastest first, by CUDA events between consecutive configurations' ``calls`` back-to-back calls;
-        each configuration keeps its shortest time of ``passes`` passes (``sweep_pass``)."""
+        """``algos`` fastest first, by ``sweep_times``."""
+        ms = cls.sweep_times(descriptor, algos, x, weight, out, calls, passes)
+        return [algos[i] for i in sorted(range(len(algos)), key=ms.__getitem__)]
+
+    @staticmethod
+    def sweep_times(descriptor: LtProduct, algos: list[Algo], x, weight, out, calls: int = SWEEP_CALLS,
+                    passes: int = 1) -> list[float]:
+        """Each configuration's ms for ``calls`` back-to-back calls, by CUDA events between consecutive
+        configurations; the shortest of ``passes`` passes (``sweep_pass``)."""
         ms, host_us = [math.inf] * len(algos), FIRST_HOST_US_PER_CALL * calls
         torch.cuda._sleep(1)  # the sleep kernel is loaded before any launching is timed
         for _ in range(passes):
             host_us = MeasuredProducts.sweep_pass(descriptor, algos, calls, host_us, ms, x, weight, out)
-        return [algos[i] for i in sorted(range(len(algos)), key=ms.__getitem__)]
+        return ms
 
     @staticmethod
     def sweep_pass(descriptor: LtProduct, algos: list[Algo], calls: int, host_us: float, ms: list[float], x, weight,
