@@ -43,7 +43,7 @@ def record_measuring(shapes: list[dict]):
         shapes[-1] |= {"aten_us": choice.aten_us, "chosen_us": choice.chosen_us}
         return choice
 
-    def recorded_sweep_times(descriptor, algos, x, weight, out, calls=lt.SWEEP_CALLS, passes=1):
+    def recorded_sweep_times(descriptor, algos, x, weight, out, calls=lt.RANKING[0][0], passes=1):
         ms = sweep_times(descriptor, algos, x, weight, out, calls, passes)
         configurations = shapes[-1]["configurations"]
         for algo in algos:

@@ -13,9 +13,10 @@ shapes it lists among its capabilities, and some of those are faster still: fc1 
 ``MeasuredProducts`` is the CUDA plugin's product chooser. At a shape's first call outside a capture (the manager's
 warm-up) it gathers the heuristic's candidates without a workspace (the graphs capture without one) and those
 configurations (``LtProduct.configurations``), drops any that cuBLASLt rejects or that is less accurate than ATen's
-call against the float64 product, ranks the rest by one quick timing each (``MeasuredProducts.sweep``), screens the
-``SWEEP_KEEP`` fastest more carefully (swept again, with ``SCREEN_CALLS`` calls each, best of two passes), and times
-the ``SHORTLIST`` fastest of those and ATen's call in interleaved replays of CUDA graphs. The fastest is kept for the
+call against the float64 product, and ranks the rest in the rounds of ``RANKING``: one call each
+(``MeasuredProducts.sweep``), then the 64 fastest with 3 calls each, then the 16 fastest of those with 5 calls each,
+best of two passes. It times the ``SHORTLIST`` fastest of the last round and ATen's call in interleaved replays of
+CUDA graphs. The fastest is kept for the
 process; ATen's call stays where nothing beats it by ``MARGIN``. cuBLASLt is called through ctypes on the
 ``libcublasLt`` that torch has loaded: nothing is built.
 """
@@ -56,14 +57,16 @@ CLUSTER_NAMES = {0: "auto", 2: "1x1", 3: "2x1", 4: "4x1", 5: "1x2", 6: "2x2", 7:
                  10: "4x4"}  # cublasLtClusterShape_t
 CLUSTERS = (2, 3, 5, 4, 8)  # the cluster shapes tried with every tile: 1x1, 2x1, 1x2, 4x1, 1x4
 CANDIDATES = 32  # asked of the heuristic per shape
-SWEEP_CALLS = 3  # back-to-back product calls per configuration in the sweep
 SWEEP_CHUNK = 64  # configurations launched behind one sleep in the sweep
-SWEEP_KEEP = 16  # the sweep's fastest, screened
 FIRST_HOST_US_PER_CALL = 40.0  # host time assumed to launch one call in a sweep (and its share of an event),
 # until measured: twice the 17 µs measured on the H200's host (``benchmarks/launch_queue.py``)
 SLEEP_CYCLES_PER_US = 2_500  # above any SM clock in MHz: a sleep of this many cycles a µs lasts at least that long
-SCREEN_CALLS = 5  # product calls per configuration when the sweep's fastest are swept again (the screen)
-SHORTLIST = 4  # the screen's fastest, timed again against ATen's call
+SHORTLIST = 4  # the ranking's fastest, timed again against ATen's call in graphs
+RANKING = ((1, 1, 64), (3, 1, 16), (5, 2, SHORTLIST))  # rounds of sweeps: (back-to-back calls per configuration,
+# passes, fastest kept for the next round); the first round (the sweep) takes every accurate configuration, the
+# later ones (the screen) the previous round's kept. With a 3-call sweep keeping 16, the screen's four fastest were
+# among the sweep's first 9 in 34 of 35 shapes and its first 16 in all, and its 64th configuration took at least 1.17
+# times the fastest's time (H200, ``benchmarks/products_startup.py --dump``).
 CALLS = 20  # product calls per timed graph
 MARGIN = 0.01  # a candidate replaces ATen's call only if it is this much faster
 PHASES = ("configurations", "errors", "sweep", "screen", "timing")  # the parts of measuring a shape (``describe``)
@@ -476,11 +479,11 @@ class MeasuredProducts:
             scratch = x.new_empty(exact.shape)
             accurate = [a for a, error in self.errors(descriptor, algos, x, weight, exact, scratch) if error <= bound]
             clock.lap("errors")
+            screened = accurate
             with torch.cuda.device(self.device):
-                swept = self.sweep(descriptor, accurate, x, weight, scratch)[:SWEEP_KEEP]
-                clock.lap("sweep")
-                screened = self.sweep(descriptor, swept, x, weight, scratch, SCREEN_CALLS, passes=2)[:SHORTLIST]
-            clock.lap("screen")
+                for round_, (calls, passes, keep) in enumerate(RANKING):
+                    screened = self.sweep(descriptor, screened, x, weight, scratch, calls, passes)[:keep]
+                    clock.lap("screen" if round_ else "sweep")
             calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
             calls |= {i: functools.partial(descriptor.run, a, x, weight, scratch) for i, a in enumerate(screened)}
             graphs = {key: graphed_calls(fn, CALLS) for key, fn in calls.items()}
@@ -521,14 +524,14 @@ class MeasuredProducts:
         return list(zip(ran, errors, strict=True))
 
     @classmethod
-    def sweep(cls, descriptor: LtProduct, algos: list[Algo], x, weight, out, calls: int = SWEEP_CALLS,
+    def sweep(cls, descriptor: LtProduct, algos: list[Algo], x, weight, out, calls: int = RANKING[0][0],
               passes: int = 1) -> list[Algo]:
         """``algos`` fastest first, by ``sweep_times``."""
         ms = cls.sweep_times(descriptor, algos, x, weight, out, calls, passes)
         return [algos[i] for i in sorted(range(len(algos)), key=ms.__getitem__)]
 
     @staticmethod
-    def sweep_times(descriptor: LtProduct, algos: list[Algo], x, weight, out, calls: int = SWEEP_CALLS,
+    def sweep_times(descriptor: LtProduct, algos: list[Algo], x, weight, out, calls: int = RANKING[0][0],
                     passes: int = 1) -> list[float]:
         """Each configuration's ms for ``calls`` back-to-back calls, by CUDA events between consecutive
         configurations; the shortest of ``passes`` passes (``sweep_pass``)."""
