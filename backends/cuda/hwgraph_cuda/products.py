@@ -65,7 +65,7 @@ SHORTLIST = 4  # the ranking's fastest, timed again against ATen's call in graph
 RANKING = ((1, 1, 64), (3, 1, 16), (5, 2, SHORTLIST))  # rounds of sweeps: (back-to-back calls per configuration,
 # passes, fastest kept for the next round); the first round (the sweep) takes every accurate configuration, the
 # later ones (the screen) the previous round's kept. With a 3-call sweep keeping 16, the screen's four fastest were
-# among the sweep's first 9 in 34 of 35 shapes and its first 16 in all, and its 64th configuration took at least 1.17
+# among the sweep's first 9 in 34 of 35 shapes and its first 16 in all, and its 64th configuration took at least 1.16
 # times the fastest's time (H200, ``benchmarks/products_startup.py --dump``).
 CALLS = 20  # product calls per timed graph
 MARGIN = 0.01  # a candidate replaces ATen's call only if it is this much faster
@@ -466,7 +466,7 @@ class MeasuredProducts:
         return None
 
     def measure(self, x, weight, bias, gelu: bool) -> Choice:
-        """Sweep and screen the heuristic's candidates and the other configurations as accurate as ATen's call, then
+        """Rank the heuristic's candidates and the other configurations as accurate as ATen's call (``RANKING``), then
         time the ``SHORTLIST`` fastest and ATen's call interleaved; keep the fastest (see ``MARGIN``). A failure of the
         measurement leaves the shape on ATen's call, logged and not cached."""
         label, clock = self.label(x, weight, gelu), PhaseClock(self.phases)
@@ -479,13 +479,13 @@ class MeasuredProducts:
             scratch = x.new_empty(exact.shape)
             accurate = [a for a, error in self.errors(descriptor, algos, x, weight, exact, scratch) if error <= bound]
             clock.lap("errors")
-            screened = accurate
+            ranked = accurate
             with torch.cuda.device(self.device):
-                for round_, (calls, passes, keep) in enumerate(RANKING):
-                    screened = self.sweep(descriptor, screened, x, weight, scratch, calls, passes)[:keep]
+                for round_, (round_calls, passes, keep) in enumerate(RANKING):
+                    ranked = self.sweep(descriptor, ranked, x, weight, scratch, round_calls, passes)[:keep]
                     clock.lap("screen" if round_ else "sweep")
             calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
-            calls |= {i: functools.partial(descriptor.run, a, x, weight, scratch) for i, a in enumerate(screened)}
+            calls |= {i: functools.partial(descriptor.run, a, x, weight, scratch) for i, a in enumerate(ranked)}
             graphs = {key: graphed_calls(fn, CALLS) for key, fn in calls.items()}
             timed = measure_interleaved({key: graph.replay for key, graph in graphs.items()}, self.device,
                                         warmup=3, samples=10)
@@ -500,7 +500,7 @@ class MeasuredProducts:
         if best == "aten" or us[best] > us["aten"] * (1 - MARGIN):
             choice = Choice(None, None, us["aten"], us["aten"])
         else:
-            choice = Choice(screened[best], describe_algo(self.lib, screened[best]), us["aten"], us[best])
+            choice = Choice(ranked[best], describe_algo(self.lib, ranked[best]), us["aten"], us[best])
         log.info("matrix product %s: %d of %d configurations as accurate as ATen's call (%.1f µs); %s; measured in "
                  "%s", label, len(accurate), len(algos), choice.aten_us,
                  "kept" if choice.algo is None else f"{choice.config}: {choice.chosen_us:.1f} µs instead", clock)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import re
 from types import SimpleNamespace
 
@@ -347,6 +348,30 @@ def test_the_sweep_ranks_every_configuration_and_sweeps_again_where_launching_ou
     again = [int(n) for n in re.findall(r"sweeping (\d+) configurations again", caplog.text)]
     assert again and again[0] >= min(len(algos), lt.SWEEP_CHUNK)  # the first chunk, at least, was swept again
     assert sorted(map(bytes, ranked)) == sorted(map(bytes, algos))
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_measuring_ranks_in_rounds_each_on_the_previous_rounds_fastest(chooser, monkeypatch):
+    rounds, sweep_times = [], lt.MeasuredProducts.sweep_times
+
+    def recorded(descriptor, algos, x, weight, out, calls=1, passes=1):
+        ms = sweep_times(descriptor, algos, x, weight, out, calls, passes)
+        rounds.append({"algos": list(map(bytes, algos)), "calls": calls, "passes": passes, "ms": ms})
+        return ms
+
+    monkeypatch.setattr(lt.MeasuredProducts, "sweep_times", staticmethod(recorded))
+    x, w, b = operands(1024, 1152, 1152)
+    chooser.linear(x, w, b)
+    (choice,) = chooser.choices.values()
+    assert [(r["calls"], r["passes"]) for r in rounds] == [(calls, passes) for calls, passes, _ in lt.RANKING]
+    assert len(rounds[0]["algos"]) > lt.RANKING[0][2]  # every accurate configuration, hundreds of them
+    assert all(0 < ms < math.inf for r in rounds for ms in r["ms"])  # every configuration was timed
+    for earlier, later, (_, _, keep) in zip(rounds, rounds[1:], lt.RANKING, strict=False):
+        fastest = sorted(range(len(earlier["algos"])), key=earlier["ms"].__getitem__)[:keep]
+        assert later["algos"] == [earlier["algos"][i] for i in fastest]
+    shortlist = sorted(range(len(rounds[-1]["algos"])), key=rounds[-1]["ms"].__getitem__)[:lt.SHORTLIST]
+    assert choice.algo is None or bytes(choice.algo) in {rounds[-1]["algos"][i] for i in shortlist}
 
 
 @pytest.mark.cuda
