@@ -6,7 +6,8 @@ One manager (TRITON_ATTN, budgets 64-1024, one sequence slot) on the real-size t
 capture seconds per budget, their sum, the wall time of ``capture()``, and ``stats()['products']`` (with the seconds
 of each phase of measuring); the chooser's INFO log gives each shape's configurations and phases. ``--dump PATH``
 writes every measured shape's configurations as JSON: algorithm, tile, stages, cluster shape, cuBLASLt's wave count,
-the host µs of its first launch in the process, and its ms in the sweep and (the sweep's fastest) in the screen.
+the host µs of its first launch in the process, and its ms in each round of the ranking that it reached
+(``hwgraph_cuda.products.RANKING``).
 """
 
 from __future__ import annotations

@@ -16,9 +16,8 @@ configurations (``LtProduct.configurations``), drops any that cuBLASLt rejects o
 call against the float64 product, and ranks the rest in the rounds of ``RANKING``: one call each
 (``MeasuredProducts.sweep``), then the 64 fastest with 3 calls each, then the 16 fastest of those with 5 calls each,
 best of two passes. It times the ``SHORTLIST`` fastest of the last round and ATen's call in interleaved replays of
-CUDA graphs. The fastest is kept for the
-process; ATen's call stays where nothing beats it by ``MARGIN``. cuBLASLt is called through ctypes on the
-``libcublasLt`` that torch has loaded: nothing is built.
+CUDA graphs. The fastest is kept for the process; ATen's call stays where nothing beats it by ``MARGIN``. cuBLASLt
+is called through ctypes on the ``libcublasLt`` that torch has loaded: nothing is built.
 """
 
 from __future__ import annotations
