@@ -24,13 +24,13 @@ replay (27 blocks).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from hwgraph_cuda.products import Algo, LtProduct, check, cublaslt, describe_algo
+from hwgraph_cuda.products import Algo, LtProduct, MeasuredProducts, check, cublaslt, describe_algo
 
 from hwgraph.manager import relative_error
 from hwgraph.timing import graphed_calls, graphed_ms, measure_interleaved
@@ -79,12 +79,12 @@ def kernel_names(fn) -> str:
     return " + ".join(name[:70] for name in names) or "(none seen)"
 
 
-def report(rows, name, k, n, aten, aten_us, aten_err, product, timed) -> float | None:
+def report(rows, name, k, n, aten, aten_us, aten_err, bound, product, timed) -> float | None:
     """Print one shape's candidates; time ATen, the heuristic's first and the three fastest accurate candidates again,
     interleaved (``measure_interleaved`` over their graphs, so drift in clock and power moves all alike); return the
     µs per call the fastest of those saves against ATen."""
     first = next((t for t in timed if t[2] == 0), None)
-    good = sorted((t for t in timed if t[1] <= 1.5 * aten_err + 1e-4), key=lambda t: t[0])
+    good = sorted((t for t in timed if t[1] <= bound), key=lambda t: t[0])
     print(f"\n{rows} rows, {name} (K {k}, N {n}): aten {aten_us:.1f} µs (err {aten_err:.1e}); "
           f"{len(timed)} candidates, {len(timed) - len(good)} less accurate than aten", flush=True)
     for us, err, index, limit, cand in good[:6]:
@@ -126,17 +126,13 @@ def arguments(flag: str, default: list[str]) -> list[str]:
 
 
 def shape_operands(rows: int, k: int, n: int, gelu: bool, gen: torch.Generator):
-    """Random bf16 operands of one product, its float64 result, and ATen's call as the tower makes it."""
+    """Random bf16 operands of one product, its float64 result, the relative error a candidate may have, and ATen's
+    call as the tower makes it (the CUDA plugin's ``MeasuredProducts.accuracy`` and ``MeasuredProducts.aten``)."""
     x = torch.randn(rows, k, device=gen.device, generator=gen).bfloat16()
     w = (torch.randn(n, k, device=gen.device, generator=gen) * k ** -0.5).bfloat16()
     b = torch.randn(n, device=gen.device, generator=gen).bfloat16()
-    exact = x.double() @ w.double().t() + b.double()
-    exact = F.gelu(exact, approximate="tanh") if gelu else exact
-
-    def aten():
-        return torch._addmm_activation(b, x, w.t(), use_gelu=True) if gelu else F.linear(x, w, b)
-
-    return x, w, b, exact, aten
+    exact, bound = MeasuredProducts.accuracy(x, w, b, gelu)
+    return x, w, b, exact, bound, functools.partial(MeasuredProducts.aten, x, w, b, gelu)
 
 
 def session():
@@ -159,7 +155,7 @@ def main():
     totals: dict[int, list[float]] = {}
     for rows in rows_list:
         for name, k, n, gelu in PRODUCTS:
-            x, w, b, exact, aten = shape_operands(rows, k, n, gelu, gen)
+            x, w, b, exact, bound, aten = shape_operands(rows, k, n, gelu, gen)
             aten_err = relative_error(aten(), exact)
             aten_us = graphed_ms(aten) * 1e3
             product = Operands(lib, handle, x, w, b, gelu)
@@ -173,7 +169,7 @@ def main():
                         print(f"  {rows} rows, {name}: candidate #{index} (limit {limit >> 20} MiB) failed: {error}")
                         continue
                     timed.append((us, err, index, limit, cand))
-            gain = report(rows, name, k, n, aten, aten_us, aten_err, product, timed)
+            gain = report(rows, name, k, n, aten, aten_us, aten_err, bound, product, timed)
             if gain is not None:
                 totals.setdefault(rows, []).append(gain * BLOCKS)
     for rows, gains in totals.items():

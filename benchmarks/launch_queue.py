@@ -55,7 +55,7 @@ def queue_depth(launch, limit: int = 4096) -> tuple[int, float]:
 def main():
     rows = int(sys.argv[sys.argv.index("--rows") + 1]) if "--rows" in sys.argv else 1024
     chooser = measured_products(0)
-    x, w, b, _, _ = shape_operands(rows, 1152, 4304, True, torch.Generator(device="cuda").manual_seed(0))
+    x, w, b, *_ = shape_operands(rows, 1152, 4304, True, torch.Generator(device="cuda").manual_seed(0))
     out = x.new_empty(rows, 4304)
     descriptor = chooser.descriptor(w, b, rows, gelu=True)
     candidates = descriptor.candidates()

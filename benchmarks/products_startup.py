@@ -6,8 +6,10 @@ One manager (TRITON_ATTN, budgets 64-1024, one sequence slot) on the real-size t
 capture seconds per budget, their sum, the wall time of ``capture()``, and ``stats()['products']`` (with the seconds
 of each phase of measuring); the chooser's INFO log gives each shape's configurations and phases. ``--dump PATH``
 writes every measured shape's configurations as JSON: algorithm, tile, stages, cluster shape, cuBLASLt's wave count,
-the host µs of its first launch in the process, and its ms in each round of the ranking that it reached
-(``hwgraph_cuda.products.RANKING``).
+the host µs of its first launch for that shape (slow where it is the process's first launch of the kernel), and its
+ms in each round of the ranking that it reached (``hwgraph_cuda.products.RANKING``). Recording runs inside the
+measuring (it times every launch and reads each configuration's attributes during the sweep), so a ``--dump`` run's
+seconds are somewhat higher than a plain run's.
 """
 
 from __future__ import annotations

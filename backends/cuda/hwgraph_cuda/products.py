@@ -433,11 +433,12 @@ class MeasuredProducts:
     def label(x, weight, gelu: bool) -> str:
         return f"{x.shape[0]} x {weight.shape[1]} -> {weight.shape[0]}{' + GELU' if gelu else ''} ({x.dtype})"
 
-    def accuracy(self, x, weight, bias, gelu: bool) -> tuple[torch.Tensor, float]:
+    @staticmethod
+    def accuracy(x, weight, bias, gelu: bool) -> tuple[torch.Tensor, float]:
         """The float64 product, and the relative error a candidate may have: ATen's, 1.5 times, plus 1e-4."""
         exact = x.double() @ weight.double().t() + bias.double()
         exact = F.gelu(exact, approximate="tanh") if gelu else exact
-        return exact, 1.5 * relative_error(self.aten(x, weight, bias, gelu), exact) + 1e-4
+        return exact, 1.5 * relative_error(MeasuredProducts.aten(x, weight, bias, gelu), exact) + 1e-4
 
     def recall(self, x, weight, bias, gelu: bool) -> Choice | None:
         """The cached choice for this shape, if there is one, cuBLASLt still accepts its algorithm and it is still as
