@@ -18,8 +18,6 @@ against the working tree's) or one of ``TOGGLES``:
   every size;
 - ``residual-in-gemm``: the shipped block against ``residual_gemm.block_forward_in_place`` (proj and fc2 add into
   the residual in place, cuBLAS beta = 1, their biases added by the LayerNorm kernels; not shipped).
-- ``q-registers``: the ping-pong kernel's q rows in registers as q.k's A operand (session 23,
-  ``gluon_kernel.Q_REGISTERS``) against q read from shared memory at every key block;
 - ``measured-products``: every product through the CUDA plugin's ``MeasuredProducts`` (per shape, the measured
   fastest of cuBLASLt's candidates; ``EncoderGraphManager(measure_products=True)``) against ATen's calls.
 For each TOKENS, two graphs of one TOKENS-token image on the same tower and pixels (TRITON_ATTN, one slot:
@@ -73,7 +71,6 @@ TOGGLES = {
     "wide-tiles": ("256-row q tiles", "128-row q tiles", lambda: patched(gluon_kernel, "PINGPONG_WIDE_FROM", 1 << 30)),
     "residual-in-gemm": ("shipped", "residual in the products",
                          lambda: patched(layers.VisionBlock, "forward_fused", residual_in_gemm())),
-    "q-registers": ("q in registers", "q from shared memory", lambda: patched(gluon_kernel, "Q_REGISTERS", False)),
     "measured-products": ("ATen's cuBLASLt algorithms", "measured cuBLASLt algorithms", lambda: measured_products()),
 }
 

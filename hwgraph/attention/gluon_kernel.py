@@ -183,13 +183,6 @@ if gluon is not None:
         return gl.convert_layout(p, pa_layout), gl.convert_layout(p, pb_layout)
 
     @gluon.jit
-    def q_operands(qa_s, qb_s, s_init):
-        """q's two parts loaded from shared memory as the register A operands of q.k's MMAs (accumulator
-        ``s_init``'s layout)."""
-        layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_init.type.layout, k_width=2)
-        return qa_s.load(layout), qb_s.load(layout)
-
-    @gluon.jit
     def pv_async(p_a, p_b, va_s, vb_s, slot, o_a, o_b, HAS_B: gl.constexpr):
         """p.v of the key block in ring slot ``slot``, issued asynchronously (one commit group per part)."""
         o_a = warpgroup_mma(p_a, va_s.index(slot), o_a, is_async=True)
@@ -510,16 +503,13 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
              descriptor(out, tiles.block_m // 2, d_a))
     kwargs.update(HEADS=heads, M_BLOCKS=grid[0], PADDING=padding_slot, CONSUMER_REGS=tiles.consumer_regs,
                   FIXED_SHIFT=fixed_shift, SUM_LANE=sum_lane(head_dim), Q_BUFFERS=q_buffers(head_dim, tiles),
-                  OUT_TMA=OUT_TMA, Q_REGS=Q_REGISTERS, maxnreg=tiles.maxnreg)
+                  OUT_TMA=OUT_TMA, maxnreg=tiles.maxnreg)
     return hopper_attention_pingpong_kernel, (max(1, programs),), args, kwargs
 
 
 # The ping-pong kernel stores each full half-tile's first 64 lanes by TMA, through its q buffer, instead of by pointer
 # stores from the MMA layout (gluon_pingpong.consumer_partition).
 OUT_TMA = True
-# The ping-pong kernel's consumers hold their q rows in registers, as the A operand of q.k's MMAs, instead of reading
-# them from shared memory at every key block (gluon_pingpong.consumer_partition).
-Q_REGISTERS = True
 
 
 def sum_lane(head_dim: int) -> int:

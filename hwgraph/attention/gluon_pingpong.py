@@ -76,7 +76,6 @@ if GLUON_IMPORT_ERROR is None:
         mma_row_sum,
         p_operands,
         pv_async,
-        q_operands,
         qk_async,
         rescale,
         sequence_rows,
@@ -265,7 +264,7 @@ if GLUON_IMPORT_ERROR is None:
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr,
                            HAS_B: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                            FIXED_SHIFT: gl.constexpr, SUM_LANE: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                           OUT_TMA: gl.constexpr, Q_REGS: gl.constexpr):
+                           OUT_TMA: gl.constexpr):
         """One consumer warpgroup: for each of this program's tiles, q rows ``rows + HALF * BLOCK_M // 2 ..``, the
         key loop of ``hopper_attention_kernel`` with the MMAs of each of its ``n_blocks + 1`` issue points in turn
         with the other consumer, and each ring slot released to the producer once its p.v is done. Both consumers
@@ -304,16 +303,11 @@ if GLUON_IMPORT_ERROR is None:
                 qa_h = qa_s.index(buf).slice(HALF * HALF_M, HALF_M)
                 qb_h = qb_s.index(buf).slice(HALF * HALF_M, HALF_M)
                 s_init, o_a, o_b, m_i, l_i = loop_state(HALF_M, BLOCK_N, D_A, D_B, CONSUMER_WARPS)
-                if Q_REGS:  # q.k's A operand from registers: each key block's MMAs read only k from shared memory
-                    q_a, q_b = q_operands(qa_h, qb_h, s_init)
-                else:
-                    q_a = qa_h
-                    q_b = qb_h
                 n_blocks = gl.cdiv(seqlen, BLOCK_N)
 
                 mbarrier.wait(ready.index(block % STAGES), (block // STAGES) & 1)
                 take_turn(turn, HALF, issue)
-                s = qk_async(q_a, q_b, ka_s, kb_s, block % STAGES, s_init, HAS_B)
+                s = qk_async(qa_h, qb_h, ka_s, kb_s, block % STAGES, s_init, HAS_B)
                 pass_turn(turn, HALF)
                 s = warpgroup_mma_wait(0, deps=(s,))
                 # FIXED_SHIFT: the first key block's row maxima stay the rows' shifts (shifted_step).
@@ -325,7 +319,7 @@ if GLUON_IMPORT_ERROR is None:
                     prev = (g - 1) % STAGES
                     mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
                     take_turn(turn, HALF, issue + j)
-                    s = qk_async(q_a, q_b, ka_s, kb_s, slot, s_init, HAS_B)
+                    s = qk_async(qa_h, qb_h, ka_s, kb_s, slot, s_init, HAS_B)
                     o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)
                     pass_turn(turn, HALF)
                     s = wait_scores(s, HAS_B)
@@ -381,7 +375,7 @@ if GLUON_IMPORT_ERROR is None:
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, HAS_B: gl.constexpr,
         D_V: gl.constexpr, STAGES: gl.constexpr, PADDING: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         FIXED_SHIFT: gl.constexpr, SUM_LANE: gl.constexpr, Q_BUFFERS: gl.constexpr, OUT_TMA: gl.constexpr,
-        Q_REGS: gl.constexpr, num_warps: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """``hopper_attention_kernel``'s arguments (the head strides constexprs, as there), but a one-dimensional
         grid over work tiles: ``M_BLOCKS`` q blocks of ``BLOCK_M`` rows per sequence slot, ``HEADS`` heads and
@@ -431,11 +425,11 @@ if GLUON_IMPORT_ERROR is None:
             (consumer_partition, (0, Out, oa_desc, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, consumed, empty, turn,
                                   q_marked, q_empty, CU_SEQLENS, HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_ot,
                                   STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, FIXED_SHIFT,
-                                  SUM_LANE, Q_BUFFERS, OUT_TMA, Q_REGS)),
+                                  SUM_LANE, Q_BUFFERS, OUT_TMA)),
             (consumer_partition, (1, Out, oa_desc, FLAGS, qa_s, qb_s, ka_s, kb_s, va_s, vb_s, consumed, empty, turn,
                                   q_marked, q_empty, CU_SEQLENS, HEADS, M_BLOCKS, n_tiles, qk_scale_log2, stride_ot,
                                   STRIDE_OH, HEAD_DIM, BLOCK_M, D_A, D_B, HAS_B, STAGES, BLOCK_N, FIXED_SHIFT,
-                                  SUM_LANE, Q_BUFFERS, OUT_TMA, Q_REGS)),
+                                  SUM_LANE, Q_BUFFERS, OUT_TMA)),
             (load_partition, (ka_desc, kb_desc, va_desc, vb_desc, qa_desc, qb_desc, ka_s, kb_s, va_s, vb_s, qa_s,
                               qb_s, ready, empty, marked, q_ready, q_empty, q_marked, CU_SEQLENS, HEADS, M_BLOCKS,
                               n_tiles, HEAD_DIM, BLOCK_M, STAGES, D_A, HAS_B, SUM_LANE, Q_BUFFERS)),
