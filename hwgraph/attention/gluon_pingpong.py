@@ -319,9 +319,7 @@ if GLUON_IMPORT_ERROR is None:
                     prev = (g - 1) % STAGES
                     mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
                     take_turn(turn, HALF, issue + j)
-                    # The previous block's scores, dead once its softmax ran, as the accumulator that q.k overwrites
-                    # (use_acc=False): no zero tile stays live across the loop.
-                    s = qk_async(qa_h, qb_h, ka_s, kb_s, slot, s, HAS_B)
+                    s = qk_async(qa_h, qb_h, ka_s, kb_s, slot, s_init, HAS_B)
                     o_a, o_b = pv_async(p_a, p_b, va_s, vb_s, prev, o_a, o_b, HAS_B)
                     pass_turn(turn, HALF)
                     s = wait_scores(s, HAS_B)
