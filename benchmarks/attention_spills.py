@@ -44,6 +44,8 @@ def main():
             sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True,
                                   text=True, check=True).stdout.splitlines()
         print(f"{label}: ptxas -v", flush=True)
+        if report.returncode:
+            raise RuntimeError(f"ptxas failed ({report.returncode}): {report.stderr.strip()}")
         for line in report.stderr.splitlines():
             if "spill" in line or "Used" in line or "wgmma" in line or "Performance" in line:
                 print("   ", line.strip(), flush=True)
