@@ -291,14 +291,15 @@ def timing_event() -> torch.cuda.Event:
 
 
 class PhaseClock:
-    """Seconds since the last lap, added to ``totals[phase]`` at each ``lap``; ``str`` lists this clock's laps."""
+    """Seconds since the last lap, added to ``totals[phase]`` and to this clock's own seconds of ``phase`` at each
+    ``lap``; ``str`` lists this clock's seconds per phase (a phase lapped again, as the screen's rounds are, sums)."""
 
     def __init__(self, totals: dict[str, float]):
         self.totals, self.laps, self.last = totals, {}, time.perf_counter()
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
-        self.laps[phase] = now - self.last
+        self.laps[phase] = self.laps.get(phase, 0.0) + now - self.last
         self.totals[phase] += now - self.last
         self.last = now
 

@@ -122,7 +122,7 @@ def test_a_phase_clock_adds_each_lap_to_its_phases_total(monkeypatch):
     clock.lap("configurations")
     assert totals == {"configurations": 1.0 + 0.5 + 1.25, "errors": 1.0 + 1.5, "sweep": 1.0, "screen": 1.0,
                       "timing": 1.0}
-    assert str(clock) == "configurations 1.25 s, errors 1.50 s"
+    assert str(clock) == "configurations 1.75 s, errors 1.50 s"  # this clock's own seconds, summed per phase
 
 
 def test_lt_product_hands_cublaslt_the_column_major_view_of_the_call_and_holds_no_tensor(monkeypatch):
