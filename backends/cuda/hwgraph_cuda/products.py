@@ -252,13 +252,13 @@ class LtProduct:
         """Configurations beyond the heuristic's list: each candidate's algorithm and stage setting with every tile
         the algorithm supports, in each cluster shape of ``CLUSTERS``, without split-K (which would change the
         order of the sums) or swizzling; those cuBLASLt accepts, each once."""
-        found, seen = [], {bytes(c.algo) for c in candidates}
+        found, seen, dtype = [], {bytes(c.algo) for c in candidates}, self.layouts_dtype
         bases = {(config_value(self.lib, c.algo, CFG_ID), config_value(self.lib, c.algo, CFG_STAGES))
                  for c in candidates}
         for algo_id, stages in sorted(bases):
-            base, dtype = Algo(), self.layouts_dtype
             if algo_id < 0 or stages < 0:
                 continue
+            base = Algo()
             if self.lib.cublasLtMatmulAlgoInit(self.handle, COMPUTE_32F, SCALE_32F, dtype, dtype, dtype, dtype,
                                                algo_id, ctypes.byref(base)) != 0:
                 continue
