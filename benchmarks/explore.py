@@ -160,8 +160,10 @@ def main():
         stats = args.startup_log if len(modes) == 1 else f"{args.startup_log}.{name}"
         with startup_log(stats) if args.startup_log else contextlib.nullcontext():
             m.capture()
+        compiling = {b: round(s, 1) for b, s in m.stats()["compile_seconds_per_budget"].items()}
         print(f"{name}: captured {sorted(m.graphs)} in {time.perf_counter() - start:.1f} s; per budget "
-              f"{ {b: round(s, 1) for b, s in m.stats()['capture_seconds_per_budget'].items()} } s; memory MiB "
+              f"{ {b: round(s, 1) for b, s in m.stats()['capture_seconds_per_budget'].items()} } s"
+              f"{f' (compiling {compiling} s)' if compiling else ''}; memory MiB "
               f"{ {b: round(v / 2**20) for b, v in m.stats()['capture_bytes_per_budget'].items()} }; "
               f"failures {m.stats()['capture_failures']}")
         managers[name] = m

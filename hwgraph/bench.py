@@ -256,7 +256,10 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
             results.append({"kernel": kernel, "backend": manager.backend.name,
                             "accelerates": manager.backend.accelerates, "budgets": sorted(manager.graphs),
                             "rows": rows[kernel], "stats": stats,
-                            "graph_memory_bytes": dict(sorted(stats["capture_bytes_per_budget"].items()))})
+                            "graph_memory_bytes": dict(sorted(stats["capture_bytes_per_budget"].items())),
+                            "plain_capture_seconds": dict(sorted(
+                                plains[kernel].stats()["capture_seconds_per_budget"].items()))
+                            if kernel in plains else None})
         return results
     finally:
         for manager in (*managers.values(), *plains.values()):
@@ -336,7 +339,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         "graph_backend_accelerates": per_kernel[0]["accelerates"] if per_kernel else None,
         "kernels": kernel_table, "rows": flatten_rows(groups, per_kernel),
         "interleaved": True,
-        "per_kernel": {r["kernel"]: {k: r[k] for k in ("budgets", "graph_memory_bytes", "stats")}
+        "per_kernel": {r["kernel"]: {k: r[k] for k in ("budgets", "graph_memory_bytes", "plain_capture_seconds",
+                                                       "stats")}
                        for r in per_kernel},
         "calibration": None,
     }

@@ -51,8 +51,9 @@ class BudgetGraph:
     metadata: object  # the tower's device metadata, padded to every slot: the graphs' static inputs
     graphs: dict[int, CapturedGraph]  # slot count -> graph, ascending
     memory_bytes: int
-    capture_seconds: float
+    capture_seconds: float  # the budget's whole startup: compiling (compiled captures) and capturing
     filled_grid: tuple | None = None  # the grid whose metadata the static buffers hold now (None: unknown)
+    compile_seconds: float | None = None  # compiled captures: the part of capture_seconds spent compiling
 
     def graph_for(self, num_seqs: int) -> tuple[int, CapturedGraph]:
         """The graph with the fewest slots holding ``num_seqs`` sequences, and its slot count."""
@@ -75,7 +76,8 @@ class ManagerStats:
     replays_per_budget: dict = field(default_factory=dict)
     replays_per_slots: dict = field(default_factory=dict)  # slot count of the graph replayed -> replays
     capture_bytes_per_budget: dict = field(default_factory=dict)
-    capture_seconds_per_budget: dict = field(default_factory=dict)
+    capture_seconds_per_budget: dict = field(default_factory=dict)  # compiling included
+    compile_seconds_per_budget: dict = field(default_factory=dict)  # compiled captures: the first compiled forward
     capture_failures: dict = field(default_factory=dict)  # budget -> reason
     compile_skipped: str | None = None  # compile=True on a backend without inductor: why it captured uncompiled
     compile_failures: dict = field(default_factory=dict)  # budget -> why its compiled capture fell back to plain
@@ -93,7 +95,8 @@ class EncoderGraphManager:
     smallest); ``None`` doubles from 64 up to 256, or with ``calibrate=True`` up to ``max_budget`` and then keeps
     only the budgets whose replay beats eager on this device. ``compile=True`` compiles the tower's block forward
     with ``torch.compile(dynamic=False)`` (one compilation per block shape, shared by the blocks) before capturing
-    each budget (startup cost: see ``stats()['capture_seconds_per_budget']``); where the backend cannot compile
+    each budget (startup cost: ``stats()['capture_seconds_per_budget']``, of which ``compile_seconds_per_budget`` is
+    the budget's first compiled forward, where dynamo traces and inductor compiles); where the backend cannot compile
     (``compile_support()``, e.g. NPU) or a budget's compiled capture fails, that capture is plain, and
     ``stats()`` says why (``compile_skipped``, ``compile_failures``).
 
@@ -249,11 +252,20 @@ class EncoderGraphManager:
         block_forward = self._compiled_block_forward() if compiled else None
         entry = BudgetGraph(budget, num_patches, pixels, static_meta, {}, 0, 0.0)
 
+        def slot_forward(slots: int):
+            meta = static_meta.first_seqs(slots)
+            if compiled:
+                # Only the attention op (opaque to inductor) reads cu_seqlens' length: one compiled block per
+                # budget serves every slot count, instead of a recompilation per count.
+                torch._dynamo.mark_dynamic(meta.cu_seqlens, 0)
+
+            def forward() -> torch.Tensor:
+                out = tower.forward_with_metadata(pixels, meta, block_forward=block_forward)
+                return torch.stack(out.tensors())
+            return forward
+
+        forwards = {slots: slot_forward(slots) for slots in sorted(self.slot_counts, reverse=True)}
         self.backend.synchronize()
-        # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so the difference below
-        # is what this budget's graphs hold, not cached blocks released on the way in.
-        self.backend.empty_cache()
-        before = self.backend.memory_in_use()
         start = time.perf_counter()
         # torch.compile traces the products itself: a compiled capture keeps ATen's. A plain one takes this
         # manager's chooser, or else whichever the caller has active (``products.chosen_by``).
@@ -261,17 +273,18 @@ class EncoderGraphManager:
             products.chosen_by(self._chooser) if self._chooser is not None else contextlib.nullcontext()
         try:
             with torch.inference_mode(), compile_limits(len(self.budgets)), choice:
-                for slots in sorted(self.slot_counts, reverse=True):
-                    meta = static_meta.first_seqs(slots)
-                    if compiled:
-                        # Only the attention op (opaque to inductor) reads cu_seqlens' length: one compiled block
-                        # per budget serves every slot count, instead of a recompilation per count.
-                        torch._dynamo.mark_dynamic(meta.cu_seqlens, 0)
-
-                    def forward(meta=meta) -> torch.Tensor:
-                        out = tower.forward_with_metadata(pixels, meta, block_forward=block_forward)
-                        return torch.stack(out.tensors())
-
+                if compiled:
+                    # The first call traces and compiles (or loads inductor's cached graphs): made here, before
+                    # capturing, it is the budget's compile time, and the blocks it leaves cached are emptied
+                    # below, not counted as the graphs' memory.
+                    next(iter(forwards.values()))()
+                    self.backend.synchronize()
+                    entry.compile_seconds = time.perf_counter() - start
+                # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so the
+                # difference below is what this budget's graphs hold, not cached blocks released on the way in.
+                self.backend.empty_cache()
+                before = self.backend.memory_in_use()
+                for slots, forward in forwards.items():
                     entry.graphs[slots] = self.backend.capture(forward, self.pool)
             self.backend.synchronize()
             entry.graphs = dict(sorted(entry.graphs.items()))
@@ -286,6 +299,8 @@ class EncoderGraphManager:
             raise
         self._stats.capture_bytes_per_budget[budget] = entry.memory_bytes
         self._stats.capture_seconds_per_budget[budget] = entry.capture_seconds
+        if entry.compile_seconds is not None:
+            self._stats.compile_seconds_per_budget[budget] = entry.compile_seconds
         return entry
 
     def _verify(self, entry: BudgetGraph, graph: CapturedGraph, host, grid) -> None:

@@ -1,4 +1,5 @@
-"""Markdown for ``hwgraph bench`` results: latency tables, graph memory, kernel time, calibration, dispatch."""
+"""Markdown for ``hwgraph bench`` results: latency tables, graph memory, startup, kernel time, calibration,
+dispatch."""
 
 from __future__ import annotations
 
@@ -61,6 +62,28 @@ def memory_table(result: dict) -> str:
                  for b in budgets]
         rows.append([kernel, *cells, mib(sum(mem.values()))])
     return md_table(["attention", *[str(b) for b in budgets], "total"], rows)
+
+
+def startup_table(result: dict) -> str:
+    """Seconds per budget at startup: compiling (compiled captures), the whole capture, and plain capture where it
+    was captured beside; a budget that failed has none."""
+    budgets = result["budgets"]
+    main = ("compiling and capturing" if result.get("compile") else
+            "measuring products and capturing" if result.get("measure_products") else "capturing")
+
+    def row(kernel: str, what: str, seconds: dict | None) -> list | None:
+        if not seconds:
+            return None
+        by_budget = {int(b): v for b, v in seconds.items()}
+        return [kernel, what, *(None if b not in by_budget else f"{by_budget[b]:.1f}" for b in budgets),
+                f"{sum(by_budget.values()):.1f}"]
+
+    rows = []
+    for kernel, data in result["per_kernel"].items():
+        rows += [row(kernel, "compiling", data["stats"].get("compile_seconds_per_budget")),
+                 row(kernel, main, data["stats"]["capture_seconds_per_budget"]),
+                 row(kernel, "plain capture", data.get("plain_capture_seconds"))]
+    return md_table(["attention", "startup", *[str(b) for b in budgets], "total"], [r for r in rows if r])
 
 
 def dispatch_table(result: dict) -> str:
@@ -153,6 +176,7 @@ def interleaved_note(result: dict) -> str:
 def bench_markdown(result: dict) -> str:
     parts = [heading(result), "### Latency per image group\n\n" + latency_table(result),
              "### Graph memory per budget (MiB)\n\n" + memory_table(result),
+             "### Startup per budget (s)\n\n" + startup_table(result),
              "### Dispatch\n\n" + dispatch_table(result)]
     prof = profile_table(result)
     if prof:

@@ -82,6 +82,7 @@ def test_bench_command_prints_markdown_and_writes_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| group | tokens | attention | transformers eager | hwgraph eager | hwgraph replay |" in out
     assert "| 1x4 | 4 | TORCH_SDPA |" in out and "Graph memory per budget" in out and str(path) in out
+    assert "### Startup per budget (s)" in out and "| TORCH_SDPA | capturing |" in out
     assert "sampled in turn" in out
     data = json.loads(path.read_text())
     assert data["rows"][0]["group"] == "1x4" and data["budgets"] == [8] and data["interleaved"] is True
@@ -107,6 +108,28 @@ def test_dispatch_table_says_why_budgets_were_captured_uncompiled():
     assert lines[2].endswith("| all: inductor generates no NPU code |")
     assert lines[3].endswith("| 64: RuntimeError: boom |")
     assert lines[4].endswith("| - |")
+
+
+def test_startup_table_gives_compile_capture_and_plain_seconds_per_budget():
+    from hwgraph.report import startup_table
+
+    def result(compile, measure_products, stats, plain):
+        return {"budgets": [64, 256], "compile": compile, "measure_products": measure_products,
+                "per_kernel": {"K": {"stats": stats, "plain_capture_seconds": plain}}}
+
+    compiled = startup_table(result(True, False, {"compile_seconds_per_budget": {"64": 2.25, "256": 6.0},
+                                                  "capture_seconds_per_budget": {"64": 2.75, "256": 6.5}},
+                                    {"64": 0.5, "256": 0.25})).splitlines()
+    assert compiled[0] == "| attention | startup | 64 | 256 | total |"
+    assert compiled[2:] == ["| K | compiling | 2.2 | 6.0 | 8.2 |", "| K | compiling and capturing | 2.8 | 6.5 | 9.2 |",
+                            "| K | plain capture | 0.5 | 0.2 | 0.8 |"]
+    # a budget whose capture failed has no time; a plain bench has one row
+    plain = startup_table(result(False, False, {"compile_seconds_per_budget": {},
+                                                "capture_seconds_per_budget": {256: 1.5}}, None)).splitlines()
+    assert plain[2:] == ["| K | capturing | - | 1.5 | 1.5 |"]
+    measured = startup_table(result(False, True, {"capture_seconds_per_budget": {64: 20.0, 256: 1.0}},
+                                    {64: 0.5, 256: 0.5})).splitlines()
+    assert [line.split(" | ")[1] for line in measured[2:]] == ["measuring products and capturing", "plain capture"]
 
 
 def test_interleaved_timing_takes_one_call_of_each_callable_per_round_in_shuffled_orders():

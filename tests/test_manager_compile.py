@@ -24,6 +24,7 @@ def test_compiled_replay_equals_eager_with_the_same_stats_and_fallback_rules():
     m.capture()
     assert sorted(m.graphs) == [16] and m.stats()["capture_failures"] == {}
     assert m.stats()["capture_seconds_per_budget"][16] > 0
+    assert 0 < m.stats()["compile_seconds_per_budget"][16] < m.stats()["capture_seconds_per_budget"][16]
     for seed, grid in enumerate([[(1, 4, 4), (1, 4, 8)], [(1, 8, 8)], [(1, 2, 2)], [(1, 8, 12)], [(2, 4, 4)]]):
         g = torch.Generator().manual_seed(seed)
         pixels = torch.randn(sum(t * h * w for t, h, w in grid), tower.patch_row_width, generator=g)
@@ -103,6 +104,40 @@ def test_compiled_mode_compiles_each_budget_once_for_all_its_slot_counts():
     m.close()
 
 
+@needs_inductor
+def test_compiled_mode_times_compiling_apart_from_capturing():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(3)
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=3, deepstack_visual_indexes=[0]).eval()
+    m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=2, graph_backend="cpu", compile=True)
+    capture = m.backend.capture
+    compiled_in_capture = []
+
+    def recording_capture(fn, pool):
+        before = counters["stats"]["unique_graphs"]
+        graph = capture(fn, pool)
+        compiled_in_capture.append(counters["stats"]["unique_graphs"] - before)
+        return graph
+
+    m.backend.capture = recording_capture
+    counters.clear()
+    m.capture()
+    s = m.stats()
+    assert counters["stats"]["unique_graphs"] == 2 * 2  # a middle and a last block per budget
+    # every compilation happened in the timed first forward, none while capturing
+    assert compiled_in_capture == [0] * len(m.budgets) * len(m.slot_counts)
+    assert set(s["compile_seconds_per_budget"]) == {8, 16} and s["compile_failures"] == {}
+    for budget, seconds in s["compile_seconds_per_budget"].items():
+        assert 0 < seconds < s["capture_seconds_per_budget"][budget]
+    check_against_eager(tower, m, [[(1, 4, 8)], [(1, 4, 4), (1, 4, 8)]])
+    plain = EncoderGraphManager(tower, budgets=[8], max_images_per_graph=2, graph_backend="cpu")
+    plain.capture()
+    assert plain.stats()["compile_seconds_per_budget"] == {} and plain.stats()["capture_seconds_per_budget"][8] > 0
+    m.close()
+    plain.close()
+
+
 def check_against_eager(tower, m, grids):
     for seed, grid in enumerate(grids):
         g = torch.Generator().manual_seed(seed)
@@ -144,6 +179,7 @@ def test_a_failed_compiled_capture_falls_back_to_a_plain_capture_not_to_eager(mo
     s = m.stats()
     assert sorted(m.graphs) == [8, 16] and s["capture_failures"] == {} and s["compile_skipped"] is None
     assert set(s["compile_failures"]) == {8, 16}
+    assert s["compile_seconds_per_budget"] == {} and set(s["capture_seconds_per_budget"]) == {8, 16}
     assert all("inductor exploded" in reason for reason in s["compile_failures"].values())
     assert "capturing it without torch.compile" in caplog.text
     check_against_eager(tower, m, [[(1, 4, 8)], [(1, 8, 8)]])
@@ -179,3 +215,6 @@ def test_compiled_bench_times_plain_replay_side_by_side_and_reports_both():
     assert ("| transformers eager | hwgraph eager | hwgraph plain replay | hwgraph compiled replay |" in text
             and text.count("| compiled vs plain replay |") == 1)
     assert "plain replay and compiled replay are sampled in turn" in text
+    per = result["per_kernel"]["TORCH_SDPA"]
+    assert set(per["plain_capture_seconds"]) == {8} and set(per["stats"]["compile_seconds_per_budget"]) == {8}
+    assert all(f"| TORCH_SDPA | {what} |" in text for what in ("compiling", "compiling and capturing", "plain capture"))
