@@ -266,6 +266,10 @@ class EncoderGraphManager:
 
         forwards = {slots: slot_forward(slots) for slots in sorted(self.slot_counts, reverse=True)}
         self.backend.synchronize()
+        # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so the difference below
+        # is what this budget's graphs hold, not cached blocks released on the way in.
+        self.backend.empty_cache()
+        before = self.backend.memory_in_use()
         start = time.perf_counter()
         # torch.compile traces the products itself: a compiled capture keeps ATen's. A plain one takes this
         # manager's chooser, or else whichever the caller has active (``products.chosen_by``).
@@ -274,16 +278,13 @@ class EncoderGraphManager:
         try:
             with torch.inference_mode(), compile_limits(len(self.budgets)), choice:
                 if compiled:
-                    # The first call traces and compiles (or loads inductor's cached graphs): made here, before
-                    # capturing, it is the budget's compile time, and the blocks it leaves cached are emptied
-                    # below, not counted as the graphs' memory.
+                    # The first call traces and compiles (or loads inductor's cached graphs). Made here, before
+                    # capturing, it is the budget's compile time; it allocates what a capture's warm-up would
+                    # (the blocks it leaves cached are emptied when capturing begins), so the memory counted
+                    # below is the same as a plain capture's.
                     next(iter(forwards.values()))()
                     self.backend.synchronize()
                     entry.compile_seconds = time.perf_counter() - start
-                # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so the
-                # difference below is what this budget's graphs hold, not cached blocks released on the way in.
-                self.backend.empty_cache()
-                before = self.backend.memory_in_use()
                 for slots, forward in forwards.items():
                     entry.graphs[slots] = self.backend.capture(forward, self.pool)
             self.backend.synchronize()
