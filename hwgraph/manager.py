@@ -279,9 +279,9 @@ class EncoderGraphManager:
             with torch.inference_mode(), compile_limits(len(self.budgets)), choice:
                 if compiled:
                     # The first call traces and compiles (or loads inductor's cached graphs). Made here, before
-                    # capturing, it is the budget's compile time; it allocates what a capture's warm-up would
-                    # (the blocks it leaves cached are emptied when capturing begins), so the memory counted
-                    # below is the same as a plain capture's.
+                    # capturing, it is the budget's compile time. After the baseline above, like a capture's own
+                    # warm-up: what it allocates for good counts as a plain capture's would, and the blocks it
+                    # leaves cached are emptied when capturing begins (torch.cuda.graph does).
                     next(iter(forwards.values()))()
                     self.backend.synchronize()
                     entry.compile_seconds = time.perf_counter() - start
