@@ -30,7 +30,9 @@ PADDED_CACHE_SIZE = 64  # padded, pinned host metadata kept for this many recent
 VERIFY_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
-COMPILED_PRODUCTS = "ATen's: compiled captures keep them (torch.compile traces the products itself)"
+def measuring_seconds() -> float:
+    """What the active product chooser has spent measuring so far (0 without one)."""
+    return getattr(products.ACTIVE, "seconds", 0.0)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -76,8 +78,9 @@ class ManagerStats:
     replays_per_budget: dict = field(default_factory=dict)
     replays_per_slots: dict = field(default_factory=dict)  # slot count of the graph replayed -> replays
     capture_bytes_per_budget: dict = field(default_factory=dict)
-    capture_seconds_per_budget: dict = field(default_factory=dict)  # compiling included
-    compile_seconds_per_budget: dict = field(default_factory=dict)  # compiled captures: the first compiled forward
+    capture_seconds_per_budget: dict = field(default_factory=dict)  # compiling and measuring products included
+    compile_seconds_per_budget: dict = field(default_factory=dict)  # compiled captures: the first compiled forward,
+    # less the product chooser's measuring in it
     capture_failures: dict = field(default_factory=dict)  # budget -> reason
     compile_skipped: str | None = None  # compile=True on a backend without inductor: why it captured uncompiled
     compile_failures: dict = field(default_factory=dict)  # budget -> why its compiled capture fell back to plain
@@ -96,9 +99,9 @@ class EncoderGraphManager:
     only the budgets whose replay beats eager on this device. ``compile=True`` compiles the tower's block forward
     with ``torch.compile(dynamic=False)`` (one compilation per block shape, shared by the blocks) before capturing
     each budget (startup cost: ``stats()['capture_seconds_per_budget']``, of which ``compile_seconds_per_budget`` is
-    the budget's first compiled forward, where dynamo traces and inductor compiles); where the backend cannot compile
-    (``compile_support()``, e.g. NPU) or a budget's compiled capture fails, that capture is plain, and
-    ``stats()`` says why (``compile_skipped``, ``compile_failures``).
+    the budget's first compiled forward, where dynamo traces and inductor compiles, less any measuring of products in
+    it); where the backend cannot compile (``compile_support()``, e.g. NPU) or a budget's compiled capture fails,
+    that capture is plain, and ``stats()`` says why (``compile_skipped``, ``compile_failures``).
 
     ``slot_counts``: with a kernel whose cost grows with empty ``cu_seqlens`` slots (``KernelSpec.slot_bound``:
     FLASH_ATTN, TRITON_ATTN, ROCM_AITER_FA), each budget is captured once per slot count, all graphs sharing its
@@ -106,11 +109,12 @@ class EncoderGraphManager:
     below ``max_images_per_graph`` and that number for such kernels, else ``max_images_per_graph`` alone; explicit
     counts must lie in 1..``max_images_per_graph``, which is always added.
 
-    ``measure_products=True``: plain captures run the tower's matrix products as the backend's
-    ``product_chooser()`` picks them, by measurement during each capture's warm-up (CUDA: the fastest cuBLASLt
-    configuration per shape, ``hwgraph_cuda.products``). Eager calls and compiled captures keep ATen's;
-    where the backend cannot choose (``products_support()``), every capture does, and ``stats()['products']`` says
-    why, as it says what chose them otherwise.
+    ``measure_products=True``: captures run the tower's matrix products as the backend's ``product_chooser()``
+    picks them, by measurement at each shape's first call outside a capture (a plain capture's warm-up, a compiled
+    capture's first compiled forward; CUDA: the fastest cuBLASLt configuration per shape,
+    ``hwgraph_cuda.products``). Compiled captures hold them as opaque custom ops (``hwgraph.products``). Eager
+    calls keep ATen's; where the backend cannot choose (``products_support()``), every capture does, and
+    ``stats()['products']`` says why, as it says what chose them otherwise.
     """
 
     def __init__(self, tower, device=None, dtype=None, budgets=None, max_images_per_graph=None,
@@ -189,8 +193,7 @@ class EncoderGraphManager:
                             self.backend.name, self.tower.attention_kernel, reason)
                 self.backend.synchronize()
         if self._chooser is not None:
-            self._stats.products = COMPILED_PRODUCTS if compiled and not self._stats.compile_failures else \
-                self._chooser.describe()
+            self._stats.products = self._chooser.describe()
             log.info("matrix products on %s: %s", self.backend.name, self._stats.products)
         if self.calibrate_on_capture:
             self.calibrate()
@@ -271,20 +274,21 @@ class EncoderGraphManager:
         self.backend.empty_cache()
         before = self.backend.memory_in_use()
         start = time.perf_counter()
-        # torch.compile traces the products itself: a compiled capture keeps ATen's. A plain one takes this
-        # manager's chooser, or else whichever the caller has active (``products.chosen_by``).
-        choice = products.chosen_by(None) if compiled else \
-            products.chosen_by(self._chooser) if self._chooser is not None else contextlib.nullcontext()
+        # The products run as this manager's chooser picks them, or else as the one the caller has active
+        # (``products.chosen_by``); compiled graphs call it through its custom ops.
+        choice = products.chosen_by(self._chooser) if self._chooser is not None else contextlib.nullcontext()
         try:
             with torch.inference_mode(), compile_limits(len(self.budgets)), choice:
                 if compiled:
                     # The first call traces and compiles (or loads inductor's cached graphs). Made here, before
-                    # capturing, it is the budget's compile time. After the baseline above, like a capture's own
-                    # warm-up: what it allocates for good counts as a plain capture's would, and the blocks it
-                    # leaves cached are emptied when capturing begins (torch.cuda.graph does).
+                    # capturing, it is the budget's compile time, less what a product chooser spent measuring
+                    # shapes it met first. After the baseline above, like a capture's own warm-up: what it
+                    # allocates for good counts as a plain capture's would, and the blocks it leaves cached are
+                    # emptied when capturing begins (torch.cuda.graph does).
+                    measuring = measuring_seconds()
                     next(iter(forwards.values()))()
                     self.backend.synchronize()
-                    entry.compile_seconds = time.perf_counter() - start
+                    entry.compile_seconds = time.perf_counter() - start - (measuring_seconds() - measuring)
                 for slots, forward in forwards.items():
                     entry.graphs[slots] = self.backend.capture(forward, self.pool)
             self.backend.synchronize()

@@ -2,12 +2,14 @@
 
 The tower calls ``linear`` and ``linear_gelu_tanh`` here instead of ``F.linear``. With no chooser active they are
 ATen's calls. ``EncoderGraphManager(measure_products=True)`` activates its backend's ``product_chooser()`` around
-each plain capture (``chosen_by``): the CUDA plugin's picks, per shape, the cuBLASLt algorithm that measured fastest
-(``hwgraph_cuda.products``). Eager calls and compiled captures (``torch.compile`` traces the products itself)
-keep ATen's.
+each capture (``chosen_by``): the CUDA plugin's picks, per shape, the cuBLASLt algorithm that measured fastest
+(``hwgraph_cuda.products``). Eager calls keep ATen's. While ``torch.compile`` traces with a chooser active, each
+product becomes one opaque custom op (``hwgraph::chosen_linear``, ``hwgraph::chosen_linear_gelu_tanh``) that calls
+the chooser active when the compiled code runs, so compiled captures take the chooser's kernels too.
 
 A chooser has ``linear(x, weight, bias)`` and ``linear_gelu_tanh(x, weight, bias)`` with ``F.linear``'s shapes, hands
-back ATen's result for any input it does not take, and ``describe()``s what it chose.
+back ATen's result for any input it does not take, counts the ``seconds`` it has spent measuring, and
+``describe()``s what it chose.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from hwgraph.attention.varlen_inputs import eager_or_op
+
 
 class ProductChooser(Protocol):
+    seconds: float  # spent measuring so far (part of the captures' time)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
     def linear_gelu_tanh(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
@@ -31,9 +37,17 @@ class ProductChooser(Protocol):
 ACTIVE: ProductChooser | None = None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the active chooser if there is one."""
+def active_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as the chooser active now runs it (ATen's without one)."""
     return F.linear(x, weight, bias) if ACTIVE is None else ACTIVE.linear(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the active chooser if there is one (``chosen_linear`` while
+    torch.compile traces)."""
+    if ACTIVE is None:
+        return F.linear(x, weight, bias)
+    return eager_or_op(chosen_linear, ACTIVE.linear)(x, weight, bias)
 
 
 def aten_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -45,9 +59,31 @@ def aten_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")
 
 
-def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``aten_linear_gelu_tanh``, through the active chooser if there is one."""
+def active_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``aten_linear_gelu_tanh`` as the chooser active now runs it (ATen's without one)."""
     return aten_linear_gelu_tanh(x, weight, bias) if ACTIVE is None else ACTIVE.linear_gelu_tanh(x, weight, bias)
+
+
+def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``aten_linear_gelu_tanh``, through the active chooser if there is one (``chosen_linear_gelu_tanh`` while
+    torch.compile traces)."""
+    if ACTIVE is None:
+        return aten_linear_gelu_tanh(x, weight, bias)
+    return eager_or_op(chosen_linear_gelu_tanh, ACTIVE.linear_gelu_tanh)(x, weight, bias)
+
+
+def product_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The products' fake: ``F.linear``'s output, uninitialised."""
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+# The products as torch.compile sees them with a chooser active: one opaque node each, which inductor calls as it
+# is (no fusion around the chooser's kernel); the chooser is looked up when the compiled code runs.
+chosen_linear = torch.library.custom_op("hwgraph::chosen_linear", active_linear, mutates_args=())
+chosen_linear.register_fake(product_shape)
+chosen_linear_gelu_tanh = torch.library.custom_op("hwgraph::chosen_linear_gelu_tanh", active_linear_gelu_tanh,
+                                                  mutates_args=())
+chosen_linear_gelu_tanh.register_fake(product_shape)
 
 
 @contextlib.contextmanager

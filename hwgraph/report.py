@@ -43,9 +43,11 @@ def latency_table(result: dict) -> str:
 
 
 def replay_kind(result: dict) -> tuple[str, str]:
-    """What the replay column holds beside plain replay, long and short (compiled captures keep ATen's products)."""
-    return ("compiled replay", "compiled") if result.get("compile") else \
-        ("replay with measured products", "measured products")
+    """What the replay column holds beside plain replay, long and short."""
+    if result.get("compile"):
+        return (("compiled replay with measured products", "compiled, measured products")
+                if result.get("measure_products") else ("compiled replay", "compiled"))
+    return "replay with measured products", "measured products"
 
 
 def mib(nbytes: int) -> str:
@@ -68,8 +70,9 @@ def startup_table(result: dict) -> str:
     """Seconds per budget at startup: compiling (compiled captures), the whole capture, and plain capture where it
     was captured beside; a budget that failed has none."""
     budgets = result["budgets"]
-    main = ("compiling and capturing" if result.get("compile") else
-            "measuring products and capturing" if result.get("measure_products") else "capturing")
+    main = ", ".join(["compiling"] * bool(result.get("compile"))
+                     + ["measuring products"] * bool(result.get("measure_products")))
+    main = f"{main} and capturing" if main else "capturing"
 
     def row(kernel: str, what: str, seconds: dict | None) -> list | None:
         if not seconds:
@@ -173,6 +176,17 @@ def interleaved_note(result: dict) -> str:
     return INTERLEAVED_BESIDE_PLAIN.format(kind=replay_kind(result)[0]) if has_plain_replay(result) else INTERLEAVED
 
 
+ATENS = "ATen's"
+
+
+def products_lines(result: dict) -> str:
+    """With ``--measure-products``: what chose each kernel's matrix products (``stats()['products']``)."""
+    if not result.get("measure_products"):
+        return ""
+    return "\n\n".join(f"Matrix products ({kernel}): {data['stats'].get('products') or ATENS}"
+                       for kernel, data in result["per_kernel"].items())
+
+
 def bench_markdown(result: dict) -> str:
     parts = [heading(result), "### Latency per image group\n\n" + latency_table(result),
              "### Graph memory per budget (MiB)\n\n" + memory_table(result),
@@ -181,6 +195,9 @@ def bench_markdown(result: dict) -> str:
     prof = profile_table(result)
     if prof:
         parts.append("### Kernel time (torch.profiler, one call)\n\n" + prof)
+    chosen = products_lines(result)
+    if chosen:
+        parts.append(chosen)
     cal = calibration_section(result.get("calibration"))
     if cal:
         parts.append(cal)

@@ -130,6 +130,26 @@ def test_startup_table_gives_compile_capture_and_plain_seconds_per_budget():
     measured = startup_table(result(False, True, {"capture_seconds_per_budget": {64: 20.0, 256: 1.0}},
                                     {64: 0.5, 256: 0.5})).splitlines()
     assert [line.split(" | ")[1] for line in measured[2:]] == ["measuring products and capturing", "plain capture"]
+    both = startup_table(result(True, True, {"compile_seconds_per_budget": {64: 1.0, 256: 2.0},
+                                             "capture_seconds_per_budget": {64: 21.0, 256: 3.0}},
+                                {64: 0.5, 256: 0.5})).splitlines()
+    assert [line.split(" | ")[1] for line in both[2:]] == [
+        "compiling", "compiling, measuring products and capturing", "plain capture"]
+
+
+def test_a_bench_with_measured_products_names_its_replay_and_what_chose_the_products():
+    from hwgraph.report import products_lines, replay_kind
+
+    def result(compile, measure_products):
+        return {"compile": compile, "measure_products": measure_products, "per_kernel": {
+            "K": {"stats": {"products": "measured cuBLASLt algorithms: 7 shapes"}}, "L": {"stats": {"products": None}}}}
+
+    assert replay_kind(result(True, False)) == ("compiled replay", "compiled")
+    assert replay_kind(result(False, True)) == ("replay with measured products", "measured products")
+    assert replay_kind(result(True, True)) == ("compiled replay with measured products", "compiled, measured products")
+    assert products_lines(result(True, True)).splitlines() == [
+        "Matrix products (K): measured cuBLASLt algorithms: 7 shapes", "", "Matrix products (L): ATen's"]
+    assert products_lines(result(True, False)) == ""
 
 
 def test_interleaved_timing_takes_one_call_of_each_callable_per_round_in_shuffled_orders():

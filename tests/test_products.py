@@ -1,9 +1,10 @@
-"""The tower's matrix products: ATen's by default, a backend's chooser only inside plain captures
+"""The tower's matrix products: ATen's by default, a backend's chooser only inside captures, plain or compiled
 (``EncoderGraphManager(measure_products=True)``, ``hwgraph.products``)."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -13,24 +14,37 @@ from hwgraph import products
 from hwgraph.capability import Capability
 from hwgraph.graphs.base import inductor_support
 from hwgraph.graphs.cpu import CpuGraphBackend
-from hwgraph.manager import COMPILED_PRODUCTS, EncoderGraphManager
+from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 
 INDUCTOR = inductor_support(torch.device("cpu"))
 
 
 class RecordingChooser:
-    """ATen's results, counting the products routed through it."""
+    """ATen's results, counting the products routed through it. With ``measure_seconds``, the first call of each
+    shape sleeps that long and counts it as measuring (``seconds``), as a chooser that measures does."""
 
-    def __init__(self):
+    def __init__(self, measure_seconds: float = 0.0):
         self.calls = 0
+        self.seconds = 0.0
+        self.measure_seconds = measure_seconds
+        self.shapes = set()
+
+    def measure(self, x, weight):
+        self.calls += 1
+        shape = (*x.shape, *weight.shape)
+        if self.measure_seconds and shape not in self.shapes:
+            self.shapes.add(shape)
+            start = time.perf_counter()
+            time.sleep(self.measure_seconds)
+            self.seconds += time.perf_counter() - start
 
     def linear(self, x, weight, bias):
-        self.calls += 1
+        self.measure(x, weight)
         return F.linear(x, weight, bias)
 
     def linear_gelu_tanh(self, x, weight, bias):
-        self.calls += 1
+        self.measure(x, weight)
         return products.aten_linear_gelu_tanh(x, weight, bias)
 
     def describe(self) -> str:
@@ -131,13 +145,44 @@ def test_plain_captures_take_the_backends_chooser_and_eager_calls_stay_atens(rec
 
 
 @pytest.mark.skipif(not INDUCTOR.ok, reason=INDUCTOR.describe())
-def test_compiled_captures_keep_atens_products(recording_backend):
+def test_compiled_products_call_the_chooser_active_when_they_run():
+    def f(x, w, b):
+        return products.linear_gelu_tanh(products.linear(x, w, b).relu(), w, b) * 2
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
+    compiled = torch.compile(f, dynamic=False, fullgraph=True)  # fullgraph: no break around the products
+    want = f(x, w, b)
+    first, second = RecordingChooser(), RecordingChooser()
+    with products.chosen_by(first):
+        torch.testing.assert_close(compiled(x, w, b), want)
+        compiled(x, w, b)
+    with products.chosen_by(second):  # same graph, the chooser active when it runs
+        torch.testing.assert_close(compiled(x, w, b), want)
+    torch.testing.assert_close(compiled(x, w, b), want)  # none active: ATen's
+    assert (first.calls, second.calls) == (4, 2)
+
+
+@pytest.mark.skipif(not INDUCTOR.ok, reason=INDUCTOR.describe())
+def test_compiled_captures_take_the_backends_chooser_and_time_compiling_apart_from_measuring(monkeypatch):
+    chooser = RecordingChooser(measure_seconds=0.1)
+    monkeypatch.setattr(CpuGraphBackend, "products_support", lambda self: Capability.available())
+    monkeypatch.setattr(CpuGraphBackend, "product_chooser", lambda self: chooser)
     tower = tiny_tower()
     m = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=1, graph_backend="cpu", compile=True,
                             measure_products=True)
     m.capture()
-    assert m.stats()["compile_failures"] == {} and sorted(m.graphs) == [16]
-    assert recording_backend.calls == 0
-    assert m.stats()["products"] == COMPILED_PRODUCTS
+    stats = m.stats()
+    assert stats["compile_failures"] == {} and sorted(m.graphs) == [16]
+    # the first compiled forward, then the CPU backend's warm-up and capture: every product, the compiled blocks'
+    # included, ran through the chooser
+    assert chooser.calls == 3 * products_per_forward(tower)
+    assert stats["products"] == f"recording chooser: {chooser.calls} products"
+    assert products.ACTIVE is None
+    # measuring (a sleep per shape, in the first compiled forward) is not compiling
+    assert chooser.seconds >= 0.1 * len(chooser.shapes) >= 0.4
+    assert 0 < stats["compile_seconds_per_budget"][16]
+    assert stats["compile_seconds_per_budget"][16] + chooser.seconds <= stats["capture_seconds_per_budget"][16]
     check_equal_to_eager(m, tower, [(1, 4, 8)])
+    assert chooser.calls == 3 * products_per_forward(tower)  # replays and eager calls keep ATen's
     m.close()

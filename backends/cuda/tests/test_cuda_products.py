@@ -470,3 +470,43 @@ def test_the_manager_captures_measured_products_equal_to_eager_without_host_read
                 for gt, wt in zip(a.tensors(), e.tensors(), strict=True):
                     torch.testing.assert_close(gt, wt, rtol=1.6e-2, atol=1e-2)
         assert m.stats()["replays_per_budget"] == {64: 2, 256: 4}
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_compiled_captures_run_the_measured_products_and_replay_equal_to_eager(monkeypatch):
+    captured = []
+    product = lt.MeasuredProducts.product
+
+    def recording(self, x, weight, bias, gelu):
+        if torch.cuda.is_current_stream_capturing():
+            captured.append((x.shape[0], tuple(weight.shape), gelu))
+        return product(self, x, weight, bias, gelu)
+
+    monkeypatch.setattr(lt.MeasuredProducts, "product", recording)
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=4, deepstack_visual_indexes=[1, 2, 3]).to(
+        "cuda", torch.bfloat16).eval()
+    with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, measure_products=True) as m:
+        m.capture()
+        assert sorted(m.graphs) == [64], m.stats()["capture_failures"]
+    plain, captured[:] = list(captured), []
+    # qkv, proj, fc1 (with its GELU epilogue) and fc2 of each block, and what else the chooser takes
+    assert sum(gelu for _, _, gelu in plain) == 4 and len(plain) >= 4 * 4
+    with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, compile=True, measure_products=True) as m:
+        m.capture()
+        s = m.stats()
+        assert sorted(m.graphs) == [64] and s["compile_failures"] == {}, s["capture_failures"]
+        assert s["products"].startswith("measured cuBLASLt algorithms: ")
+        assert sorted(captured) == sorted(plain)  # the compiled blocks' products too
+        assert 0 < s["compile_seconds_per_budget"][64] < s["capture_seconds_per_budget"][64]
+        grid = [(1, 14, 14)]
+        pix = torch.randn(196, 1536, device="cuda", dtype=torch.bfloat16)
+        m.encode(pix, grid)  # warms the pinned host allocator for this grid
+        with m.backend.sync_guard():
+            got = m.encode(pix, grid)
+        with torch.inference_mode():
+            want = tower.forward(pix, grid)
+        for gt, wt in zip(got[0].tensors(), want.tensors(), strict=True):
+            torch.testing.assert_close(gt, wt, rtol=1.6e-2, atol=1e-2)
+        assert m.stats()["replays_per_budget"] == {64: 1}
