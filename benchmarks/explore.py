@@ -134,6 +134,8 @@ def main():
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--capture-only", action="store_true", help="capture and report startup cost, then stop")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain (uncompiled) replay")
+    ap.add_argument("--measure-products", action="store_true",
+                    help="capture with measured cuBLASLt products (EncoderGraphManager(measure_products=True))")
     ap.add_argument("--startup-log", metavar="PSTATS", help="where capture time goes: every Triton compilation "
                     "(kernel, cache hit or not, seconds since the capture began), dynamo's inductor and AOT cache "
                     "counters, and the top functions of a cProfile of the captures (saved to PSTATS, or "
@@ -154,7 +156,8 @@ def main():
     managers = {}
     for name, comp in modes:
         start = time.perf_counter()
-        m = EncoderGraphManager(tower, budgets=budgets, max_images_per_graph=4, attention=args.kernel, compile=comp)
+        m = EncoderGraphManager(tower, budgets=budgets, max_images_per_graph=4, attention=args.kernel, compile=comp,
+                                measure_products=args.measure_products)
         # one log per mode (a generator's context manager runs once); the stats file gets the mode's name when
         # both modes run
         stats = args.startup_log if len(modes) == 1 else f"{args.startup_log}.{name}"
@@ -166,6 +169,8 @@ def main():
               f"{f' (compiling {compiling} s)' if compiling else ''}; memory MiB "
               f"{ {b: round(v / 2**20) for b, v in m.stats()['capture_bytes_per_budget'].items()} }; "
               f"failures {m.stats()['capture_failures']}")
+        if m.stats()["products"]:
+            print(f"  products: {m.stats()['products']}")
         managers[name] = m
     if args.capture_only:
         return
