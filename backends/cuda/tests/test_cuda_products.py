@@ -401,6 +401,24 @@ def test_a_chosen_product_replays_on_new_inputs_and_an_unseen_shape_is_not_measu
 
 @pytest.mark.cuda
 @needs_gpu
+def test_measuring_leaves_no_memory_allocated_per_shape(chooser):
+    """cuBLAS keeps a workspace per stream: measuring times its graphs on one side stream, so after the first shape
+    (which may make that stream's workspace) each shape measured leaves nothing allocated behind."""
+    shapes = [(1024, 4304, 1152), (1024, 1152, 4304), (512, 3456, 1152)]
+    operand_sets = [operands(*shape, seed=i) for i, shape in enumerate(shapes)]
+    chooser.linear(*operand_sets[0])
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    for x, w, b in operand_sets[1:]:
+        chooser.linear(x, w, b)
+        chooser.linear_gelu_tanh(x, w, b)
+    torch.cuda.synchronize()
+    assert len(chooser.choices) == 5
+    assert torch.cuda.memory_allocated() - allocated < 2**20
+
+
+@pytest.mark.cuda
+@needs_gpu
 def test_a_second_chooser_recalls_the_first_ones_choices_from_the_cache_and_measures_what_no_longer_holds(tmp_path):
     lib, _ = lt.cublaslt()
     first = lt.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
