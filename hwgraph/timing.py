@@ -100,9 +100,9 @@ def graphed_calls(fn: Callable[[], object], calls: int = 20) -> torch.cuda.CUDAG
 @functools.cache
 def side_stream(device: int) -> torch.cuda.Stream:
     """One stream per device for ``graphed_calls``' warm-ups and captures. cuBLAS keeps a workspace per stream for
-    the process (32 MiB on Hopper): a new stream per graph, or a capture stream apart from the warm-up's, left one
-    more workspace allocated at each graph (on the H200, about 100 MiB per product shape that measured products
-    measured)."""
+    the process (32 MiB on Hopper). With a new warm-up stream per graph and a capture stream apart from it, measured
+    products left about 100 MiB allocated per product shape they measured on the H200, as 32 MiB blocks with no
+    tensor behind them (``docs/benchmarks.md``, session 27)."""
     return torch.cuda.Stream(device=device)
 
 
