@@ -70,9 +70,9 @@ def startup_table(result: dict) -> str:
     """Seconds per budget at startup: compiling (compiled captures), the whole capture, and plain capture where it
     was captured beside; a budget that failed has none."""
     budgets = result["budgets"]
-    main = ", ".join(["compiling"] * bool(result.get("compile"))
-                     + ["measuring products"] * bool(result.get("measure_products")))
-    main = f"{main} and capturing" if main else "capturing"
+    before = [step for step, on in (("compiling", result.get("compile")),
+                                    ("measuring products", result.get("measure_products"))) if on]
+    main = f"{', '.join(before)} and capturing" if before else "capturing"
 
     def row(kernel: str, what: str, seconds: dict | None) -> list | None:
         if not seconds:
