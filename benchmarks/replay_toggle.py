@@ -20,6 +20,9 @@ against the working tree's) or one of ``TOGGLES``:
   the residual in place, cuBLAS beta = 1, their biases added by the LayerNorm kernels; not shipped).
 - ``measured-products``: every product through the CUDA plugin's ``MeasuredProducts`` (per shape, the measured
   fastest of cuBLASLt's candidates; ``EncoderGraphManager(measure_products=True)``) against ATen's calls.
+- ``merger-overlap``: the DeepStack mergers in line from ``tower.OVERLAP_MAX_ROWS`` rows (shipped; session 6
+  measured overlap 0.4-0.5% slower from 1024 rows, with that session's kernels) against the mergers on their side
+  stream at every size (``Qwen3OmniVisionTower.merge_stream``). Below that row count both graphs overlap.
 For each TOKENS, two graphs of one TOKENS-token image on the same tower and pixels (TRITON_ATTN, one slot:
 ``replay_gaps.one_image_graph``): one captured as shipped, one with the toggle off while it is captured. Their
 replays are timed side by side (``measure_interleaved``: 10 warm-ups, 30 rounds in shuffled order), ``--rounds``
@@ -45,6 +48,7 @@ from hwgraph.bench import kernel_view, warm_device
 from hwgraph.budgets import filling_grid
 from hwgraph.manager import relative_error
 from hwgraph.models.qwen3_omni import fused, layers
+from hwgraph.models.qwen3_omni import tower as tower_module
 from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
 from hwgraph.timing import measure_interleaved
 
@@ -72,6 +76,8 @@ TOGGLES = {
     "residual-in-gemm": ("shipped", "residual in the products",
                          lambda: patched(layers.VisionBlock, "forward_fused", residual_in_gemm())),
     "measured-products": ("ATen's cuBLASLt algorithms", "measured cuBLASLt algorithms", lambda: measured_products()),
+    "merger-overlap": ("mergers as shipped", "mergers overlapped at every size",
+                       lambda: patched(tower_module, "OVERLAP_MAX_ROWS", 1 << 30)),
 }
 
 
