@@ -233,8 +233,10 @@ class Qwen3OmniVisionTower(nn.Module):
         as parallel branches. Same kernels, same results. On the H200 (``benchmarks/replay_gaps.py --overlap``,
         TRITON_ATTN, interleaved) one 49-token image replayed 2.6-2.9% faster (the budget-64 graph: 256 rows); 98 tokens
         gained 0-0.7% (budget 128: 512 rows), and from budget 256 (1024 rows) the GEMMs fill the GPU and overlap cost
-        0.4-0.5%. So mergers overlap up to ``OVERLAP_MAX_ROWS`` rows (padding rows counted); in line above that, on
-        other devices, while torch.compile traces, and with ``overlap_deepstack = False``."""
+        0.4-0.5% (session 6); with session 28's kernels, 1.7-1.8% at 1024 rows and 0.2% at 4096
+        (``benchmarks/replay_toggle.py merger-overlap``). So mergers overlap up to ``OVERLAP_MAX_ROWS`` rows
+        (padding rows counted); in line above that, on other devices, while torch.compile traces, and with
+        ``overlap_deepstack = False``."""
         if not self.overlap_deepstack or rows > OVERLAP_MAX_ROWS or device.type != "cuda" \
                 or torch.compiler.is_compiling():
             return None
