@@ -205,8 +205,10 @@ def replay(tower, token_counts: list[int], rounds: int) -> None:
         pixels = torch.randn(tokens * 4, 1536, device=dev, dtype=torch.bfloat16)
         graphs = {"bf16 ATen": one_image_graph(tower, tokens, pixels),
                   "bf16 measured": one_image_graph(tower, tokens, pixels, measure_products=True)}
+        choosers = []  # they hold the quantised weights that the FP8 graphs read: alive as long as the graphs
         for fast in (True, False):
             chooser = Fp8Products(fast_accum=fast)
+            choosers.append(chooser)
             with product_routing.chosen_by(chooser):
                 graphs["fp8 rowwise" + (" fast" if fast else "")] = one_image_graph(tower, tokens, pixels)
             print(f"1x{tokens}: {chooser.describe()}", flush=True)
@@ -236,7 +238,7 @@ def replay(tower, token_counts: list[int], rounds: int) -> None:
                   f"{sum(n for n, _ in hits)} launches, of {total:.3f} ms of kernels", flush=True)
         for name, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]:
             print(f"  {ms:7.3f} ms {n:4d}x  {name[:120]}", flush=True)
-        del graphs
+        del graphs, choosers
 
 
 def main():
