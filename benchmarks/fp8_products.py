@@ -14,11 +14,13 @@ Usage: python benchmarks/fp8_products.py [--products] [--replay] [TOKENS ...] [-
   L2 error against the float64 product, bf16 and rowwise FP8.
 - ``--replay``: for each TOKENS, graphs of one TOKENS-token image (TRITON_ATTN, one slot,
   ``replay_gaps.one_image_graph``) with ATen's bf16 products, with the measured cuBLASLt products
-  (``measure_products=True``, the best bf16 replay), and with FP8 rowwise products (``Fp8Products`` as the active
-  product chooser while capturing; with fast accumulation, and without). Replays timed side by side
-  (``measure_interleaved``), ``--rounds`` times; each graph's merged embeddings against the transformers reference
-  (same weights and pixels) in relative L2; and the FP8 graph's kernels that quantise and apply GELU, which a real
-  FP8 tower would fuse into its LayerNorm and fc1 kernels.
+  (``measure_products=True``, the best bf16 replay), with FP8 rowwise products (``Fp8Products`` as the active
+  product chooser while capturing, fast accumulation: each product quantises its input in a kernel of its own, fc1's
+  GELU is a kernel of its own), and ``fp8 fused``: the same products with the quantisations fused into the
+  LayerNorm and GELU kernels (``fused_block_forward``). Replays timed side by side (``measure_interleaved``),
+  ``--rounds`` times; each graph's merged embeddings against the transformers reference (same weights and pixels)
+  in relative L2; and the kernels of one profiled replay of each FP8 graph. First ``check_kernels`` compares the
+  fused quantisations with the unfused path.
 
 The weights are the preset's random initialisation: a checkpoint's outliers could make per-row FP8 less accurate.
 """
@@ -31,6 +33,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from hwgraph.models.qwen3_omni.fused import add_layer_norm, rotary_qk
+from hwgraph.models.qwen3_omni.fused_kernels import layer_norm_row
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value
@@ -72,7 +77,6 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``[1, N]`` (``_scaled_mm``'s ``scale_b``)."""
     q, scale = reference_quantize_rows(weight)
     return q, scale.reshape(1, -1).contiguous()
-
 
 class Fp8Products:
     """A product chooser (``hwgraph.products.ProductChooser``) running every bf16 product whose dimensions are
@@ -118,6 +122,92 @@ class Fp8Products:
         accum = "fast accumulation" if self.fast_accum else "exact accumulation"
         return (f"FP8 e4m3 rowwise, {accum}: {self.taken} calls taken, {self.passed} passed to ATen, "
                 f"{len(self.weights)} weights quantised")
+
+
+@triton.jit
+def add_layer_norm_fp8_kernel(x, delta, weight, bias, total, Q, S, stride_x, stride_d, eps, N: tl.constexpr,
+                              BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+    """The tower's add + LayerNorm kernel (``fused_kernels.add_layer_norm_kernel``) that hands the normalised row to
+    the next product in float8 (``quantize_rows_kernel``'s recipe, on the row rounded to the activation dtype)
+    instead of writing it in bf16: ``total[r] = x + delta``, ``Q[r]``, ``S[r]``."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    a = tl.load(x + r * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    d = tl.load(delta + r * stride_d + offs, mask=m, other=0.0).to(tl.float32)
+    t = (a + d).to(total.dtype.element_ty)
+    tl.store(total + r * N + offs, t, mask=m)
+    normed = layer_norm_row(t.to(tl.float32), m, offs, weight, bias, eps, N)
+    normed = tl.where(m, normed.to(total.dtype.element_ty).to(tl.float32), 0.0)
+    scale = tl.maximum(tl.max(tl.abs(normed), 0), 1e-12) / FP8_MAX
+    tl.store(Q + r * N + offs, tl.clamp(normed / scale, -FP8_MAX, FP8_MAX).to(Q.dtype.element_ty), mask=m)
+    tl.store(S + r, scale)
+
+
+@triton.jit
+def gelu_quantize_rows_kernel(H, Q, S, K, stride_h, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+    """fc1's output row ``H[r]`` through the tanh GELU (rounded to bf16, as ``F.gelu`` would leave it), then
+    quantised as ``quantize_rows_kernel`` does, for fc2: one kernel instead of GELU and the quantisation."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < K
+    h = tl.load(H + r * stride_h + cols, mask=inside, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (h + 0.044715 * h * h * h)  # sqrt(2 / pi) (h + 0.044715 h^3)
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    g = (0.5 * h * (1.0 + tanh)).to(H.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(g), 0), 1e-12) / FP8_MAX
+    tl.store(Q + r * K + cols, tl.clamp(g / scale, -FP8_MAX, FP8_MAX).to(Q.dtype.element_ty), mask=inside)
+    tl.store(S + r, scale)
+
+
+def add_layer_norm_fp8(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNorm):
+    """``(x + delta, (q, scale))``: the residual sum in bf16 and its LayerNorm quantised per row."""
+    rows, n = x.shape
+    total = torch.empty_like(x)
+    q = torch.empty(rows, n, device=x.device, dtype=FP8)
+    scale = torch.empty(rows, 1, device=x.device, dtype=torch.float32)
+    add_layer_norm_fp8_kernel[(rows,)](x, delta, norm.weight, norm.bias, total, q, scale, x.stride(0),
+                                       delta.stride(0), norm.eps, N=n, BLOCK=triton.next_power_of_2(n),
+                                       FP8_MAX=FP8_MAX, num_warps=4)
+    return total, (q, scale)
+
+
+def gelu_quantize_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, k = h.shape
+    q = torch.empty(rows, k, device=h.device, dtype=FP8)
+    scale = torch.empty(rows, 1, device=h.device, dtype=torch.float32)
+    gelu_quantize_rows_kernel[(rows,)](h, q, scale, k, h.stride(0), BLOCK=triton.next_power_of_2(k),
+                                       FP8_MAX=FP8_MAX, num_warps=8)
+    return q, scale
+
+
+def fused_block_forward(chooser: Fp8Products):
+    """``VisionBlock.forward_fused`` with FP8 products and the quantisations fused where the tower has a kernel to
+    put them in: the LayerNorms hand their rows to qkv and fc1 in float8 (``add_layer_norm_fp8``; ``normed`` passes
+    between blocks as ``(q, scale)``), fc1's GELU and fc2's quantisation are one kernel (``gelu_quantize_rows``).
+    Only proj's input (the attention output) is quantised by a kernel of its own. Weights come from ``chooser``."""
+
+    def product(pair, linear: torch.nn.Linear) -> torch.Tensor:
+        wq, ws = chooser.weight(linear.weight)
+        return torch._scaled_mm(pair[0], wq.t(), scale_a=pair[1], scale_b=ws, bias=linear.bias,
+                                out_dtype=torch.bfloat16, use_fast_accum=chooser.fast_accum)
+
+    def forward(self, x, normed, next_norm, cos, sin, cu_seqlens, max_seqlen, attend):
+        attn, mlp = self.attn, self.mlp
+        if isinstance(normed, torch.Tensor):  # the first block's, from the tower's own LayerNorm
+            normed = quantize_rows(normed)
+        tokens = x.shape[0]
+        qkv = product(normed, attn.qkv).view(tokens, 3, attn.num_heads, attn.head_dim)
+        q, k = rotary_qk(qkv, cos, sin)
+        out = attend(q, k, qkv[:, 2], cu_seqlens, max_seqlen, attn.scale)
+        delta = product(quantize_rows(out.reshape(tokens, -1)), attn.proj)
+        x, normed = add_layer_norm_fp8(x, delta, self.norm2)
+        delta = product(gelu_quantize_rows(product(normed, mlp.linear_fc1)), mlp.linear_fc2)
+        if next_norm is None:
+            return x + delta, None
+        return add_layer_norm_fp8(x, delta, next_norm)
+
+    return forward
 
 
 def relative_l2(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -189,29 +279,57 @@ def products(tower, rows_list: list[int]) -> None:
                   flush=True)
 
 
+def check_kernels(tower) -> None:
+    """The fused quantisations against the unfused path on the tower's shapes (4096 rows): the share of float8
+    codes that differ (a division rounded the other way) and the scales' largest difference. Stops on a mismatch."""
+    torch.manual_seed(1)
+    block = tower.blocks[0]
+    dev = block.norm2.weight.device
+    x, delta = (torch.randn(4096, 1152, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    h = torch.randn(4096, 4304, device=dev, dtype=torch.bfloat16)
+    total, (q, scale) = add_layer_norm_fp8(x, delta, block.norm2)
+    want_total, normed = add_layer_norm(x, delta, block.norm2)
+    cases = {"add + LayerNorm + quantize": (q, scale, *reference_quantize_rows(normed)),
+             "GELU + quantize": (*gelu_quantize_rows(h), *reference_quantize_rows(F.gelu(h, approximate="tanh")))}
+    if not torch.equal(total, want_total):
+        raise SystemExit("add_layer_norm_fp8's residual sum differs from the tower's add_layer_norm")
+    for name, (got_q, got_s, want_q, want_s) in cases.items():
+        codes = (got_q.float() != want_q.float()).float().mean().item()
+        scales = ((got_s - want_s).abs() / want_s).max().item()
+        print(f"{name}: {codes:.2e} of the codes differ from the unfused path, scales by {scales:.1e} at most",
+              flush=True)
+        if codes > 1e-2 or scales > 1e-2:
+            raise SystemExit(f"{name} does not match the unfused path")
+
+
 def replay(tower, token_counts: list[int], rounds: int) -> None:
     from replay_gaps import census, one_image_graph  # benchmarks/, the script's directory
+    from replay_toggle import patched
 
     from hwgraph import products as product_routing
     from hwgraph.bench import kernel_view
     from hwgraph.budgets import filling_grid
     from hwgraph.manager import relative_error
+    from hwgraph.models.qwen3_omni import layers
     from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
     from hwgraph.timing import measure_interleaved
 
+    check_kernels(tower)
     dev = torch.device("cuda")
     reference = reference_encoder(tower, attn_implementation="sdpa")
     for tokens in token_counts:
         pixels = torch.randn(tokens * 4, 1536, device=dev, dtype=torch.bfloat16)
         graphs = {"bf16 ATen": one_image_graph(tower, tokens, pixels),
                   "bf16 measured": one_image_graph(tower, tokens, pixels, measure_products=True)}
-        choosers = []  # they hold the quantised weights that the FP8 graphs read: alive as long as the graphs
-        for fast in (True, False):
-            chooser = Fp8Products(fast_accum=fast)
-            choosers.append(chooser)
-            with product_routing.chosen_by(chooser):
-                graphs["fp8 rowwise" + (" fast" if fast else "")] = one_image_graph(tower, tokens, pixels)
-            print(f"1x{tokens}: {chooser.describe()}", flush=True)
+        # The choosers hold the quantised weights that the FP8 graphs read: alive as long as the graphs.
+        choosers = {"fp8": Fp8Products(fast_accum=True), "fp8 fused": Fp8Products(fast_accum=True)}
+        with product_routing.chosen_by(choosers["fp8"]):
+            graphs["fp8"] = one_image_graph(tower, tokens, pixels)
+        with product_routing.chosen_by(choosers["fp8 fused"]), \
+                patched(layers.VisionBlock, "forward_fused", fused_block_forward(choosers["fp8 fused"])):
+            graphs["fp8 fused"] = one_image_graph(tower, tokens, pixels)
+        for name, chooser in choosers.items():
+            print(f"1x{tokens} {name}: chooser {chooser.describe()}", flush=True)
         grid = [filling_grid(tokens, 2)]
         want = run_reference(reference, pixels, grid).embeds.float()
         with torch.inference_mode():
@@ -226,18 +344,17 @@ def replay(tower, token_counts: list[int], rounds: int) -> None:
                   flush=True)
         errors = {name: relative_error(g[3].float(), want) for name, g in graphs.items()}
         errors["FLASH_ATTN eager (bf16)"] = relative_error(flash.float(), want)
+        between = relative_error(graphs["fp8 fused"][3].float(), graphs["fp8"][3].float())
         print(f"1x{tokens}: relative L2 against transformers: "
-              + ", ".join(f"{name} {err:.2e}" for name, err in errors.items()), flush=True)
-        kernels = census(graphs["fp8 rowwise fast"][2])
-        total = sum(ms for _, ms in kernels.values())
-        for label, pick in (("quantize", lambda k: "quantize_rows" in k),
-                            ("GELU (elementwise)", lambda k: "gelu" in k.lower() and "gemm" not in k.lower()),
-                            ("FP8 products", lambda k: "e4m3" in k.lower() or "f8" in k.lower() or "fp8" in k.lower())):
-            hits = [(n, ms) for k, (n, ms) in kernels.items() if pick(k)]
-            print(f"1x{tokens} fp8 rowwise fast, profiled replay: {label} {sum(ms for _, ms in hits):.3f} ms in "
-                  f"{sum(n for n, _ in hits)} launches, of {total:.3f} ms of kernels", flush=True)
-        for name, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]:
-            print(f"  {ms:7.3f} ms {n:4d}x  {name[:120]}", flush=True)
+              + ", ".join(f"{name} {err:.2e}" for name, err in errors.items())
+              + f"; fp8 fused against fp8 {between:.2e}", flush=True)
+        for name in ("fp8", "fp8 fused"):
+            kernels = census(graphs[name][2])
+            total = sum(ms for _, ms in kernels.values())
+            print(f"1x{tokens} {name}, one profiled replay: {total:.3f} ms of kernels in "
+                  f"{sum(n for n, _ in kernels.values())} launches", flush=True)
+            for kernel, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:14]:
+                print(f"  {ms:7.3f} ms {n:4d}x  {kernel[:120]}", flush=True)
         del graphs, choosers
 
 
