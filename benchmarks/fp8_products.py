@@ -4,7 +4,8 @@ Issue 5's 1024-token target (10 ms) is about 4% below what bf16 replay reaches, 
 name lower-precision products as one change of a different kind that could reach it. This script measures it, with
 the tower's numerics changed only here:
 
-Usage: python benchmarks/fp8_products.py [--products] [--replay] [TOKENS ...] [--rounds N]  (default: both, 1024 256)
+Usage: python benchmarks/fp8_products.py [--products] [--kernels] [--replay] [TOKENS ...] [--rounds N]
+(default: products and replay, 1024 256)
 
 - ``--products``: per product shape of the tower (its weights, random activations) at the patch rows of a 256- and
   a 1024-token image (1024, 4096; the mergers at a quarter of those), µs per call (20 calls in one CUDA graph):
@@ -12,6 +13,7 @@ Usage: python benchmarks/fp8_products.py [--products] [--replay] [TOKENS ...] [-
   with a scale per row of x and per output channel of the weight (rowwise; with and without ``use_fast_accum``),
   the same with one scale per tensor, and the Triton kernel that quantises x per row. Then each product's relative
   L2 error against the float64 product, bf16 and rowwise FP8.
+- ``--kernels``: the elementwise kernels around the FP8 products at 4096 rows, by warps per program (``kernels``).
 - ``--replay``: for each TOKENS, graphs of one TOKENS-token image (TRITON_ATTN, one slot,
   ``replay_gaps.one_image_graph``) with ATen's bf16 products, with the measured cuBLASLt products
   (``measure_products=True``, the best bf16 replay), with FP8 rowwise products (``Fp8Products`` as the active
@@ -35,31 +37,46 @@ import triton
 import triton.language as tl
 
 from hwgraph.models.qwen3_omni.fused import add_layer_norm, rotary_qk
-from hwgraph.models.qwen3_omni.fused_kernels import layer_norm_row
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 
 
-@triton.jit
-def quantized_row(x, FP8_MAX: tl.constexpr):
-    """``(x / scale, scale)`` for a float32 row, ``scale`` = its absolute maximum / FP8_MAX, by one reciprocal per
-    row and a multiply per element (a float32 division per element made the GELU kernel compute-bound)."""
-    amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-12)
-    return tl.clamp(x * (FP8_MAX / amax), -FP8_MAX, FP8_MAX), amax / FP8_MAX
+def row_parts(k: int) -> tuple[int, int]:
+    """``(MAIN, TAIL)``: a row of ``k`` lanes as a power-of-two part and a power-of-two tail holding the rest (0 if
+    none): 1152 = 1024 + 128, 4304 = 4096 + 256 (48 lanes masked) instead of one block of 2048 or 8192 lanes, which
+    left the GELU kernel computing on 47% masked lanes."""
+    main = 1 << (k.bit_length() - 1)
+    return main, (triton.next_power_of_2(k - main) if k > main else 0)
 
 
 @triton.jit
-def quantize_rows_kernel(X, Q, S, K, stride_x, stride_q, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
-    """One program per row of ``X`` ``[M, K]``: its absolute maximum sets the row's scale ``S[row]`` = amax / FP8_MAX,
-    and ``Q[row]`` = x * (FP8_MAX / amax) in float8 (rounded to nearest, saturated)."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < K
-    x = tl.load(X + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
-    q, scale = quantized_row(x, FP8_MAX)
-    tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=inside)
-    tl.store(S + row, scale)
+def store_quantized(Q, row_q, x0, x1, c1, m1, amax, TAIL: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Store a row's two parts ``x0``, ``x1`` (float32) times ``FP8_MAX / amax`` in float8 (rounded to nearest,
+    saturated) at ``row_q``; one reciprocal per row and a multiply per element, not a division per element."""
+    amax = tl.maximum(amax, 1e-12)
+    inv = FP8_MAX / amax
+    c0 = tl.arange(0, x0.shape[0])
+    tl.store(Q + row_q + c0, tl.clamp(x0 * inv, -FP8_MAX, FP8_MAX).to(Q.dtype.element_ty))
+    if TAIL > 0:
+        tl.store(Q + row_q + c1, tl.clamp(x1 * inv, -FP8_MAX, FP8_MAX).to(Q.dtype.element_ty), mask=m1)
+    return amax / FP8_MAX
+
+
+@triton.jit
+def quantize_rows_kernel(X, Q, S, K, stride_x, stride_q, MAIN: tl.constexpr, TAIL: tl.constexpr,
+                         FP8_MAX: tl.constexpr):
+    """One program per row of ``X`` ``[M, K]`` (``row_parts(K)``): its absolute maximum sets the row's scale
+    ``S[row]`` = amax / FP8_MAX, and ``Q[row]`` = x * (FP8_MAX / amax) in float8."""
+    row = tl.program_id(0).to(tl.int64)
+    x0 = tl.load(X + row * stride_x + tl.arange(0, MAIN)).to(tl.float32)
+    amax = tl.max(tl.abs(x0), 0)
+    c1 = MAIN + tl.arange(0, TAIL if TAIL > 0 else 1)
+    m1 = c1 < K
+    x1 = tl.load(X + row * stride_x + c1, mask=m1, other=0.0).to(tl.float32)
+    if TAIL > 0:
+        amax = tl.maximum(amax, tl.max(tl.abs(x1), 0))
+    tl.store(S + row, store_quantized(Q, row * stride_q, x0, x1, c1, m1, amax, TAIL, FP8_MAX))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,9 +84,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k = x.shape
     q = torch.empty(rows, k, device=x.device, dtype=FP8)
     scale = torch.empty(rows, 1, device=x.device, dtype=torch.float32)
-    block = triton.next_power_of_2(k)
-    quantize_rows_kernel[(rows,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block, FP8_MAX=FP8_MAX,
-                                  num_warps=8 if block >= 4096 else 4)
+    main, tail = row_parts(k)
+    quantize_rows_kernel[(rows,)](x, q, scale, k, x.stride(0), q.stride(0), MAIN=main, TAIL=tail, FP8_MAX=FP8_MAX,
+                                  num_warps=8 if main >= 4096 else 4)
     return q, scale
 
 
@@ -133,58 +150,82 @@ class Fp8Products:
 
 @triton.jit
 def add_layer_norm_fp8_kernel(x, delta, weight, bias, total, Q, S, stride_x, stride_d, eps, N: tl.constexpr,
-                              BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
-    """The tower's add + LayerNorm kernel (``fused_kernels.add_layer_norm_kernel``) that hands the normalised row to
-    the next product in float8 (``quantize_rows_kernel``'s recipe, on the row rounded to the activation dtype)
-    instead of writing it in bf16: ``total[r] = x + delta``, ``Q[r]``, ``S[r]``."""
+                              MAIN: tl.constexpr, TAIL: tl.constexpr, FP8_MAX: tl.constexpr):
+    """The tower's add + LayerNorm kernel (``fused_kernels.add_layer_norm_kernel``, the same float32 arithmetic) on a
+    row in two parts (``row_parts(N)``), handing the normalised row to the next product in float8
+    (``quantize_rows_kernel``'s recipe, on the row rounded to the activation dtype) instead of writing it in bf16:
+    ``total[r] = x + delta``, ``Q[r]``, ``S[r]``."""
     r = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    m = offs < N
-    a = tl.load(x + r * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-    d = tl.load(delta + r * stride_d + offs, mask=m, other=0.0).to(tl.float32)
-    t = (a + d).to(total.dtype.element_ty)
-    tl.store(total + r * N + offs, t, mask=m)
-    normed = layer_norm_row(t.to(tl.float32), m, offs, weight, bias, eps, N)
-    q, scale = quantized_row(tl.where(m, normed.to(total.dtype.element_ty).to(tl.float32), 0.0), FP8_MAX)
-    tl.store(Q + r * N + offs, q.to(Q.dtype.element_ty), mask=m)
-    tl.store(S + r, scale)
+    c0 = tl.arange(0, MAIN)
+    c1 = MAIN + tl.arange(0, TAIL if TAIL > 0 else 1)
+    m1 = c1 < N
+    t0 = (tl.load(x + r * stride_x + c0).to(tl.float32)
+          + tl.load(delta + r * stride_d + c0).to(tl.float32)).to(total.dtype.element_ty)
+    t1 = (tl.load(x + r * stride_x + c1, mask=m1, other=0.0).to(tl.float32)
+          + tl.load(delta + r * stride_d + c1, mask=m1, other=0.0).to(tl.float32)).to(total.dtype.element_ty)
+    tl.store(total + r * N + c0, t0)
+    tl.store(total + r * N + c1, t1, mask=m1)
+    v0, v1 = t0.to(tl.float32), t1.to(tl.float32)
+    mean = (tl.sum(v0, 0) + tl.sum(v1, 0)) / N
+    d0, d1 = v0 - mean, tl.where(m1, v1 - mean, 0.0)
+    rstd = 1.0 / tl.sqrt((tl.sum(d0 * d0, 0) + tl.sum(d1 * d1, 0)) / N + eps)
+    n0 = (d0 * rstd * tl.load(weight + c0).to(tl.float32) + tl.load(bias + c0).to(tl.float32))
+    n1 = (d1 * rstd * tl.load(weight + c1, mask=m1, other=0.0).to(tl.float32)
+          + tl.load(bias + c1, mask=m1, other=0.0).to(tl.float32))
+    n0 = n0.to(total.dtype.element_ty).to(tl.float32)
+    n1 = tl.where(m1, n1.to(total.dtype.element_ty).to(tl.float32), 0.0)
+    amax = tl.max(tl.abs(n0), 0)
+    if TAIL > 0:
+        amax = tl.maximum(amax, tl.max(tl.abs(n1), 0))
+    tl.store(S + r, store_quantized(Q, r * N, n0, n1, c1, m1, amax, TAIL, FP8_MAX))
 
 
 @triton.jit
-def gelu_quantize_rows_kernel(H, Q, S, K, stride_h, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
-    """fc1's output row ``H[r]`` through the tanh GELU (the hardware's approximate tanh; rounded to bf16, as
-    ``F.gelu`` would leave it), then quantised as ``quantize_rows_kernel`` does, for fc2: one kernel instead of GELU
-    and the quantisation."""
-    r = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < K
-    h = tl.load(H + r * stride_h + cols, mask=inside, other=0.0).to(tl.float32)
+def gelu_tanh_rounded(h, dtype: tl.constexpr):
+    """The tanh GELU of float32 ``h`` (the hardware's approximate tanh), rounded to ``dtype`` as ``F.gelu`` would
+    leave it, back in float32."""
     inner = 0.7978845608028654 * (h + 0.044715 * h * h * h)  # sqrt(2 / pi) (h + 0.044715 h^3)
     tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [inner], dtype=tl.float32, is_pure=True,
                                      pack=1)
-    q, scale = quantized_row((0.5 * h * (1.0 + tanh)).to(H.dtype.element_ty).to(tl.float32), FP8_MAX)
-    tl.store(Q + r * K + cols, q.to(Q.dtype.element_ty), mask=inside)
-    tl.store(S + r, scale)
+    return (0.5 * h * (1.0 + tanh)).to(dtype).to(tl.float32)
 
 
-def add_layer_norm_fp8(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNorm):
+@triton.jit
+def gelu_quantize_rows_kernel(H, Q, S, K, stride_h, MAIN: tl.constexpr, TAIL: tl.constexpr, FP8_MAX: tl.constexpr):
+    """fc1's output row ``H[r]`` (``row_parts(K)``) through the tanh GELU (``gelu_tanh_rounded``), then quantised as
+    ``quantize_rows_kernel`` does, for fc2: one kernel instead of GELU and the quantisation."""
+    r = tl.program_id(0).to(tl.int64)
+    g0 = gelu_tanh_rounded(tl.load(H + r * stride_h + tl.arange(0, MAIN)).to(tl.float32), H.dtype.element_ty)
+    amax = tl.max(tl.abs(g0), 0)
+    c1 = MAIN + tl.arange(0, TAIL if TAIL > 0 else 1)
+    m1 = c1 < K
+    g1 = gelu_tanh_rounded(tl.load(H + r * stride_h + c1, mask=m1, other=0.0).to(tl.float32), H.dtype.element_ty)
+    if TAIL > 0:
+        amax = tl.maximum(amax, tl.max(tl.abs(g1), 0))
+    tl.store(S + r, store_quantized(Q, r * K, g0, g1, c1, m1, amax, TAIL, FP8_MAX))
+
+
+def add_layer_norm_fp8(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNorm, num_warps: int = 2):
     """``(x + delta, (q, scale))``: the residual sum in bf16 and its LayerNorm quantised per row."""
     rows, n = x.shape
     total = torch.empty_like(x)
     q = torch.empty(rows, n, device=x.device, dtype=FP8)
     scale = torch.empty(rows, 1, device=x.device, dtype=torch.float32)
+    main, tail = row_parts(n)
     add_layer_norm_fp8_kernel[(rows,)](x, delta, norm.weight, norm.bias, total, q, scale, x.stride(0),
-                                       delta.stride(0), norm.eps, N=n, BLOCK=triton.next_power_of_2(n),
-                                       FP8_MAX=FP8_MAX, num_warps=4)
+                                       delta.stride(0), norm.eps, N=n, MAIN=main, TAIL=tail, FP8_MAX=FP8_MAX,
+                                       num_warps=num_warps)
     return total, (q, scale)
 
 
-def gelu_quantize_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gelu_quantize_rows(h: torch.Tensor, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(F.gelu(h, approximate="tanh"))`` in one kernel."""
     rows, k = h.shape
     q = torch.empty(rows, k, device=h.device, dtype=FP8)
     scale = torch.empty(rows, 1, device=h.device, dtype=torch.float32)
-    gelu_quantize_rows_kernel[(rows,)](h, q, scale, k, h.stride(0), BLOCK=triton.next_power_of_2(k),
-                                       FP8_MAX=FP8_MAX, num_warps=8)
+    main, tail = row_parts(k)
+    gelu_quantize_rows_kernel[(rows,)](h, q, scale, k, h.stride(0), MAIN=main, TAIL=tail, FP8_MAX=FP8_MAX,
+                                       num_warps=num_warps)
     return q, scale
 
 
@@ -286,6 +327,29 @@ def products(tower, rows_list: list[int]) -> None:
                   flush=True)
 
 
+def kernels(tower) -> None:
+    """µs per call (20 calls in one CUDA graph) at 4096 rows of the elementwise kernels around the FP8 products, with
+    the bytes each moves per µs: the tower's add + LayerNorm (bf16 out) against ``add_layer_norm_fp8`` by warps per
+    program, and fc1's output through ``gelu_quantize_rows`` by warps against ``F.gelu`` then ``quantize_rows``."""
+    from hwgraph.timing import graphed_ms
+
+    block = tower.blocks[0]
+    dev = block.norm2.weight.device
+    x, delta = (torch.randn(4096, 1152, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    h = torch.randn(4096, 4304, device=dev, dtype=torch.bfloat16)
+    plane, wide = x.numel(), h.numel()
+    cases = {"add + LayerNorm, bf16 out (the tower's)": (lambda: add_layer_norm(x, delta, block.norm2), 8 * plane)}
+    for warps in (1, 2, 4):
+        cases[f"add + LayerNorm + quantize, {warps} warps"] = (
+            lambda warps=warps: add_layer_norm_fp8(x, delta, block.norm2, warps), 7 * plane)
+    for warps in (4, 8, 16):
+        cases[f"GELU + quantize, {warps} warps"] = (lambda warps=warps: gelu_quantize_rows(h, warps), 3 * wide)
+    cases["F.gelu, then quantize_rows"] = (lambda: quantize_rows(F.gelu(h, approximate="tanh")), 7 * wide)
+    for name, (fn, nbytes) in cases.items():
+        us = graphed_ms(fn) * 1e3
+        print(f"{name}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
+
+
 def check_kernels(tower) -> None:
     """The fused quantisations against the unfused path on the tower's shapes (4096 rows): the share of float8
     codes that differ (a division rounded the other way) and the scales' largest difference. Stops on a mismatch."""
@@ -378,8 +442,8 @@ def main():
         del args[i:i + 2]
     parts = {a for a in args if a.startswith("--")}
     tokens = [int(a) for a in args if not a.startswith("--")] or [1024, 256]
-    if parts - {"--products", "--replay"}:
-        raise SystemExit("usage: fp8_products.py [--products] [--replay] [TOKENS ...] [--rounds N]")
+    if parts - {"--products", "--kernels", "--replay"}:
+        raise SystemExit("usage: fp8_products.py [--products] [--kernels] [--replay] [TOKENS ...] [--rounds N]")
     parts = parts or {"--products", "--replay"}
     dev = torch.device("cuda")
     warm_device(dev)
@@ -387,6 +451,8 @@ def main():
     tower = preset_tower(dev)
     if "--products" in parts:
         products(tower, [4 * t for t in tokens])
+    if "--kernels" in parts:
+        kernels(tower)
     if "--replay" in parts:
         replay(tower, tokens, rounds)
 
