@@ -102,6 +102,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = reference_quantize_rows(weight)
     return q, scale.reshape(1, -1).contiguous()
 
+
 class Fp8Products:
     """A product chooser (``hwgraph.products.ProductChooser``) running every bf16 product whose dimensions are
     multiples of 16 as a rowwise-scaled FP8 ``torch._scaled_mm``: x quantised per row by ``quantize_rows`` at each
