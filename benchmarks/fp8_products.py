@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hwgraph.manager import relative_error
 from hwgraph.models.qwen3_omni.fused import add_layer_norm, rotary_qk
 
 FP8 = torch.float8_e4m3fn
@@ -261,10 +262,6 @@ def fused_block_forward(chooser: Fp8Products):
     return forward
 
 
-def relative_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
 def product_shapes(tower, rows: int) -> dict[str, tuple[int, torch.nn.Linear, bool]]:
     """name -> (rows, linear, gelu) for the tower's products in a graph of ``rows`` patch rows."""
     block = tower.blocks[0]
@@ -325,7 +322,7 @@ def products(tower, rows_list: list[int]) -> None:
                 cells.append(f"{case} {us:.1f} us{rate}")
             want = F.linear(x.double(), w.double(), b.double())
             errors = {"bf16": F.linear(x, w, b), "fp8 rowwise": rowwise(False), "fp8 rowwise fast": rowwise(True)}
-            err = ", ".join(f"{k} {relative_l2(v, want):.2e}" for k, v in errors.items())
+            err = ", ".join(f"{k} {relative_error(v, want):.2e}" for k, v in errors.items())
             print(f"{name} [{m} x {w.shape[1]}] -> {w.shape[0]}: " + "; ".join(cells) + f"; error {err}",
                   flush=True)
 
@@ -383,7 +380,6 @@ def replay(tower, token_counts: list[int], rounds: int) -> None:
     from hwgraph import products as product_routing
     from hwgraph.bench import eager_call, kernel_view
     from hwgraph.budgets import filling_grid
-    from hwgraph.manager import relative_error
     from hwgraph.models.qwen3_omni import layers
     from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
     from hwgraph.timing import measure_interleaved
