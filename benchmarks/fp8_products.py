@@ -19,7 +19,9 @@ Usage: python benchmarks/fp8_products.py [--products] [--kernels] [--replay] [TO
   (``measure_products=True``, the best bf16 replay), with FP8 rowwise products (``Fp8Products`` as the active
   product chooser while capturing, fast accumulation: each product quantises its input in a kernel of its own, fc1's
   GELU is a kernel of its own), and ``fp8 fused``: the same products with the quantisations fused into the
-  LayerNorm and GELU kernels (``fused_block_forward``). Replays timed side by side (``measure_interleaved``),
+  LayerNorm and GELU kernels (``fused_block_forward``). Then ``fp8 fused`` on parts of the block only
+  (``FP8_SUBSETS``: qkv; fc1 and fc2; all three), with the other products and the mergers' as in ``bf16 measured``:
+  what each part of the FP8 gain costs in accuracy. Replays timed side by side (``measure_interleaved``),
   ``--rounds`` times; each graph's merged embeddings against the transformers reference (same weights and pixels)
   in relative L2; and the kernels of one profiled replay of each FP8 graph. First ``check_kernels`` compares the
   fused quantisations with the unfused path.
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hwgraph import products as routed
 from hwgraph.manager import relative_error
 from hwgraph.models.qwen3_omni.fused import add_layer_norm, rotary_qk
 
@@ -233,31 +236,58 @@ def gelu_quantize_rows(h: torch.Tensor, num_warps: int = 4) -> tuple[torch.Tenso
     return q, scale
 
 
-def fused_block_forward(chooser: Fp8Products):
-    """``VisionBlock.forward_fused`` with FP8 products and the quantisations fused where the tower has a kernel to
-    put them in: the LayerNorms hand their rows to qkv and fc1 in float8 (``add_layer_norm_fp8``; ``normed`` passes
-    between blocks as ``(q, scale)``), fc1's GELU and fc2's quantisation are one kernel (``gelu_quantize_rows``).
-    Only proj's input (the attention output) is quantised by a kernel of its own. Weights come from ``chooser``."""
+#: The block's products, in the order they run.
+BLOCK_PRODUCTS = ("qkv", "proj", "fc1", "fc2")
+#: The subsets of ``BLOCK_PRODUCTS`` that ``--replay`` runs in FP8 besides all four, with the other products in
+#: bf16 through the measured cuBLASLt products: the products whose input a LayerNorm quantises for free (qkv), the
+#: MLP (fc1 loses cuBLASLt's GELU epilogue in FP8, so it goes with fc2, whose quantisation takes the GELU's kernel),
+#: and both. proj is left out of each: its own quantisation kernel costs about as much as FP8 saves on it.
+FP8_SUBSETS = (("qkv",), ("fc1", "fc2"), ("qkv", "fc1", "fc2"))
+
+
+def fused_block_forward(chooser: Fp8Products, fp8: tuple[str, ...] = BLOCK_PRODUCTS):
+    """``VisionBlock.forward_fused`` with the products named in ``fp8`` in FP8 and the quantisations fused where the
+    tower has a kernel to put them in: a LayerNorm before an FP8 product hands its rows over in float8
+    (``add_layer_norm_fp8``; ``normed`` then passes between blocks as ``(q, scale)``), fc1's GELU and fc2's
+    quantisation are one kernel (``gelu_quantize_rows``), and proj's input (the attention output) is quantised by a
+    kernel of its own. FP8 weights come from ``chooser``; the other products run through ``hwgraph.products`` (the
+    active chooser's)."""
+    if unknown := set(fp8) - set(BLOCK_PRODUCTS):
+        raise ValueError(f"fp8 names {sorted(unknown)}, expected some of {BLOCK_PRODUCTS}")
+    if ("fc1" in fp8) != ("fc2" in fp8):
+        raise ValueError(f"fp8 {fp8} has one of fc1 and fc2: they run in FP8 together (the GELU quantises fc2's input)")
+    qkv_fp8, proj_fp8, mlp_fp8 = "qkv" in fp8, "proj" in fp8, "fc1" in fp8
 
     def product(pair, linear: torch.nn.Linear) -> torch.Tensor:
         wq, ws = chooser.weight(linear.weight)
         return torch._scaled_mm(pair[0], wq.t(), scale_a=pair[1], scale_b=ws, bias=linear.bias,
                                 out_dtype=torch.bfloat16, use_fast_accum=chooser.fast_accum)
 
+    def add_norm(x, delta, norm, quantized: bool):
+        return add_layer_norm_fp8(x, delta, norm) if quantized else add_layer_norm(x, delta, norm)
+
     def forward(self, x, normed, next_norm, cos, sin, cu_seqlens, max_seqlen, attend):
         attn, mlp = self.attn, self.mlp
-        if isinstance(normed, torch.Tensor):  # the first block's, from the tower's own LayerNorm
-            normed = quantize_rows(normed)
         tokens = x.shape[0]
-        qkv = product(normed, attn.qkv).view(tokens, 3, attn.num_heads, attn.head_dim)
+        if not qkv_fp8:
+            qkv = routed.linear(normed, attn.qkv.weight, attn.qkv.bias)
+        else:
+            if isinstance(normed, torch.Tensor):  # the first block's, from the tower's own LayerNorm
+                normed = quantize_rows(normed)
+            qkv = product(normed, attn.qkv)
+        qkv = qkv.view(tokens, 3, attn.num_heads, attn.head_dim)
         q, k = rotary_qk(qkv, cos, sin)
-        out = attend(q, k, qkv[:, 2], cu_seqlens, max_seqlen, attn.scale)
-        delta = product(quantize_rows(out.reshape(tokens, -1)), attn.proj)
-        x, normed = add_layer_norm_fp8(x, delta, self.norm2)
-        delta = product(gelu_quantize_rows(product(normed, mlp.linear_fc1)), mlp.linear_fc2)
+        out = attend(q, k, qkv[:, 2], cu_seqlens, max_seqlen, attn.scale).reshape(tokens, -1)
+        delta = product(quantize_rows(out), attn.proj) if proj_fp8 else routed.linear(out, attn.proj.weight,
+                                                                                       attn.proj.bias)
+        x, normed = add_norm(x, delta, self.norm2, mlp_fp8)
+        if mlp_fp8:
+            delta = product(gelu_quantize_rows(product(normed, mlp.linear_fc1)), mlp.linear_fc2)
+        else:
+            delta = mlp.forward(normed)
         if next_norm is None:
             return x + delta, None
-        return add_layer_norm_fp8(x, delta, next_norm)
+        return add_norm(x, delta, next_norm, qkv_fp8)
 
     return forward
 
@@ -377,7 +407,6 @@ def replay(tower, token_counts: list[int], rounds: int) -> None:
     from replay_gaps import census, one_image_graph  # benchmarks/, the script's directory
     from replay_toggle import patched
 
-    from hwgraph import products as product_routing
     from hwgraph.bench import eager_call, kernel_view
     from hwgraph.budgets import filling_grid
     from hwgraph.models.qwen3_omni import layers
@@ -393,13 +422,20 @@ def replay(tower, token_counts: list[int], rounds: int) -> None:
                   "bf16 measured": one_image_graph(tower, tokens, pixels, measure_products=True)}
         # The choosers hold the quantised weights that the FP8 graphs read: alive as long as the graphs.
         choosers = {"fp8": Fp8Products(fast_accum=True), "fp8 fused": Fp8Products(fast_accum=True)}
-        with product_routing.chosen_by(choosers["fp8"]):
+        with routed.chosen_by(choosers["fp8"]):
             graphs["fp8"] = one_image_graph(tower, tokens, pixels)
-        with product_routing.chosen_by(choosers["fp8 fused"]), \
+        with routed.chosen_by(choosers["fp8 fused"]), \
                 patched(layers.VisionBlock, "forward_fused", fused_block_forward(choosers["fp8 fused"])):
             graphs["fp8 fused"] = one_image_graph(tower, tokens, pixels)
         for name, chooser in choosers.items():
             print(f"1x{tokens} {name}: chooser {chooser.describe()}", flush=True)
+        for subset in FP8_SUBSETS:  # the other products (and the mergers') measured, as in "bf16 measured"
+            name = "fp8 fused " + "+".join(subset)
+            choosers[name] = Fp8Products(fast_accum=True)  # its weights only: bf16 products take the measured ones
+            with patched(layers.VisionBlock, "forward_fused", fused_block_forward(choosers[name], subset)):
+                graphs[name] = one_image_graph(tower, tokens, pixels, measure_products=True)
+            print(f"1x{tokens} {name}: {len(choosers[name].weights)} weights in FP8, "
+                  f"products {graphs[name][0].stats()['products']}", flush=True)
         grid = [filling_grid(tokens, 2)]
         want = run_reference(reference, pixels, grid).embeds.float()
         with torch.inference_mode():
@@ -422,7 +458,7 @@ def replay(tower, token_counts: list[int], rounds: int) -> None:
         print(f"1x{tokens}: relative L2 against transformers: "
               + ", ".join(f"{name} {err:.2e}" for name, err in errors.items())
               + f"; fp8 fused against fp8 {between:.2e}", flush=True)
-        for name in ("fp8", "fp8 fused"):
+        for name in (n for n in graphs if n.startswith("fp8")):
             kernels = census(graphs[name][2])
             total = sum(ms for _, ms in kernels.values())
             print(f"1x{tokens} {name}, one profiled replay: {total:.3f} ms of kernels in "
