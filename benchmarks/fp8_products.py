@@ -308,7 +308,6 @@ def product_shapes(tower, rows: int) -> dict[str, tuple[int, torch.nn.Linear, bo
 
 
 def products(tower, rows_list: list[int]) -> None:
-    from hwgraph.products import aten_linear_gelu_tanh
     from hwgraph.timing import graphed_ms
 
     torch.manual_seed(0)
@@ -333,7 +332,7 @@ def products(tower, rows_list: list[int]) -> None:
                                         use_fast_accum=fast)
 
             cases = {
-                "bf16 ATen": (lambda x=x, w=w, b=b: aten_linear_gelu_tanh(x, w, b)) if gelu else
+                "bf16 ATen": (lambda x=x, w=w, b=b: routed.aten_linear_gelu_tanh(x, w, b)) if gelu else
                              (lambda x=x, w=w, b=b: F.linear(x, w, b)),
                 "fp8 rowwise": lambda: rowwise(False),
                 "fp8 rowwise fast": lambda: rowwise(True),
