@@ -126,8 +126,9 @@ class Qwen3OmniVisionTower(nn.Module):
         """Choose the attention kernel now; returns the registry's ``SelectedKernel`` (or a spec for a callable).
 
         ``name``: a kernel name (honoured or ``SelectionError`` with the reasons), ``"auto"``, a callable, or None
-        to keep what the tower was built with. Automatic choice uses the tower's dtype and head dim, on
-        ``platform`` (default: the platform serving the tower's device).
+        to keep the current request: the constructor's, or the last one given here (a manager built with
+        ``attention=...`` passes it here, so a later manager given None keeps it). Automatic choice uses the
+        tower's dtype and head dim, on ``platform`` (default: the platform serving the tower's device).
         """
         from hwgraph.attention.registry import SelectedKernel, choose_attention
 
