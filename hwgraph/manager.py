@@ -103,6 +103,10 @@ class EncoderGraphManager:
     it); where the backend cannot compile (``compile_support()``, e.g. NPU) or a budget's compiled capture fails,
     that capture is plain, and ``stats()`` says why (``compile_skipped``, ``compile_failures``).
 
+    ``attention``: a kernel name, ``"auto"`` or a callable, set on the tower for good (``tower.set_attention``), since
+    its eager calls must run what its graphs run; None keeps the tower's current request, which a manager built
+    earlier on the same tower may have set.
+
     ``slot_counts``: with a kernel whose cost grows with empty ``cu_seqlens`` slots (``KernelSpec.slot_bound``:
     FLASH_ATTN, TRITON_ATTN, ROCM_AITER_FA), each budget is captured once per slot count, all graphs sharing its
     static buffers, and a group replays the one with the fewest slots holding its images. ``None``: powers of two
