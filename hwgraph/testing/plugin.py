@@ -1,7 +1,8 @@
 """pytest plugin (entry point ``pytest11``): accelerator markers, and skips that say why.
 
 A test marked ``cuda``, ``rocm`` or ``npu`` runs only where ``hwgraph.platform.detect()`` finds that
-accelerator; elsewhere it is skipped with the reason, never reported as passed.
+accelerator; elsewhere it is skipped with the reason, never reported as passed. A test marked ``cpu_machine`` asserts
+what hwgraph finds on a machine without an accelerator (detection, refused gates), so it runs only there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ ACCELERATOR_MARKERS = {
     "rocm": "needs an AMD GPU with a ROCm build of torch",
     "npu": "needs an Ascend NPU with torch_npu",
 }
+CPU_MACHINE = "cpu_machine"
+CPU_MACHINE_NEED = "asserts what hwgraph finds on a machine without an accelerator"
 OTHER_MARKERS = {
+    CPU_MACHINE: CPU_MACHINE_NEED,
     "vllm": "needs vllm installed (tox -e vllm / ci/test.sh vllm)",
     "slow": "long-running test (soak, large configs)",
 }
@@ -54,3 +58,5 @@ def pytest_collection_modifyitems(config, items):
         for marker, need in ACCELERATOR_MARKERS.items():
             if item.get_closest_marker(marker) is not None and detected_kind() != marker:
                 item.add_marker(pytest.mark.skip(reason=f"{need}; this machine is {detected_kind()}"))
+        if item.get_closest_marker(CPU_MACHINE) is not None and detected_kind() != "cpu":
+            item.add_marker(pytest.mark.skip(reason=f"{CPU_MACHINE_NEED}; this machine is {detected_kind()}"))
