@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 MIN_AUTO_BUDGET = 64  # merged tokens of the smallest image the Qwen3-Omni processor makes
 DEFAULT_CAP = 256
 CALIBRATION_CAP = 2048
 DEFAULT_MAX_IMAGES = 8
+
+
+def check_cap(cap) -> int:
+    """``cap`` when it is an int of at least the smallest auto budget; ``ValueError`` naming it otherwise."""
+    if not isinstance(cap, numbers.Integral) or isinstance(cap, bool) or cap < MIN_AUTO_BUDGET:
+        raise ValueError(f"max_budget must be an int >= {MIN_AUTO_BUDGET} (the smallest auto budget), got {cap!r}")
+    return int(cap)
 
 
 def auto_budgets(cap: int = DEFAULT_CAP, start: int = MIN_AUTO_BUDGET) -> list[int]:
@@ -21,14 +29,23 @@ def auto_budgets(cap: int = DEFAULT_CAP, start: int = MIN_AUTO_BUDGET) -> list[i
     return out
 
 
+def int_list(name: str, values, what: str) -> list[int]:
+    """``values`` (any iterable of integers: a list, a tuple, a range, a numpy array) as a list of ints;
+    ``ValueError`` naming ``name``, the value and ``what`` each must be, when it is not one."""
+    if isinstance(values, (str, bytes, numbers.Number)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a list of ints ({what}), got {values!r}")
+    values = list(values)
+    bad = [v for v in values if not isinstance(v, numbers.Integral) or isinstance(v, bool)]
+    if bad:
+        raise ValueError(f"{name} must be ints ({what}), got {bad}")
+    return [int(v) for v in values]
+
+
 def validate_budgets(budgets, max_images_per_graph: int) -> list[int]:
     """Sorted budgets; ``ValueError`` naming the rule and the values on a violation."""
-    values = list(budgets)
+    values = int_list("budgets", budgets, "merged-token counts")
     if not values:
         raise ValueError("budgets must not be empty")
-    bad = [b for b in values if not isinstance(b, int) or isinstance(b, bool)]
-    if bad:
-        raise ValueError(f"budgets must be ints (merged-token counts), got {bad}")
     nonpositive = [b for b in values if b <= 0]
     if nonpositive:
         raise ValueError(f"budgets must be positive, got {nonpositive}")
@@ -57,8 +74,8 @@ def default_slot_counts(max_images: int) -> list[int]:
 def validate_slot_counts(slot_counts, max_images: int) -> list[int]:
     """Sorted slot counts, ``max_images`` included (a graph must hold every group it accepts); ``ValueError``
     naming the rule and the values on a violation."""
-    values = list(slot_counts)
-    bad = [n for n in values if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_images]
+    values = int_list("slot_counts", slot_counts, f"sequence-slot counts in 1..{max_images}")
+    bad = [n for n in values if not 1 <= n <= max_images]
     if bad:
         raise ValueError(f"slot_counts must be ints in 1..max_images_per_graph ({max_images}), got {bad}")
     dups = sorted({n for n in values if values.count(n) > 1})

@@ -43,14 +43,6 @@ class Capability:
         return "available" if self.ok else "; ".join(self.reasons)
 
 
-def combine(*caps: Capability) -> Capability:
-    """All reasons of all gates, in order, without repeats."""
-    out = Capability()
-    for cap in caps:
-        out = out & cap
-    return out
-
-
 def parse_version(text: str | None) -> Version | None:
     """``Version`` of a version string such as ``2.13.0+cpu`` or ``13.0``; None when absent or unparsable."""
     if not text:
@@ -60,16 +52,6 @@ def parse_version(text: str | None) -> Version | None:
     except InvalidVersion:
         match = re.match(r"\d+(\.\d+)*", str(text))
         return Version(match.group(0)) if match else None
-
-
-def require_version(what: str, found: str | None, minimum: str) -> Capability:
-    """Gate on ``found >= minimum`` compared as versions (so 2.10 > 2.9)."""
-    have = parse_version(found)
-    if have is None:
-        return Capability.unavailable(f"{what} >= {minimum} is needed, found none")
-    if have < Version(minimum):
-        return Capability.unavailable(f"{what} >= {minimum} is needed, found {found}")
-    return Capability.available()
 
 
 def sm_tuple(arch: str | None) -> tuple[int, int] | None:

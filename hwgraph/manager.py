@@ -94,18 +94,28 @@ class ManagerStats:
 class EncoderGraphManager:
     """Captures ``tower.forward_with_metadata`` per token budget and dispatches groups of images.
 
-    ``budgets`` are merged-token counts (validated: positive, no repeats, ``max_images_per_graph`` not above the
-    smallest); ``None`` doubles from 64 up to 256, or with ``calibrate=True`` up to ``max_budget`` and then keeps
-    only the budgets whose replay beats eager on this device. ``compile=True`` compiles the tower's block forward
-    with ``torch.compile(dynamic=False)`` (one compilation per block shape, shared by the blocks) before capturing
-    each budget (startup cost: ``stats()['capture_seconds_per_budget']``, of which ``compile_seconds_per_budget`` is
-    the budget's first compiled forward, where dynamo traces and inductor compiles, less any measuring of products in
-    it); where the backend cannot compile (``compile_support()``, e.g. NPU) or a budget's compiled capture fails,
+    ``budgets`` are merged-token counts (any iterable of ints; validated: positive, no repeats,
+    ``max_images_per_graph`` not above the smallest). ``None`` infers them: doubling from 64 up to ``max_budget``,
+    whose default is 2048 where ``calibrate`` is on and 256 where it is off. ``calibrate`` times each budget's replay
+    against eager after capturing and keeps every budget up to the largest whose replay wins, so the cap is
+    calibrated on the device (``calibrate()``). Its default is on for inferred budgets on a backend that
+    accelerates, and off for given budgets and on the CPU reference backend, whose replay only emulates.
+
+    ``compile=True`` compiles the tower's block forward with ``torch.compile(dynamic=False)`` (one compilation per
+    block shape, shared by the blocks) before capturing each budget (startup cost:
+    ``stats()['capture_seconds_per_budget']``, of which ``compile_seconds_per_budget`` is the budget's first compiled
+    forward, where dynamo traces and inductor compiles, less any measuring of products in it); where the backend
+    cannot compile (``compile_support()``, e.g. NPU) or a budget's compiled capture fails,
     that capture is plain, and ``stats()`` says why (``compile_skipped``, ``compile_failures``).
 
     ``attention``: a kernel name, ``"auto"`` or a callable, set on the tower for good (``tower.set_attention``), since
     its eager calls must run what its graphs run; None keeps the tower's current request, which a manager built
     earlier on the same tower may have set.
+
+    ``device`` and ``dtype`` (default: the tower's) move the tower in place when they differ from its own. Managers
+    sharing one tower must therefore agree on both: moving it allocates new weights, and a manager whose graphs
+    read the old ones raises ``RuntimeError`` at its next call instead of replaying them
+    (``tower.weights_key()``).
 
     ``slot_counts``: with a kernel whose cost grows with empty ``cu_seqlens`` slots (``KernelSpec.slot_bound``:
     FLASH_ATTN, TRITON_ATTN, ROCM_AITER_FA), each budget is captured once per slot count, all graphs sharing its
@@ -122,7 +132,7 @@ class EncoderGraphManager:
     """
 
     def __init__(self, tower, device=None, dtype=None, budgets=None, max_images_per_graph=None,
-                 graph_backend=None, attention=None, calibrate=False, max_budget=None, verify=True,
+                 graph_backend=None, attention=None, calibrate=None, max_budget=None, verify=True,
                  log_every=1000, compile=False, slot_counts=None, measure_products=False):
         first = next(tower.parameters())
         self.tower = tower
@@ -134,12 +144,19 @@ class EncoderGraphManager:
         self.platform = platform_for(self.device)
         self.backend: GraphBackend = create_backend(graph_backend, device=self.device, platform=self.platform)
         tower.set_attention(attention, platform=self.platform)
+        self._weights = tower.weights_key()  # where the weights the graphs read live (see _check_tower)
+        if calibrate is None:
+            calibrate = budgets is None and self.backend.accelerates
         self.calibrate_on_capture = calibrate
         if budgets is None:
-            cap = max_budget or (budget_rules.CALIBRATION_CAP if calibrate else budget_rules.DEFAULT_CAP)
-            budgets = budget_rules.auto_budgets(cap)
+            cap = budget_rules.CALIBRATION_CAP if calibrate else budget_rules.DEFAULT_CAP
+            budgets = budget_rules.auto_budgets(cap if max_budget is None else budget_rules.check_cap(max_budget))
+        elif max_budget is not None:
+            raise ValueError(f"max_budget={max_budget!r} caps inferred budgets; with budgets={budgets!r} given, "
+                             f"leave it unset")
+        budgets = budget_rules.int_list("budgets", budgets, "merged-token counts")
         if max_images_per_graph is None:
-            max_images_per_graph = min(budget_rules.DEFAULT_MAX_IMAGES, min(budgets) if budgets else 1)
+            max_images_per_graph = min([budget_rules.DEFAULT_MAX_IMAGES, *budgets])
         self.budgets = budget_rules.validate_budgets(budgets, max_images_per_graph)
         self.max_images = max_images_per_graph
         if slot_counts is None:
@@ -170,10 +187,21 @@ class EncoderGraphManager:
             return f"attention kernel {self.tower.attention_kernel} is not graph-safe"
         return None
 
+    def _check_tower(self, what: str) -> None:
+        """``RuntimeError`` when the tower's weights were moved (``to``, ``half``, another manager's dtype or device)
+        since this manager was built: its graphs would read freed memory, its eager calls the wrong dtype."""
+        if self._closed:
+            raise RuntimeError(f"{what} after close()")
+        if self.tower.weights_key() != self._weights:
+            raise RuntimeError(
+                f"{what}: the tower's weights were moved since this manager was built for {self.dtype} on "
+                f"{self.device} (the tower is now {self.tower.dtype} on {self.tower.device}; another manager with "
+                f"another dtype or device, or tower.to(), moves it), so its graphs would read freed memory. close() "
+                f"this manager and build a new one on the tower as it is now")
+
     def capture(self) -> dict[int, BudgetGraph]:
         """Capture every budget, largest first, into one shared pool; failures leave that budget eager."""
-        if self._closed:
-            raise RuntimeError("capture() after close()")
+        self._check_tower("capture()")
         refusal = self.capture_refusal()
         if refusal:
             log.warning("no graphs captured, every call runs eagerly: %s", refusal)
@@ -190,6 +218,7 @@ class EncoderGraphManager:
             try:
                 self.graphs[budget] = self._capture_budget_compiled(budget) if compiled else \
                     self._capture_budget(budget)
+                self._stats.capture_failures.pop(budget, None)  # an earlier capture() may have failed it
             except Exception as exc:  # a failed capture is a logged fallback, never a wrong answer
                 reason = f"{type(exc).__name__}: {exc}"
                 self._stats.capture_failures[budget] = reason
@@ -339,8 +368,7 @@ class EncoderGraphManager:
         ``pixel_values``: ``[patches, patch_row_width]`` rows of every image in order; ``grid_thw``: ``(t, h, w)``
         patch grids (host list or int tensor on the host).
         """
-        if self._closed:
-            raise RuntimeError("encode() after close()")
+        self._check_tower("encode()")
         host = self.tower.prepare_metadata(grid_thw)
         grid = host.grid_thw  # normalised: a tuple of (t, h, w) int triples
         self.tower.check_pixels(pixel_values, host)
@@ -413,7 +441,9 @@ class EncoderGraphManager:
         return median_ms(fn, self.device, warmup=warmup, samples=samples)
 
     def calibrate(self, warmup: int = 3, samples: int = 10) -> dict:
-        """Keep only budgets whose replay beats eager here; the cap becomes the largest kept. Returns findings."""
+        """Time each captured budget's replay against eager here; the cap becomes the largest budget whose replay
+        wins, and every budget up to it is kept (the rest are released, and with no winner every call runs
+        eagerly). Returns the findings, per budget: ``eager_ms``, ``replay_ms``, ``kept``."""
         findings = {}
         for budget in sorted(self.graphs):
             entry = self.graphs[budget]
@@ -431,16 +461,23 @@ class EncoderGraphManager:
 
             eager_ms = self.time_ms(eager, warmup, samples)
             replay_ms = self.time_ms(replay, warmup, samples)
-            findings[budget] = {"eager_ms": eager_ms, "replay_ms": replay_ms, "kept": replay_ms < eager_ms}
-        kept = [b for b, f in findings.items() if f["kept"]]
+            findings[budget] = {"eager_ms": eager_ms, "replay_ms": replay_ms}
+        cap = max((b for b, f in findings.items() if f["replay_ms"] < f["eager_ms"]), default=None)
         for budget, f in findings.items():
+            f["kept"] = cap is not None and budget <= cap
             if not f["kept"]:
                 self.graphs.pop(budget).release()
-        self.budgets = sorted(kept) or self.budgets
+                for per_budget in (self._stats.capture_bytes_per_budget, self._stats.capture_seconds_per_budget,
+                                   self._stats.compile_seconds_per_budget):
+                    per_budget.pop(budget, None)
+        self.budgets = sorted(b for b in self.budgets if cap is not None and b <= cap)
         self._stats.calibration = findings
         log.info("calibration on %s/%s: %s; cap %s", self.backend.name, self.tower.attention_kernel,
                  {b: (round(f["eager_ms"], 3), round(f["replay_ms"], 3), f["kept"]) for b, f in findings.items()},
-                 max(kept) if kept else None)
+                 cap)
+        if cap is None:
+            log.warning("calibration on %s/%s: no budget's replay beat eager; every call runs eagerly",
+                        self.backend.name, self.tower.attention_kernel)
         return findings
 
     # ---------------------------------------------------------------- bookkeeping

@@ -188,7 +188,9 @@ def test_bad_inputs_raise_value_errors(tower, manager, pixels_rows, width, grid,
 
 
 def test_failed_capture_leaves_that_budget_eager_with_a_logged_reason(tower, caplog, monkeypatch):
-    m = EncoderGraphManager(tower, budgets=BUDGETS, max_images_per_graph=4, graph_backend="cpu")
+    # one graph per budget: a kernel that is not slot-bound (the module's tower keeps the last kernel it was given)
+    m = EncoderGraphManager(tower, budgets=BUDGETS, max_images_per_graph=4, graph_backend="cpu",
+                            attention="TORCH_SDPA")
     real_capture = m.backend.capture
     attempts = []
 
@@ -232,15 +234,41 @@ def test_a_capture_that_replays_wrongly_is_refused_not_used(tower, monkeypatch):
     assert m.stats()["eager_reasons"] == {"no graphs": 1}
 
 
-def test_calibration_keeps_only_budgets_where_replay_wins(tower, monkeypatch):
-    m = EncoderGraphManager(tower, budgets=BUDGETS, max_images_per_graph=4, graph_backend="cpu")
+@pytest.mark.parametrize("timings, kept", [
+    # (eager, replay) per budget, ascending
+    ([1.0, 0.5, 1.0, 2.0, 1.0, 0.9], [16, 32, 64]),  # 32 loses, 64 wins: the cap is 64, and 32 stays under it
+    ([1.0, 0.5, 2.0, 1.0, 1.0, 1.5], [16, 32]),  # 64 loses: above the cap, released
+    ([1.0, 1.5, 2.0, 2.5, 3.0, 3.5], []),  # no winner: every call runs eagerly
+])
+def test_calibration_keeps_every_budget_up_to_the_largest_whose_replay_wins(tower, monkeypatch, timings, kept):
+    m = EncoderGraphManager(tower, budgets=BUDGETS, max_images_per_graph=4, graph_backend="cpu",
+                            attention="TORCH_SDPA")
     m.capture()
-    timings = iter([1.0, 0.5, 1.0, 2.0, 1.0, 0.9])  # (eager, replay) per budget, ascending: 16 wins, 32 loses, 64 wins
-    monkeypatch.setattr(m, "time_ms", lambda fn, warmup=3, samples=10: next(timings))
+    times = iter(timings)
+    monkeypatch.setattr(m, "time_ms", lambda fn, warmup=3, samples=10: next(times))
     found = m.calibrate()
-    assert {b: f["kept"] for b, f in found.items()} == {16: True, 32: False, 64: True}
-    assert sorted(m.graphs) == m.budgets == [16, 64]
-    assert m.stats()["calibration"][32]["replay_ms"] == 2.0
+    assert {b: f["kept"] for b, f in found.items()} == {b: b in kept for b in BUDGETS}
+    assert sorted(m.graphs) == m.budgets == kept
+    s = m.stats()
+    assert s["calibration"][32]["replay_ms"] == timings[3]
+    assert sorted(s["capture_bytes_per_budget"]) == sorted(s["capture_seconds_per_budget"]) == kept
+    grid = [(1, 8, 16)]  # 32 tokens
+    pixels = pixels_for(tower, grid, 70)
+    assert_outputs_equal(m.encode(pixels, grid), eager_per_image(tower, pixels, grid))
+    assert m.stats()["replays"] == (1 if kept[-1:] >= [32] else 0)
+    m.capture()  # a later capture() captures nothing calibration released
+    assert sorted(m.graphs) == kept
+
+
+def test_calibration_is_on_by_default_only_for_inferred_budgets_on_a_backend_that_accelerates(tower, monkeypatch):
+    m = EncoderGraphManager(tower, graph_backend="cpu")
+    assert (m.calibrate_on_capture, m.budgets) == (False, [64, 128, 256])  # the CPU backend only emulates replay
+    assert EncoderGraphManager(tower, graph_backend="cpu", max_budget=128).budgets == [64, 128]
+    monkeypatch.setattr(type(m.backend), "accelerates", True)
+    m = EncoderGraphManager(tower, graph_backend="cpu")
+    assert (m.calibrate_on_capture, m.budgets) == (True, [64, 128, 256, 512, 1024, 2048])
+    assert not EncoderGraphManager(tower, graph_backend="cpu", budgets=[64]).calibrate_on_capture
+    assert EncoderGraphManager(tower, graph_backend="cpu", calibrate=False).budgets == [64, 128, 256]
 
 
 def slot_bound_sdpa(q, k, v, cu_seqlens, max_seqlen, scale):
@@ -322,3 +350,71 @@ def test_seeded_soak_every_output_equals_eager_and_stats_add_up(tower):
     assert sum(s["eager_reasons"].values()) == s["eager_groups"]
     assert s["replays"] > 100 and s["eager_groups"] > 100  # both paths exercised
     m.close()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"budgets": 64}, r"budgets must be a list of ints \(merged-token counts\), got 64"),
+    ({"budgets": [16, None]}, r"budgets must be ints \(merged-token counts\), got \[None\]"),
+    ({"budgets": "64"}, r"budgets must be a list of ints .*got '64'"),
+    ({"budgets": [16], "slot_counts": 4}, r"slot_counts must be a list of ints .*got 4"),
+    ({"max_budget": 0}, r"max_budget must be an int >= 64 \(the smallest auto budget\), got 0"),
+    ({"max_budget": 100.0}, r"max_budget must be an int >= 64 .*got 100.0"),
+    ({"budgets": [16], "max_budget": 256}, r"max_budget=256 caps inferred budgets; with budgets=\[16\] given"),
+])
+def test_malformed_budget_arguments_raise_value_errors_naming_the_value(tower, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EncoderGraphManager(tower, graph_backend="cpu", **kwargs)
+
+
+def test_budgets_may_be_any_iterable_of_integers(tower):
+    numpy = pytest.importorskip("numpy", reason="numpy arrays as budgets")
+    assert EncoderGraphManager(tower, graph_backend="cpu", budgets=(b for b in [32, 16])).budgets == [16, 32]
+    m = EncoderGraphManager(tower, graph_backend="cpu", budgets=numpy.array([16, 32]), slot_counts=range(1, 3))
+    assert m.budgets == [16, 32] and all(type(b) is int for b in m.budgets)
+
+
+def test_pixels_that_are_not_a_floating_point_tensor_raise_value_errors(tower, manager):
+    grid = [(1, 4, 4)]
+    pixels = pixels_for(tower, grid, 80)
+    with pytest.raises(ValueError, match=r"pixel_values must be a floating-point torch.Tensor .* got ndarray"):
+        manager.encode(pixels.numpy(), grid)
+    with pytest.raises(ValueError, match=r"got Tensor of torch.int64"):
+        manager.encode(pixels.long(), grid)
+
+
+def test_a_capture_that_failed_and_then_succeeded_is_no_longer_reported_as_failed(tower, monkeypatch):
+    m = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=2, graph_backend="cpu", attention="TORCH_SDPA")
+    real_capture = m.backend.capture
+
+    def failing(fn, pool=None):
+        raise CaptureError("simulated")
+
+    monkeypatch.setattr(m.backend, "capture", failing)
+    m.capture()
+    assert m.stats()["capture_failures"] == {16: "CaptureError: simulated"} and m.graphs == {}
+    monkeypatch.setattr(m.backend, "capture", real_capture)
+    m.capture()
+    assert m.stats()["capture_failures"] == {} and sorted(m.graphs) == [16]
+
+
+def test_a_manager_whose_tower_was_moved_refuses_to_replay_the_old_weights():
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
+    first = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=2, graph_backend="cpu",
+                                attention="TORCH_SDPA")
+    first.capture()
+    grid = [(1, 4, 4)]
+    pixels = pixels_for(tower, grid, 90)
+    first.encode(pixels, grid)
+    tower.to(torch.float32)  # no change of dtype or device: the same weights, nothing to refuse
+    first.encode(pixels, grid)
+    # a second manager in another dtype moves the shared tower: the first one's graphs read the old weights
+    second = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=2, graph_backend="cpu",
+                                 dtype=torch.float64)
+    assert tower.dtype == torch.float64
+    for call in (lambda: first.encode(pixels, grid), first.capture):
+        with pytest.raises(RuntimeError, match=r"the tower's weights were moved since this manager was built for "
+                                               r"torch.float32 on cpu \(the tower is now torch.float64 on cpu"):
+            call()
+    second.capture()
+    assert_outputs_equal(second.encode(pixels, grid), eager_per_image(tower, pixels.double(), grid))

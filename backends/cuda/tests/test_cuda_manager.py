@@ -185,3 +185,26 @@ def test_replay_with_overlapped_mergers_equals_the_in_line_eager_forward(tower, 
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, **BF16)
             assert relative_error(g, w) < 1e-2
+
+
+def test_a_second_manager_in_another_dtype_stops_the_first_from_replaying_freed_weights():
+    # Its own tower: the second manager moves it to float16 for good.
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=2, deepstack_visual_indexes=[0]).to(
+        "cuda", torch.bfloat16).eval()
+    grid = [grid_of(64)]
+    pix = pixels(grid, 7)
+    with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, attention="TORCH_SDPA") as first:
+        first.capture()
+        check(tower, first.encode(pix, grid), pix, grid)
+        with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, dtype=torch.float16) as second:
+            with pytest.raises(RuntimeError, match=r"the tower's weights were moved .* torch.bfloat16 on cuda:0 "
+                                                   r"\(the tower is now torch.float16 on cuda:0"):
+                first.encode(pix, grid)
+            second.capture()
+            assert sorted(second.graphs) == [64]
+            half = pix.half()
+            got = second.encode(half, grid)
+            with torch.inference_mode():
+                want = tower.forward(half, grid)
+            torch.testing.assert_close(got[0].embeds, want.embeds, rtol=1e-2, atol=1e-2)

@@ -52,10 +52,6 @@ class VisionMetadata:
     token_counts: tuple[int, ...]
 
     @property
-    def num_images(self) -> int:
-        return len(self.grid_thw)
-
-    @property
     def num_patches(self) -> int:
         """Real patches (pixel rows of the images), padding excluded."""
         return sum(self.patch_counts)

@@ -121,6 +121,12 @@ class Qwen3OmniVisionTower(nn.Module):
     def device(self) -> torch.device:
         return self.patch_embed.proj.weight.device
 
+    def weights_key(self) -> tuple[int, int]:
+        """Where the first and the last weight of the tower live. Moving the tower to another dtype or device
+        (``to``, ``half``, ...) allocates new weights and changes this key; a graph captured before would read the
+        old, freed memory. Two pointer reads: ``EncoderGraphManager`` compares it before every call."""
+        return self.patch_embed.proj.weight.data_ptr(), self.merger.mlp[-1].weight.data_ptr()
+
     # ------------------------------------------------------------------ attention
     def set_attention(self, name: str | VarlenAttention | None = None, platform: PlatformInfo | None = None):
         """Choose the attention kernel now; returns the registry's ``SelectedKernel`` (or a spec for a callable).
@@ -169,7 +175,12 @@ class Qwen3OmniVisionTower(nn.Module):
         return prepare_metadata(grid_thw, self.spatial_merge_size, self.num_grid_per_side)
 
     def check_pixels(self, pixel_values: torch.Tensor, metadata: VisionMetadata) -> None:
-        """``ValueError`` unless ``pixel_values`` is ``[metadata.num_rows, patch_row_width]`` (shapes only)."""
+        """``ValueError`` unless ``pixel_values`` is a ``[metadata.num_rows, patch_row_width]`` floating-point tensor
+        (shapes and type only)."""
+        if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point():
+            raise ValueError(f"pixel_values must be a floating-point torch.Tensor [patches, {self.patch_row_width}], "
+                             f"got {type(pixel_values).__name__}"
+                             + (f" of {pixel_values.dtype}" if isinstance(pixel_values, torch.Tensor) else ""))
         if pixel_values.dim() != 2 or pixel_values.shape[1] != self.patch_row_width:
             c = self.config
             raise ValueError(f"pixel_values must be [patches, {self.patch_row_width}] (row width = in_channels "
