@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Usage (on the H200 device machine): ci/h200.sh [tests|bench|all]
+# Usage (on the H200 device machine): ci/h200.sh [tests|bench|compile|validate|all]   (default all)
 # Installs hwgraph and the plugins offline over the machine's torch, prints `hwgraph info`, runs the cuda-marked
 # tests and/or the benchmarks, and leaves logs and reports under $OUT (or out/ when $OUT is unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT="${1:-all}"
+case "$WHAT" in tests|bench|compile|validate|all) ;; *) echo "usage: ci/h200.sh [tests|bench|compile|validate|all]" >&2; exit 2;; esac
 OUTDIR="${OUT:-out}"; mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/cuda -e backends/rocm -e backends/npu \

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -358,35 +359,120 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
 
 
 # ---------------------------------------------------------------- command line
-def config_from_args(args) -> BenchConfig:
-    from hwgraph.testing.cases import parse_dtype
+def at_least(option: str, value: int | None, low: int) -> None:
+    """``ValueError`` naming ``option`` and ``value`` when an integer option is below ``low`` (None: not given)."""
+    if value is not None and value < low:
+        raise ValueError(f"{option} {value} is out of range: expected an integer >= {low}")
 
-    device = torch.device(args.device) if args.device else default_device()
+
+def parse_device(spec: str) -> torch.device:
+    """``--device``: a device string torch parses (``cpu``, ``cuda``, ``cuda:1``, ``npu:0``), else ``ValueError``."""
+    from hwgraph.platform import npu_module
+
+    if spec.partition(":")[0] == "npu":
+        npu_module()  # importing torch_npu is what registers the device type "npu" with torch
+    try:
+        return torch.device(spec)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"--device {spec!r} is not a torch device: expected e.g. cpu, cuda, cuda:1 or npu:0 "
+                         f"({exc})") from None
+
+
+def parsed(option: str, parse, value):
+    """``parse(value)``, its ``ValueError`` prefixed with the option that gave the value."""
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
+
+
+def check_kernels(names: list[str] | None) -> None:
+    """``ValueError`` naming the first attention kernel in ``names`` that no installed package brings."""
+    from hwgraph.attention.registry import kernel_named
+    from hwgraph.registry import SelectionError
+
+    try:
+        for name in names or ():
+            kernel_named(name)
+    except SelectionError as exc:
+        raise ValueError(f"--attention: {exc}") from None
+
+
+def check_backend(name: str | None, device: torch.device) -> None:
+    """``ValueError`` when ``name`` (else ``$HWGRAPH_GRAPH_BACKEND``) is unknown or unavailable for ``device``."""
+    from hwgraph.platform import platform_for
+    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend
+
+    if not (name or os.environ.get(GRAPH_BACKEND_ENV)):
+        return  # an automatic choice never fails: it falls back to the cpu reference backend, and says why
+    try:
+        choose_backend(name, platform_for(device))
+    except SelectionError as exc:
+        raise ValueError(f"{'--backend' if name else '$' + GRAPH_BACKEND_ENV}: {exc}") from None
+
+
+def writable_path(option: str, spec: str) -> Path:
+    """``spec`` as a path whose folder exists (created now) and can be written, so a finished run's results are not
+    lost to a bad path; ``ValueError`` naming the option and the path otherwise."""
+    path = Path(spec)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{option} {spec!r}: cannot create its folder {str(path.parent)!r}: "
+                         f"{exc.strerror or exc}") from None
+    if path.is_dir():
+        raise ValueError(f"{option} {spec!r} is a folder: expected a file path")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{option} {spec!r}: cannot write there")
+    return path
+
+
+def config_from_args(args) -> BenchConfig:
+    """The run ``args`` ask for. Every option is checked here, before a tower is built: ``ValueError`` naming the
+    option, its value and what was expected."""
+    from hwgraph.dtypes import parse_dtype
+    from hwgraph.models.qwen3_omni.config import preset_config
+
+    at_least("--warmup", args.warmup, 0)
+    at_least("--samples", args.samples, 1)
+    for budget in args.budgets or ():
+        at_least("--budgets", budget, 1)
+    device = parse_device(args.device) if args.device is not None else default_device()
     on_cpu = device.type == "cpu"
+    preset = args.preset if args.preset is not None else (CPU_PRESET if on_cpu else ACCELERATOR_PRESET)
+    parsed("--preset", preset_config, preset)  # an unknown preset raises, listing the known ones
+    groups = parsed("--groups", parse_groups,
+                    args.groups if args.groups is not None else (CPU_GROUPS if on_cpu else ACCELERATOR_GROUPS))
+    dtype = parsed("--dtype", parse_dtype, args.dtype) if args.dtype is not None else \
+        (torch.float32 if on_cpu else torch.bfloat16)
+    check_kernels(args.attention)
+    check_backend(args.backend, device)
     return BenchConfig(
-        preset=args.preset or (CPU_PRESET if on_cpu else ACCELERATOR_PRESET),
-        groups=parse_groups(args.groups or (CPU_GROUPS if on_cpu else ACCELERATOR_GROUPS)),
-        device=device, dtype=parse_dtype(args.dtype) if args.dtype else (torch.float32 if on_cpu else torch.bfloat16),
+        preset=preset, groups=groups, device=device, dtype=dtype,
         kernels=args.attention, graph_backend=args.backend, warmup=args.warmup, samples=args.samples,
         calibrate=args.calibrate, profile=args.profile, reference=not args.no_transformers, compile=args.compile,
         measure_products=args.measure_products, budgets=sorted(args.budgets) if args.budgets else [])
 
 
 def cmd_bench(args) -> int:
+    from hwgraph.registry import SelectionError
     from hwgraph.report import bench_markdown
 
     try:
         cfg = config_from_args(args)
+        json_path = writable_path("--json", args.json) if args.json else None
     except ValueError as exc:
         print(f"hwgraph bench: {exc}", file=sys.stderr)
         return 2
-    result = run_bench(cfg)
+    try:
+        result = run_bench(cfg)
+    except SelectionError as exc:  # a requested kernel that cannot run this tower's dtype or head dim here
+        print(f"hwgraph bench: {exc}", file=sys.stderr)
+        return 2
     print(bench_markdown(result))
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2, default=str))
-        print(f"\nJSON report: {path}")
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2, default=str))
+        print(f"\nJSON report: {json_path}")
     return 0
 
 
@@ -405,7 +491,9 @@ def add_bench_arguments(parser) -> None:
 
 
 def register_cli(sub) -> None:
-    p = sub.add_parser("bench", help="transformers eager vs hwgraph eager vs hwgraph replay, per image group")
+    p = sub.add_parser("bench", help="transformers eager vs hwgraph eager vs hwgraph replay, per image group",
+                       epilog="Exit status 2 for a bad option (checked before a tower is built) or a requested "
+                              "backend or kernel that cannot run here.")
     add_bench_arguments(p)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--calibrate", action="store_true", help="also calibrate budgets (keep those where replay wins)")

@@ -19,16 +19,22 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
 
 
 def info_data() -> dict:
+    """What ``hwgraph info`` prints. ``selected_backend`` is None, and ``selection_reason`` the error, when no graph
+    backend can be chosen (``$HWGRAPH_GRAPH_BACKEND`` names an unknown or unavailable one)."""
     from hwgraph.attention.registry import list_kernels
     from hwgraph.platform import detect
-    from hwgraph.registry import choose_backend, discovered, list_backends
+    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend, discovered, list_backends
 
     platform = detect()
-    selected = choose_backend(platform=platform)
+    try:
+        selected = choose_backend(platform=platform)
+        selected_name, selection_reason = selected.spec.name, selected.reason
+    except SelectionError as exc:  # info exists to say why: the tables below still say it for every candidate
+        selected_name, selection_reason = None, f"${GRAPH_BACKEND_ENV}: {exc}"  # only a forced choice raises
     backends = [
         {"name": spec.name, "available": cap.ok, "reasons": list(cap.reasons), "kinds": list(spec.kinds),
          "modes": list(spec.modes), "priority": spec.priority, "class": spec.class_path,
-         "selected": spec.name == selected.spec.name}
+         "selected": spec.name == selected_name}
         for spec, cap in list_backends(platform)
     ]
     kernels = [
@@ -37,8 +43,8 @@ def info_data() -> dict:
          "graph_safe": spec.graph_safe, "priority": spec.rank(platform)}
         for spec, cap in list_kernels(platform)
     ]
-    return {"platform": platform.as_dict(), "graph_backends": backends, "selected_backend": selected.spec.name,
-            "selection_reason": selected.reason, "attention_kernels": kernels, "problems": list(discovered()[1])}
+    return {"platform": platform.as_dict(), "graph_backends": backends, "selected_backend": selected_name,
+            "selection_reason": selection_reason, "attention_kernels": kernels, "problems": list(discovered()[1])}
 
 
 def format_info(data: dict) -> str:
@@ -51,7 +57,7 @@ def format_info(data: dict) -> str:
             table([[("* " if b["selected"] else "  ") + b["name"], "yes" if b["available"] else "no",
                     ",".join(b["modes"]), "; ".join(b["reasons"]) or "-"] for b in data["graph_backends"]],
                   ["backend", "available", "modes", "reasons"]),
-            f"selected: {data['selected_backend']} ({data['selection_reason']})",
+            f"selected: {data['selected_backend'] or 'none'} ({data['selection_reason']})",
             "", "Attention kernels",
             table([[k["name"], "yes" if k["available"] else "no", "/".join(k["kinds"]),
                     "yes" if k["graph_safe"] else "no", "; ".join(k["reasons"]) or "-"]
@@ -64,14 +70,20 @@ def format_info(data: dict) -> str:
 def cmd_info(args) -> int:
     data = info_data()
     print(json.dumps(data, indent=2) if args.json else format_info(data))
-    return 0
+    return 0 if data["selected_backend"] else 1  # scripts notice that nothing here can run
+
+
+INFO_EPILOG = ("Exit status 0 when a graph backend is selected; 1 when none can be ($HWGRAPH_GRAPH_BACKEND names "
+               "an unknown or unavailable backend): the tables are printed all the same, with the reasons.")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hwgraph", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at info level")
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="the platform, graph backends and attention kernels, with reasons")
+    info = sub.add_parser("info", help="the platform, graph backends and attention kernels, with reasons",
+                          description="The platform, every graph backend and attention kernel, and why any is "
+                                      "unavailable.", epilog=INFO_EPILOG)
     info.add_argument("--json", action="store_true", help="print JSON instead of tables")
     info.set_defaults(func=cmd_info)
     for register in optional_commands():

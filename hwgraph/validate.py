@@ -1,7 +1,8 @@
 """``hwgraph validate``: the conformance suite and a short benchmark on what is detected, as one report.
 
 Writes ``report.md``, ``report.json`` and ``latency.png`` (plus pytest's ``conformance.log``) into the report folder.
-Exit status 1 when any conformance check fails or errors (each failing check is named on stderr), 0 otherwise.
+Exit status 1 when any conformance check fails or errors (each failing check is named on stderr), 0 otherwise; 2,
+before anything runs, for a bad argument, a missing pytest or a graph backend that cannot be chosen.
 """
 
 from __future__ import annotations
@@ -21,10 +22,43 @@ ACCELERATOR_TOKENS = (16, 64, 256, 1024)
 CPU_TOKENS = (16, 64, 256)
 
 
+PYTEST_MISSING = "the conformance suite needs pytest, which is not installed: pip install 'hwgraph[test]'"
+
+
+def pytest_available() -> bool:
+    """Whether pytest imports: ``hwgraph validate`` runs the conformance suite with it (the ``test`` extra)."""
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_arguments(args) -> None:
+    """``ValueError`` naming the option, its value and what was expected; called before anything runs."""
+    from hwgraph.bench import at_least, check_kernels, parsed
+    from hwgraph.dtypes import parse_dtype
+    from hwgraph.models.qwen3_omni.config import preset_config
+
+    for tokens in args.tokens or ():
+        at_least("--tokens", tokens, 1)
+    at_least("--samples", args.samples, 1)
+    at_least("--warmup", args.warmup, 0)
+    if args.dtype is not None:
+        parsed("--dtype", parse_dtype, args.dtype)
+    if args.preset is not None:
+        parsed("--preset", preset_config, args.preset)
+    check_kernels(args.attention)
+
+
 def choose_backend_name(name: str | None) -> tuple[str, str]:
-    from hwgraph.registry import choose_backend
+    """(backend to validate, why): ``name`` as given, so that the report says why it is unavailable here, else the
+    one hwgraph chooses (``$HWGRAPH_GRAPH_BACKEND`` included). ``SelectionError`` for a name no installed package
+    brings, and for an unusable ``$HWGRAPH_GRAPH_BACKEND``."""
+    from hwgraph.registry import choose_backend, spec_named
 
     if name:
+        spec_named(name)  # a typo is not worth a report: the error lists the known backends
         return name, "explicit (--backend)"
     selected = choose_backend()
     return selected.spec.name, selected.reason
@@ -61,7 +95,7 @@ def verdict(conformance: dict) -> tuple[bool, str]:
 
 def run_benchmark(args, backend: str, device: torch.device, progress_cls) -> dict:
     from hwgraph.bench import BenchConfig, Group, run_bench
-    from hwgraph.testing.cases import parse_dtype
+    from hwgraph.dtypes import parse_dtype
 
     tokens = args.tokens or (CPU_TOKENS if device.type == "cpu" else ACCELERATOR_TOKENS)
     warmup = args.warmup if args.warmup is not None else (3 if device.type == "cpu" else 10)
@@ -79,14 +113,27 @@ def cmd_validate(args) -> int:
     from hwgraph.cli import info_data
     from hwgraph.plot import latency_plot
     from hwgraph.progress import Progress
+    from hwgraph.registry import SelectionError
     from hwgraph.testing.results import failing_checks, run_conformance
     from hwgraph.validation_report import validation_markdown
     from hwgraph.versions import environment
 
+    if not pytest_available():
+        print(f"hwgraph validate: {PYTEST_MISSING}", file=sys.stderr)
+        return 2
     out = Path(args.report)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        check_arguments(args)
+        backend, why = choose_backend_name(args.backend)
+        out.mkdir(parents=True, exist_ok=True)
+    except (ValueError, SelectionError) as exc:
+        print(f"hwgraph validate: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"hwgraph validate: --report {args.report!r}: cannot create the folder: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
     started = time.perf_counter()
-    backend, why = choose_backend_name(args.backend)
     device = device_for_backend(backend)
     args.preset = args.preset or (CPU_PRESET if device.type == "cpu" else ACCELERATOR_PRESET)
     with tempfile.TemporaryDirectory(prefix="hwgraph-validate-") as tmp, Progress("conformance") as bar:
@@ -118,7 +165,10 @@ def cmd_validate(args) -> int:
 
 
 def register_cli(sub) -> None:
-    p = sub.add_parser("validate", help="conformance suite + short benchmark -> report.md, report.json, latency.png")
+    p = sub.add_parser("validate", help="conformance suite + short benchmark -> report.md, report.json, latency.png",
+                       epilog="Exit status 0 when the suite passes; 1 when a check fails or none ran; 2, before "
+                              "anything runs, for a bad option, a missing pytest (pip install 'hwgraph[test]') or "
+                              "a graph backend that cannot be chosen.")
     p.add_argument("--report", default="hwgraph-report", metavar="DIR", help="output folder (default hwgraph-report)")
     p.add_argument("--backend", help="graph backend to validate (default: the one hwgraph chooses here)")
     p.add_argument("--attention", nargs="+", metavar="NAME", help="attention kernels (default: every available)")

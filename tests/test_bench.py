@@ -93,6 +93,13 @@ def test_bench_command_rejects_a_bad_group_spec(capsys):
     assert "bad group" in capsys.readouterr().err
 
 
+def test_bench_command_refuses_an_unavailable_kernel_with_its_reasons(capsys):
+    # Whether a known kernel runs depends on the tower's dtype and head dim: checked once the tower exists.
+    assert cli.main(["bench", "--device", "cpu", "--groups", "1x4", "--attention", "FLASH_ATTN"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hwgraph bench: attention kernel FLASH_ATTN is unavailable: ") and "cpu" in err
+
+
 def test_dispatch_table_says_why_budgets_were_captured_uncompiled():
     from hwgraph.report import dispatch_table
 

@@ -16,6 +16,9 @@ from hwgraph.registry import BackendSpec, plugin_attention
 
 def not_cuda_reason(platform: PlatformInfo) -> str:
     """Why the detected platform is not a usable NVIDIA GPU, in words that say what to do."""
+    if platform.kind not in ("cpu", "cuda", "rocm"):  # an Ascend NPU: a CUDA build of torch would break torch_npu
+        return (f"this machine's accelerator is {platform.kind}: the cuda backend serves NVIDIA GPUs; "
+                f"use the {platform.kind} backend")
     build, version = torch_build()
     if build == "rocm":
         return f"torch is a ROCm (HIP {version}) build: use the rocm backend"

@@ -35,6 +35,13 @@ def test_refused_on_a_rocm_build_pointing_at_the_rocm_backend(monkeypatch):
     assert gate(detect()).reasons == ("torch is a ROCm (HIP 6.2.41133) build: use the rocm backend",)
 
 
+def test_refused_on_an_ascend_machine_without_advice_to_replace_torch():
+    # torch_npu runs on a CPU build of torch: "install a CUDA build of torch" would break it.
+    ascend = PlatformInfo("npu", "Ascend910B3", "Ascend910B3", torch.__version__, "CANN", "8.3.RC1", 1)
+    assert gate(ascend).reasons == (
+        "this machine's accelerator is npu: the cuda backend serves NVIDIA GPUs; use the npu backend",)
+
+
 def test_refused_on_a_cuda_build_without_a_visible_gpu(monkeypatch):
     simulate_gpu(monkeypatch, cuda="12.8", count=0)
     (reason,) = gate(detect()).reasons

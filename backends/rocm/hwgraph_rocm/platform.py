@@ -22,6 +22,9 @@ SUPPORTED_ARCHS = frozenset({
 
 def not_rocm_reason(platform: PlatformInfo) -> str:
     """Why the detected platform is not a usable AMD GPU, in words that say what to do."""
+    if platform.kind not in ("cpu", "cuda", "rocm"):  # an Ascend NPU: a ROCm build of torch would break torch_npu
+        return (f"this machine's accelerator is {platform.kind}: the rocm backend serves AMD GPUs; "
+                f"use the {platform.kind} backend")
     build, version = torch_build()
     if build == "cuda":
         return f"torch {torch.__version__} is a CUDA {version} build: use the cuda backend (AMD GPUs need a ROCm build)"

@@ -11,7 +11,7 @@ from hwgraph_rocm.platform import gate, probe
 
 from hwgraph.graphs import CaptureError
 from hwgraph.graphs.torch_cuda import TorchCudaCapturedGraph
-from hwgraph.platform import detect
+from hwgraph.platform import PlatformInfo, detect
 from hwgraph.registry import SelectionError, choose_backend, create_backend
 from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
 
@@ -33,6 +33,13 @@ def test_refused_on_a_cuda_build_pointing_at_the_cuda_backend(monkeypatch):
     simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("NVIDIA H200", 9, 0))
     (reason,) = gate(detect()).reasons
     assert "is a CUDA 12.8 build: use the cuda backend" in reason
+
+
+def test_refused_on_an_ascend_machine_without_advice_to_replace_torch():
+    # torch_npu runs on a CPU build of torch: "install a ROCm build of torch" would break it.
+    ascend = PlatformInfo("npu", "Ascend910B3", "Ascend910B3", torch.__version__, "CANN", "8.3.RC1", 1)
+    assert gate(ascend).reasons == (
+        "this machine's accelerator is npu: the rocm backend serves AMD GPUs; use the npu backend",)
 
 
 def test_refused_on_a_rocm_build_without_a_visible_gpu(monkeypatch):

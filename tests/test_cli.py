@@ -1,0 +1,180 @@
+"""The command line refuses bad input up front (exit 2, the value and what was expected named, nothing built), and
+``hwgraph info`` still explains a machine where no graph backend can be chosen."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hwgraph import bench, cli
+from hwgraph.dtypes import parse_dtype
+from hwgraph.registry import GRAPH_BACKEND_ENV
+
+
+@pytest.fixture(autouse=True)
+def nothing_runs(monkeypatch):
+    """No forced backend from the caller's environment, and any attempt to build a tower or run the suite fails."""
+    monkeypatch.delenv(GRAPH_BACKEND_ENV, raising=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("bad arguments must be refused before anything is built or run")
+
+    monkeypatch.setattr(bench, "build_tower", refuse)
+    monkeypatch.setattr(bench, "run_bench", refuse)
+    monkeypatch.setattr("hwgraph.testing.results.run_conformance", refuse)
+
+
+def refused(argv: list[str], capsys) -> str:
+    """Run ``hwgraph argv`` in this process; it must exit 2 with a one-line message. Returns that message."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hwgraph {argv[0]}: ") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("name, dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                         ("torch.float16", torch.float16), (torch.bfloat16, torch.bfloat16)])
+def test_the_three_tower_dtypes_parse_by_name(name, dtype):
+    assert parse_dtype(name) is dtype
+
+
+@pytest.mark.parametrize("name", ["int8", "float64", "bool", "bf16", "Float32", ""])
+def test_any_other_dtype_is_refused_naming_it_and_the_accepted_names(name):
+    with pytest.raises(ValueError, match=f"unknown dtype '{name}': expected one of float32, bfloat16, float16"):
+        parse_dtype(name)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--device", "bogus"], ["--device 'bogus' is not a torch device", "cuda:1"]),
+    (["--device", "cuda:x"], ["--device 'cuda:x' is not a torch device"]),
+    (["--dtype", "int8"], ["--dtype", "'int8'", "float32, bfloat16, float16"]),
+    (["--dtype", "float64"], ["'float64'", "float32, bfloat16, float16"]),
+    (["--preset", "qwen3-omni-7b"], ["--preset", "'qwen3-omni-7b'", "tiny"]),
+    (["--attention", "TORCH_SDPA", "FLASH_ATTENTION"], ["--attention", "'FLASH_ATTENTION'", "TORCH_SDPA"]),
+    (["--backend", "cudagraph"], ["--backend", "'cudagraph'", "known: cpu"]),
+    (["--budgets", "64", "0"], ["--budgets 0 is out of range: expected an integer >= 1"]),
+    (["--budgets", "-64"], ["--budgets -64", ">= 1"]),
+    (["--samples", "0"], ["--samples 0 is out of range: expected an integer >= 1"]),
+    (["--warmup", "-1"], ["--warmup -1 is out of range: expected an integer >= 0"]),
+    (["--groups", "1x"], ["--groups", "bad group '1x'", "COUNTxTOKENS"]),
+    (["--groups", "2x49,0x16"], ["bad group '0x16'"]),
+    (["--groups", ","], ["--groups", "no groups in ','"]),
+])
+def test_bench_refuses_a_bad_option_naming_its_value(argv, expected, capsys):
+    err = refused(["bench", *argv], capsys)
+    for part in expected:
+        assert part in err, err
+
+
+def test_bench_refuses_a_forced_backend_from_the_environment_naming_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "bogus")
+    err = refused(["bench"], capsys)
+    assert f"${GRAPH_BACKEND_ENV}: unknown graph backend 'bogus'" in err
+
+
+@pytest.mark.cpu_machine
+def test_bench_refuses_an_unavailable_backend_with_its_reasons(capsys):
+    err = refused(["bench", "--backend", "cuda"], capsys)
+    assert "graph backend 'cuda' is unavailable: " in err and "CPU-only build" in err
+
+
+def test_bench_refuses_a_json_path_it_could_not_write_before_running(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    err = refused(["bench", "--json", str(blocker / "bench.json")], capsys)
+    assert f"--json '{blocker / 'bench.json'}': cannot create its folder" in err
+    err = refused(["bench", "--json", str(tmp_path)], capsys)
+    assert f"--json '{tmp_path}' is a folder: expected a file path" in err
+
+
+def test_bench_accepts_good_options_and_creates_the_json_folder(tmp_path):
+    args = cli.build_parser().parse_args(["bench", "--device", "cpu", "--dtype", "torch.bfloat16", "--preset", "tiny",
+                                          "--attention", "torch_sdpa", "--backend", "cpu", "--budgets", "128", "64",
+                                          "--groups", "1x4, 2x8", "--warmup", "0", "--samples", "1"])
+    cfg = bench.config_from_args(args)
+    assert (str(cfg.device), cfg.dtype, cfg.preset, cfg.budgets) == ("cpu", torch.bfloat16, "tiny", [64, 128])
+    assert [g.label for g in cfg.groups] == ["1x4", "2x8"] and cfg.kernels == ["torch_sdpa"]
+    path = bench.writable_path("--json", str(tmp_path / "new" / "bench.json"))
+    assert path.parent.is_dir() and not path.exists()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--tokens", "16", "0"], ["--tokens 0 is out of range: expected an integer >= 1"]),
+    (["--samples", "0"], ["--samples 0 is out of range: expected an integer >= 1"]),
+    (["--warmup", "-2"], ["--warmup -2 is out of range: expected an integer >= 0"]),
+    (["--dtype", "int8"], ["--dtype", "'int8'", "float32, bfloat16, float16"]),
+    (["--preset", "huge"], ["--preset", "'huge'", "tiny"]),
+    (["--attention", "SDPA"], ["--attention", "'SDPA'", "TORCH_SDPA"]),
+    (["--backend", "bogus"], ["unknown graph backend 'bogus'", "known: cpu"]),
+])
+def test_validate_refuses_a_bad_option_before_anything_runs(argv, expected, tmp_path, capsys):
+    report = tmp_path / "report"
+    err = refused(["validate", "--report", str(report), *argv], capsys)
+    for part in expected:
+        assert part in err, err
+    assert not report.exists()
+
+
+def test_validate_says_why_no_backend_can_be_chosen(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "bogus")
+    err = refused(["validate", "--report", str(tmp_path / "report")], capsys)
+    assert "unknown graph backend 'bogus'" in err
+
+
+def test_validate_refuses_a_report_folder_it_cannot_create(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    err = refused(["validate", "--report", str(blocker / "report")], capsys)
+    assert f"--report '{blocker / 'report'}': cannot create the folder" in err
+
+
+def test_info_explains_a_forced_backend_that_cannot_be_selected_and_exits_1(monkeypatch, capsys):
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "bogus")
+    assert cli.main(["info"]) == 1
+    out = capsys.readouterr().out
+    assert f"selected: none (${GRAPH_BACKEND_ENV}: unknown graph backend 'bogus'; known: cpu" in out
+    assert "Graph backends" in out and "Attention kernels" in out and "TORCH_SDPA" in out
+    assert cli.main(["info", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["selected_backend"] is None and "'bogus'" in data["selection_reason"]
+    assert not any(b["selected"] for b in data["graph_backends"])
+
+
+def test_info_exits_0_when_a_backend_is_selected(capsys):
+    assert cli.main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["selected_backend"] in {b["name"] for b in data["graph_backends"] if b["selected"]}
+
+
+WITHOUT_PYTEST = textwrap.dedent("""
+    import contextlib, io, json, sys
+    sys.modules["pytest"] = None  # as if the test extra were not installed: importing pytest raises ImportError
+    from hwgraph import cli
+    from hwgraph.bench import config_from_args
+    cfg = config_from_args(cli.build_parser().parse_args(["bench", "--device", "cpu", "--dtype", "float16",
+                                                          "--groups", "1x4", "--attention", "TORCH_SDPA"]))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli.main(["validate", "--report", sys.argv[1]])
+    print(json.dumps({"dtype": str(cfg.dtype), "groups": [g.label for g in cfg.groups], "code": code,
+                      "err": err.getvalue()}))
+""")
+
+
+def test_bench_parses_its_options_without_pytest_and_validate_says_to_install_it(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != GRAPH_BACKEND_ENV}
+    result = subprocess.run([sys.executable, "-c", WITHOUT_PYTEST, str(tmp_path / "report")], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["dtype"] == "torch.float16" and data["groups"] == ["1x4"]
+    assert data["code"] == 2
+    assert data["err"] == ("hwgraph validate: the conformance suite needs pytest, which is not installed: "
+                           "pip install 'hwgraph[test]'\n")
+    assert not (tmp_path / "report").exists()
