@@ -208,7 +208,7 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
     def new_manager(kernel: str, compile: bool, measure_products: bool):
         return EncoderGraphManager(views[kernel], device=cfg.device, dtype=cfg.dtype, budgets=budgets,
                                    max_images_per_graph=max_images, graph_backend=cfg.graph_backend,
-                                   attention=kernel, calibrate=calibrate, max_budget=max(budgets), compile=compile,
+                                   attention=kernel, calibrate=calibrate, compile=compile,
                                    measure_products=measure_products)
 
     managers, plains = {}, {}
