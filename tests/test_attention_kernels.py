@@ -32,6 +32,7 @@ from hwgraph.testing.reference import (
     random_seqlens,
     varlen_reference,
 )
+from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
 
 INTERPRETED = interpreter_enabled()
 interpreted = pytest.mark.skipif(
@@ -184,10 +185,35 @@ def test_overflow_fixup_rejects_flags_too_short_for_the_grid():
                               torch.zeros(7, dtype=torch.int32), 2, 64, batch.scale)
 
 
-def test_triton_attn_takes_the_tma_kernel_only_on_nvidia_hopper_with_aligned_k_and_v():
+def test_triton_attn_takes_the_tma_kernel_only_on_nvidia_hopper_with_aligned_k_and_v(monkeypatch):
+    """Simulated: torch reports a GPU of the given compute capability and ``q`` stands in for a tensor on it
+    (``uses_tma`` reads only its device, dtype and shape); k and v are CPU tensors with the layouts TMA must read."""
+    pytest.importorskip("triton.tools.tensor_descriptor")  # Triton 3.4+: the TMA kernel's host descriptors
     triton_kernel = pytest.importorskip("hwgraph.attention.triton_kernel")
+    monkeypatch.setattr(triton_kernel, "has_tma", triton_kernel.has_tma.__wrapped__)  # uncached: the GPU changes
+    monkeypatch.setattr(triton_kernel, "is_interpreted", lambda: False)  # the compiled kernel's choice
     batch = random_packed_batch([5], heads=2, head_dim=72, dtype=torch.bfloat16)
+
+    def takes_tma(q=batch.q, k=batch.k, v=batch.v, *, major=9, hip=None):
+        simulate_gpu(monkeypatch, cuda="12.8", hip=hip, props=DeviceProperties("simulated GPU", major, 0))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (major, 0))
+        on_gpu = types.SimpleNamespace(is_cuda=True, dtype=q.dtype, shape=q.shape, device=torch.device("cuda", 0))
+        return triton_kernel.uses_tma(on_gpu, k, v)
+
+    qkv = torch.stack([batch.q, batch.k, batch.v], dim=1)  # the tower's views of one fused projection
+    assert takes_tma() and takes_tma(*qkv.unbind(1)) and takes_tma(batch.q.half(), batch.k.half(), batch.v.half())
+    assert takes_tma(major=10)  # Blackwell has TMA too
     assert not triton_kernel.uses_tma(batch.q, batch.k, batch.v)  # CPU tensors
+    assert not takes_tma(major=8)  # Ampere: no TMA
+    assert not takes_tma(hip="6.2.41133")  # a ROCm build: its devices answer to torch.cuda too
+    assert not takes_tma(batch.q.float(), batch.k.float(), batch.v.float())
+    wide = random_packed_batch([5], heads=2, head_dim=200, dtype=torch.bfloat16)
+    assert not takes_tma(wide.q, wide.k, wide.v)  # padded to 256 lanes: the tiles do not fit shared memory
+    misaligned = torch.zeros(batch.k.numel() + 1, dtype=torch.bfloat16)[1:].view(batch.k.shape)  # base + 2 bytes
+    odd_rows = torch.zeros(5, 2 * 72 + 4, dtype=torch.bfloat16)[:, :144].unflatten(1, (2, 72))  # 296-byte rows
+    heads_apart = torch.zeros(5, 2, 2 * 72, dtype=torch.bfloat16)[..., :72]
+    for bad in (misaligned, odd_rows, heads_apart):
+        assert not takes_tma(k=bad) and not takes_tma(v=bad)
 
 
 @interpreted
@@ -388,23 +414,30 @@ def test_flash_adapter_uses_either_provider_and_zeroes_padding(monkeypatch, prov
     import torch.nn.attention.varlen as torch_varlen
     from hwgraph_cuda import attention
 
+    ran = []  # which provider's fake computed each call, and the head dim it was given
+
     def flash_attn_varlen_func(*, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal):
+        ran.append(("flash_attn", q.shape[-1]))
         return reference_like(q, k, v, cu_seqlens_q, softmax_scale)
 
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
-        assert query.shape[-1] % 8 == 0
+        ran.append(("torch", query.shape[-1]))
         return reference_like(query, key, value, cu_seq_q, scale)
+
+    def aten_flash(q, k, v, cu, max_seqlen, scale):
+        ran.append(("aten", q.shape[-1]))
+        return reference_like(q, k, v, cu, scale)
 
     monkeypatch.setattr(attention, "flash_provider", lambda: (provider, ()))
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
     monkeypatch.setattr(torch_varlen, "varlen_attn", varlen_attn)
-    monkeypatch.setattr(attention, "aten_flash",
-                        lambda q, k, v, cu, max_seqlen, scale: reference_like(q, k, v, cu, scale))
+    monkeypatch.setattr(attention, "aten_flash", aten_flash)
     for head_dim in (72, 36):  # 36 is padded to 40 for the flash kernels and sliced back
         batch = random_packed_batch([9, 4], heads=2, head_dim=head_dim, zero_length=1, padding_rows=6,
                                     dtype=torch.bfloat16)
         assert_matches_reference(attention.flash_varlen(*batch.args()), batch)
+    assert ran == [(provider, 72), (provider, 40)]
 
 
 class FakeTorchNpu(types.ModuleType):

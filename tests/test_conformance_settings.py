@@ -8,6 +8,7 @@ import sys
 import textwrap
 import types
 
+import pytest
 import torch
 
 from hwgraph.testing.cases import BACKENDS_ENV, SuiteSettings, conformance_params, settings_for
@@ -38,9 +39,13 @@ def test_backends_outside_the_allowed_list_are_skipped_saying_so():
     assert skip_reason(param) == f"{BACKENDS_ENV}=rocm excludes the cpu graph backend"
 
 
-def test_an_unknown_or_unavailable_backend_is_one_skip_with_its_reasons():
+def test_an_unknown_backend_is_one_skip_naming_it():
     [param] = conformance_params(settings(backend="nonesuch"))
     assert "unknown graph backend 'nonesuch'" in skip_reason(param)
+
+
+@pytest.mark.cpu_machine
+def test_an_unavailable_backend_is_one_skip_with_its_reasons():
     [param] = conformance_params(settings(backend="cuda"))
     assert skip_reason(param).startswith("graph backend 'cuda' is unavailable: ") and "CUDA build" in \
         skip_reason(param)
@@ -49,6 +54,12 @@ def test_an_unknown_or_unavailable_backend_is_one_skip_with_its_reasons():
 def test_kernel_narrowing_skips_the_others_and_dtype_can_be_chosen():
     params = {p.id: p for p in conformance_params(settings(kernels=("TRITON_ATTN",), dtype="bfloat16"))}
     assert "not selected" in skip_reason(params["cpu-TORCH_SDPA-bfloat16"])
+
+
+def test_an_unknown_kernel_name_is_an_error_naming_it_and_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown attention kernel 'TORCH_SPDA' in HWGRAPH_ATTENTION or "
+                                         r"HWGRAPH_TEST_ATTENTION; known: TORCH_SDPA, TRITON_ATTN"):
+        conformance_params(settings(kernels=("TRITON_ATTN", "TORCH_SPDA")))
 
 
 def test_settings_come_from_the_class_then_the_module_then_the_environment(monkeypatch):
@@ -74,8 +85,8 @@ class TestCapture(TestCapture):
 '''
 
 
-def run_pytest(tmp_path, env_extra):
-    (tmp_path / "test_vendor_conformance.py").write_text(textwrap.dedent(VENDOR_MODULE))
+def run_pytest(tmp_path, env_extra, module=VENDOR_MODULE):
+    (tmp_path / "test_vendor_conformance.py").write_text(textwrap.dedent(module))
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = {**os.environ, **env_extra}
     env.pop("PYTEST_XDIST_WORKER", None)
@@ -90,3 +101,10 @@ def test_a_vendor_overrides_a_check_by_subclassing_and_narrows_backends_by_envir
     narrowed = run_pytest(tmp_path, {BACKENDS_ENV: "rocm"})
     assert narrowed.returncode == 0, narrowed.stdout + narrowed.stderr
     assert "HWGRAPH_TEST_BACKENDS=rocm excludes the cpu graph backend" in narrowed.stdout
+
+
+def test_a_misspelt_kernel_in_the_environment_fails_the_run_instead_of_skipping_every_case(tmp_path):
+    module = VENDOR_MODULE.replace('HWGRAPH_ATTENTION = ("TORCH_SDPA",)\n', "")
+    assert module != VENDOR_MODULE
+    run = run_pytest(tmp_path, {"HWGRAPH_TEST_ATTENTION": "torch_spda"}, module)
+    assert run.returncode != 0 and "unknown attention kernel 'TORCH_SPDA'" in run.stdout, run.stdout + run.stderr

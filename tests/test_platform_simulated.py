@@ -7,6 +7,7 @@ import subprocess
 import sys
 import types
 
+import pytest
 import torch
 
 from hwgraph.platform import detect
@@ -14,7 +15,9 @@ from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
 
 
 def simulate_npu(monkeypatch, count: int = 1) -> None:
-    """A fake ``torch_npu`` in sys.modules and the ``torch.npu`` namespace it would register."""
+    """A fake ``torch_npu`` in sys.modules and the ``torch.npu`` namespace it would register, on a torch that is
+    neither a CUDA nor a ROCm build (detection asks torch.cuda first, so a real GPU would otherwise win)."""
+    simulate_gpu(monkeypatch, count=0)
     fake = types.ModuleType("torch_npu")
     fake.__version__ = "2.13.0.post1"
     fake.version = types.SimpleNamespace(cann="8.3.RC1")
@@ -48,6 +51,7 @@ def test_a_cuda_build_with_a_gpu_is_cuda_with_an_sm_arch(monkeypatch):
 
 def test_a_cuda_build_without_a_visible_device_is_cpu_with_a_note(monkeypatch):
     simulate_gpu(monkeypatch, cuda="12.8", count=0)
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # a real torch_npu (an Ascend machine) would answer npu
     info = detect()
     assert info.kind == "cpu"
     assert any("no device is visible" in note for note in info.notes)
@@ -67,6 +71,7 @@ def test_torch_npu_without_a_device_is_cpu_with_a_note(monkeypatch):
     assert any("sees no NPU" in note for note in info.notes)
 
 
+@pytest.mark.cpu_machine
 def test_this_machine_is_cpu():
     info = detect()
     assert (info.kind, info.arch, info.device_count) == ("cpu", None, 0)
@@ -98,6 +103,7 @@ def test_importing_hwgraph_and_listing_backends_imports_no_vendor_sdk():
     assert seen["graph_modules"] == [], "backend classes load only when chosen"
 
 
+@pytest.mark.cpu_machine
 def test_detect_touches_no_device_on_a_cpu_build(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("detect() queried device properties without a visible device")

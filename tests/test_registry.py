@@ -86,6 +86,7 @@ def test_an_unavailable_choice_from_the_environment_raises_too(monkeypatch):
         create_backend(platform=platform_of("cpu"))
 
 
+@pytest.mark.cpu_machine
 def test_the_real_cuda_plugin_refused_on_this_cpu_machine_says_why():
     with pytest.raises(SelectionError, match="cuda' is unavailable: .*CPU-only build; install a CUDA build of torch"):
         choose_backend("cuda")

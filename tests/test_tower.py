@@ -234,7 +234,6 @@ def test_attention_callable_and_explicit_names():
 
 
 def test_registry_kernel_is_chosen_for_the_towers_dtype_and_equals_the_reference():
-    pytest.importorskip("hwgraph.attention.sdpa", reason="TORCH_SDPA not written yet")
     torch.manual_seed(2)
     tower = perturbed(Qwen3OmniVisionTower.from_preset("tiny"))
     assert tower.attention_kernel == "TORCH_SDPA"  # the CPU choice

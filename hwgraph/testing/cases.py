@@ -90,7 +90,9 @@ def skipped(case_id: str, reason: str):
 
 
 def conformance_params(settings: SuiteSettings) -> list:
-    """``pytest.param`` per case: runnable ones carry a ``ConformanceCase``; the others are skips with reasons."""
+    """``pytest.param`` per case: runnable ones carry a ``ConformanceCase``; the others are skips with reasons.
+
+    Raises ValueError for a selected kernel name no installed kernel has: a typo would otherwise skip every case."""
     from hwgraph.attention.registry import kernel_specs
     from hwgraph.models.qwen3_omni import preset_config
     from hwgraph.platform import detect, platform_for
@@ -114,8 +116,14 @@ def conformance_params(settings: SuiteSettings) -> list:
     config = preset_config(settings.preset)
     head_dim = config.hidden_size // config.num_heads
     kernel_platform = platform_for(torch.device(device))
+    kernels = kernel_specs()
+    known = [kernel.name for kernel in kernels]
+    unknown = [name for name in settings.kernels or () if name not in known]
+    if unknown:
+        raise ValueError(f"unknown attention kernel {', '.join(map(repr, unknown))} in HWGRAPH_ATTENTION or "
+                         f"{ATTENTION_ENV}; known: {', '.join(known)}")
     params = []
-    for kernel in kernel_specs():
+    for kernel in kernels:
         if kernel_platform.kind not in kernel.kinds:
             continue  # a kernel for another accelerator is no concern of this backend's conformance
         case = ConformanceCase(name, kernel.name, dtype, device, settings.preset)
