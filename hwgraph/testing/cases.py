@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from hwgraph.dtypes import parse_dtype
+
 BACKENDS_ENV = "HWGRAPH_TEST_BACKENDS"
 ATTENTION_ENV = "HWGRAPH_TEST_ATTENTION"
 PRESET_ENV = "HWGRAPH_TEST_PRESET"
@@ -76,13 +78,6 @@ def settings_for(cls, module) -> SuiteSettings:
                          preset=pick("HWGRAPH_PRESET", PRESET_ENV) or DEFAULT_PRESET,
                          dtype=pick("HWGRAPH_DTYPE", DTYPE_ENV),
                          allowed_backends=split_names(os.environ.get(BACKENDS_ENV)))
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
-    return dtype
 
 
 def skipped(case_id: str, reason: str):
