@@ -26,6 +26,7 @@ def run_validate(args, env=None, timeout=300):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.cpu_machine  # on an accelerator, validate chooses its backend and preset
 def test_validate_on_cpu_writes_a_passing_report_with_plot(tmp_path):
     out = tmp_path / "report"
     result = run_validate(["--report", str(out), *FAST])

@@ -15,6 +15,7 @@ from hwgraph_npu.platform import gate, probe
 from hwgraph.graphs import CaptureError, HostSyncError
 from hwgraph.platform import detect, npu_module
 from hwgraph.registry import SelectionError, choose_backend, create_backend
+from hwgraph.testing.simulate import simulate_gpu
 
 
 class FakeStream:
@@ -131,6 +132,9 @@ class FakeNpu:
 
 
 def simulate_npu(monkeypatch, runtime: FakeNpu) -> FakeNpu:
+    """``runtime`` as ``torch.npu`` with a fake ``torch_npu``, on a torch that is neither a CUDA nor a ROCm build
+    (detection asks torch.cuda first: on a GPU machine the real GPU would otherwise win)."""
+    simulate_gpu(monkeypatch, count=0)
     fake = types.ModuleType("torch_npu")
     fake.__version__ = "2.13.0"
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
@@ -145,7 +149,8 @@ def npu(monkeypatch):
 
 
 @pytest.mark.skipif(npu_module() is not None, reason="checks the reasons given where torch_npu is absent")
-def test_refused_without_torch_npu_with_what_to_install():
+def test_refused_without_torch_npu_with_what_to_install(monkeypatch):
+    simulate_gpu(monkeypatch, count=0)  # on a GPU machine the gate would first say to use that GPU's backend
     (reason,) = NpuGraphBackend.capability().reasons
     assert "needs the torch_npu package (ModuleNotFoundError" in reason
     assert "install torch_npu built for torch" in reason and "CANN" in reason
