@@ -110,7 +110,8 @@ class EncoderGraphManager:
 
     ``attention``: a kernel name, ``"auto"`` or a callable, set on the tower for good (``tower.set_attention``), since
     its eager calls must run what its graphs run; None keeps the tower's current request, which a manager built
-    earlier on the same tower may have set.
+    earlier on the same tower may have set. Automatic choice takes the best graph-safe kernel (on NPU, TORCH_SDPA:
+    the NPU kernel is not graph-safe); a kernel given by name that is not graph-safe runs every call eagerly.
 
     ``device`` and ``dtype`` (default: the tower's) move the tower in place when they differ from its own. Managers
     sharing one tower must therefore agree on both: moving it allocates new weights, and a manager whose graphs
@@ -143,7 +144,7 @@ class EncoderGraphManager:
         tower.eval()
         self.platform = platform_for(self.device)
         self.backend: GraphBackend = create_backend(graph_backend, device=self.device, platform=self.platform)
-        tower.set_attention(attention, platform=self.platform)
+        tower.set_attention(attention, platform=self.platform, graph_safe=True)
         self._weights = tower.weights_key()  # where the weights the graphs read live (see _check_tower)
         if calibrate is None:
             calibrate = budgets is None and self.backend.accelerates

@@ -208,6 +208,33 @@ def test_ascend_without_torch_npu_falls_back_to_sdpa_and_says_why(monkeypatch):
     assert "NPU: NPU attention needs the torch_npu package" in chosen.reason
 
 
+def test_graph_safe_automatic_choice_passes_over_npu_attention_and_says_why(fake_torch_npu):
+    chosen = choose_attention(platform=ASCEND, dtype=torch.float16, head_dim=72, graph_safe=True)
+    assert chosen.spec.name == "TORCH_SDPA" and "NPU: not graph-safe" in chosen.reason
+    # an explicit choice is honoured: the graph manager then runs it eagerly and says why
+    assert choose_attention("NPU", platform=ASCEND, dtype=torch.float16, head_dim=72, graph_safe=True).spec.name \
+        == "NPU"
+
+
+def test_tower_remembers_that_a_graph_manager_wants_graph_safe_kernels(fake_torch_npu):
+    from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+
+    tower = Qwen3OmniVisionTower.from_preset("tiny").to(torch.float16)
+    assert tower.set_attention("auto", platform=ASCEND).spec.name == "NPU"
+    assert tower.set_attention("auto", platform=ASCEND, graph_safe=True).spec.name == "TORCH_SDPA"
+    assert tower.set_attention(platform=ASCEND).spec.name == "TORCH_SDPA"  # None keeps the setting
+    assert tower.set_attention("NPU", platform=ASCEND).spec.name == "NPU"
+
+
+def test_aiter_without_its_varlen_function_is_refused_with_the_reason(monkeypatch):
+    module = types.ModuleType("aiter")
+    module.__version__ = "0.0.1"
+    monkeypatch.setitem(sys.modules, "aiter", module)
+    assert reasons("ROCM_AITER_FA", MI300X) == (
+        "ROCM_AITER_FA needs aiter.flash_attn_varlen_func, which aiter 0.0.1 lacks; install an aiter release that "
+        "has it",)
+
+
 def test_npu_attention_needs_a_device(fake_torch_npu):
     assert reasons("NPU", platform("npu", "Ascend910B", count=0)) == (
         "NPU attention needs an Ascend NPU device, torch_npu sees none",)

@@ -74,21 +74,23 @@ def choose_attention(name: str | None = None, platform: PlatformInfo | None = No
     """``name``, else ``$HWGRAPH_ATTENTION``, else the kernel of highest priority on this platform available here.
 
     An explicit choice that is unavailable raises ``SelectionError`` naming its reasons; with nothing explicit,
-    TORCH_SDPA is always available.
+    TORCH_SDPA is always available. ``graph_safe=True`` chooses automatically only among kernels that may be captured
+    in a graph (the reason names those passed over); an explicit kernel is honoured either way.
     """
     platform = platform or detect()
     name = name or os.environ.get(ATTENTION_ENV) or None
     if name:
         spec = kernel_named(name)
         cap = spec.capability(platform, dtype, head_dim)
-        if graph_safe and not spec.graph_safe:
-            cap = cap & Capability.unavailable(f"{spec.name} is not graph-safe")
         if not cap.ok:
             raise SelectionError(f"attention kernel {spec.name!r} is unavailable: " + "; ".join(cap.reasons))
         return SelectedKernel(spec, spec.load(), "explicit")
     refused = []
     for spec in sorted(kernel_specs(), key=lambda k: -k.rank(platform)):
-        if platform.kind not in spec.kinds or (graph_safe and not spec.graph_safe):
+        if platform.kind not in spec.kinds:
+            continue
+        if graph_safe and not spec.graph_safe:
+            refused.append(f"{spec.name}: not graph-safe")
             continue
         cap = spec.capability(platform, dtype, head_dim)
         if cap.ok:

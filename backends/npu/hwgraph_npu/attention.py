@@ -3,10 +3,14 @@
 The Ascend kernel takes the sequence boundaries as HOST lists (``actual_seq_lengths``: cumulative ends, the last
 equal to the token count), while the common signature passes ``cu_seqlens`` on the device. Callers that have the
 host boundaries (the tower's metadata does) hand them over with ``host_cu_seqlens(...)``; only without them does
-the kernel read ``cu_seqlens`` back to the host, a device sync that is logged once. Under NPU graph capture
-("aclgraph") the captured call keeps its lists, so the graph backend rewrites them before each replay from
-``sequence_ends`` (see VENDOR_APIS.md); rows past ``cu_seqlens[-1]`` are zeroed on the device either way (except
-through ``npu_varlen.padding_unspecified``, which the tower uses).
+the kernel read ``cu_seqlens`` back to the host, a device sync that is logged once. Rows past ``cu_seqlens[-1]``
+are zeroed on the device (except through ``npu_varlen.padding_unspecified``, which the tower uses).
+
+Not graph-safe (``NPU.graph_safe`` is False). A captured call keeps the host lists it was captured with, so a replay
+for other images would attend across their boundaries. The fix that ARCHITECTURE.md and VENDOR_APIS.md describe
+(capture each call in a task group, rewrite its lists before every replay with ``torch.npu.graph_task_update_*``) is
+not built: it cannot be tested without an Ascend NPU. So a graph manager's automatic choice on NPU takes the best
+graph-safe kernel (TORCH_SDPA), and a manager given ``attention="NPU"`` runs every call eagerly, saying why.
 """
 
 from __future__ import annotations
@@ -110,6 +114,8 @@ def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     if 64 < head_dim < PADDED_HEAD_DIM:
         # The Ascend kernel tiles head dims 64 and 128; zero lanes leave q.k and the kept slice of p.v unchanged.
         q, k, v = (F.pad(t, (0, PADDED_HEAD_DIM - head_dim)) for t in (q, k, v))
+    else:
+        q, k, v = (t.contiguous() for t in (q, k, v))  # the kernel takes no strided views (the tower's v is one)
     out = torch_npu.npu_fused_infer_attention_score(
         q, k, v, num_heads=heads, input_layout="TND", actual_seq_lengths=seq_ends, actual_seq_lengths_kv=seq_ends,
         **{scale_keyword(): scale})
@@ -161,9 +167,9 @@ NPU = KernelSpec(
     kinds=("npu",),
     dtypes=(torch.float16, torch.bfloat16),
     head_dims=(1, 256),
-    graph_safe=True,
+    graph_safe=False,  # see the module docstring: the per-replay update of its host lists is not built
     gate=npu_gate,
     priority=30,
     description="torch_npu.npu_fused_infer_attention_score (TND, host sequence lengths; head dims 65..127 "
-                "padded to 128)",
+                "padded to 128; eager only: a capture would keep its host sequence lengths)",
 )

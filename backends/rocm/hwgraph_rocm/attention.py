@@ -24,6 +24,13 @@ def aiter_gate(platform: PlatformInfo) -> Capability:
     if gfx not in SUPPORTED_GFX:
         reasons.append(f"ROCM_AITER_FA needs {' or '.join(SUPPORTED_GFX)}, found {gfx or repr(platform.arch)}")
     found = require_module("aiter", "ROCM_AITER_FA")
+    if found.ok:
+        import aiter
+
+        if not callable(getattr(aiter, "flash_attn_varlen_func", None)):
+            found = Capability.unavailable(
+                f"ROCM_AITER_FA needs aiter.flash_attn_varlen_func, which aiter "
+                f"{getattr(aiter, '__version__', '(unknown version)')} lacks; install an aiter release that has it")
     return Capability(tuple(reasons) + found.reasons)
 
 

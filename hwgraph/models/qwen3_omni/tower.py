@@ -67,6 +67,7 @@ class Qwen3OmniVisionTower(nn.Module):
         # block index -> DeepStack merger index (features come out in block order, as in transformers)
         self.deepstack_after = {layer: i for i, layer in enumerate(self.deepstack_visual_indexes)}
         self._attention_request = attention
+        self._attention_graph_safe = False  # automatic choice only among graph-safe kernels (set by a graph manager)
         self._attention: tuple[KernelSpec, VarlenAttention] | None = None
         # DeepStack mergers on a second stream (CUDA and ROCm), overlapping the blocks after them; see merge_stream.
         self.overlap_deepstack = True
@@ -128,26 +129,31 @@ class Qwen3OmniVisionTower(nn.Module):
         return self.patch_embed.proj.weight.data_ptr(), self.merger.mlp[-1].weight.data_ptr()
 
     # ------------------------------------------------------------------ attention
-    def set_attention(self, name: str | VarlenAttention | None = None, platform: PlatformInfo | None = None):
+    def set_attention(self, name: str | VarlenAttention | None = None, platform: PlatformInfo | None = None,
+                      graph_safe: bool | None = None):
         """Choose the attention kernel now; returns the registry's ``SelectedKernel`` (or a spec for a callable).
 
         ``name``: a kernel name (honoured or ``SelectionError`` with the reasons), ``"auto"``, a callable, or None
         to keep the current request: the constructor's, or the last one given here (a manager built with
         ``attention=...`` passes it here, so a later manager given None keeps it). Automatic choice uses the
-        tower's dtype and head dim, on ``platform`` (default: the platform serving the tower's device).
+        tower's dtype and head dim, on ``platform`` (default: the platform serving the tower's device), among the
+        graph-safe kernels only once ``graph_safe=True`` was given (a graph manager gives it; None keeps the last
+        setting). An explicit name is honoured either way.
         """
         from hwgraph.attention.registry import SelectedKernel, choose_attention
 
         if name is not None:
             self._attention_request = name
+        if graph_safe is not None:
+            self._attention_graph_safe = graph_safe
         request = self._attention_request
         if callable(request):
             spec = callable_spec(request)
             self._attention = (spec, request)
             return SelectedKernel(spec, request, "callable given to the tower")
         selected = choose_attention(None if request in (None, AUTO) else request,
-                                    platform or platform_for(self.device),
-                                    dtype=self.dtype, head_dim=self.head_dim)
+                                    platform or platform_for(self.device), dtype=self.dtype, head_dim=self.head_dim,
+                                    graph_safe=self._attention_graph_safe)
         self._attention = (selected.spec, selected.fn)
         log.debug("tower attention %s (%s)", selected.spec.name, selected.reason)
         return selected
