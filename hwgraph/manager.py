@@ -497,7 +497,7 @@ class EncoderGraphManager:
         self._padded.clear()
         self.pool = None
         self.backend.synchronize()
-        self.backend.empty_cache(workspaces=True)
+        self.backend.empty_cache()  # cuBLAS's per-stream workspaces stay: other live graphs may use them
         self._closed = True
 
     def __enter__(self):

@@ -78,9 +78,8 @@ class GraphBackend(ABC):
     def memory_in_use(self) -> int:
         """Bytes of device memory this backend's allocator holds now (graph pools included)."""
 
-    def empty_cache(self, workspaces: bool = False) -> None:
-        """Return cached free memory to the device (after graphs are released); with ``workspaces`` also the
-        math libraries' per-stream workspaces. No-op where there is no cache."""
+    def empty_cache(self) -> None:
+        """Return cached free memory to the device (after graphs are released). No-op where there is no cache."""
         return None
 
     def compile_support(self) -> Capability:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -106,6 +107,11 @@ class TorchCudaGraphBackend(GraphBackend):
     """
 
     modes: ClassVar[tuple[str, ...]] = ("full",)
+    #: runtime namespace -> device -> the capture stream every backend on that device shares. cuBLAS and cuBLASLt
+    #: give each stream a workspace on its first use and keep it for the process; freeing one could break a live
+    #: graph that captured it (any in the process, e.g. a language model's), so hwgraph never frees them, and one
+    #: stream per device keeps managers from leaving a workspace each.
+    _capture_streams: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
     #: The ``torch`` attribute holding the runtime namespace; also the device type ("cuda" on ROCm builds too).
     runtime_name: ClassVar[str] = "cuda"
     warmup_runs: ClassVar[int] = 2
@@ -122,7 +128,6 @@ class TorchCudaGraphBackend(GraphBackend):
                              f"got {self.device}")
         if self.device.index is None:
             self.device = torch.device(self.runtime_name, self.runtime().current_device())
-        self._capture_stream = None  # made on first capture, replaced after a failed one
 
     # -- the runtime and its graph API (the NPU plugin overrides these) --------------------------------------------
 
@@ -160,9 +165,12 @@ class TorchCudaGraphBackend(GraphBackend):
         return self.runtime().graph_pool_handle()
 
     def capture_stream(self):
-        if self._capture_stream is None:
-            self._capture_stream = self.runtime().Stream(device=self.device)
-        return self._capture_stream
+        """The device's capture stream, shared by every backend in the process; made on first capture and replaced
+        after a failed one."""
+        streams = TorchCudaGraphBackend._capture_streams.setdefault(self.runtime(), {})
+        if self.device not in streams:
+            streams[self.device] = self.runtime().Stream(device=self.device)
+        return streams[self.device]
 
     def capture(self, fn, pool=None) -> TorchCudaCapturedGraph:
         runtime = self.runtime()
@@ -237,7 +245,8 @@ class TorchCudaGraphBackend(GraphBackend):
             runtime.set_stream(previous)
         with contextlib.suppress(Exception):
             graph.reset()
-        self._capture_stream = None  # never capture on a stream a failed capture has touched again
+        # never capture on a stream a failed capture has touched again
+        TorchCudaGraphBackend._capture_streams.get(runtime, {}).pop(self.device, None)
         try:
             runtime.synchronize(self.device)
         except Exception as exc:
@@ -273,12 +282,9 @@ class TorchCudaGraphBackend(GraphBackend):
     def synchronize(self) -> None:
         self.runtime().synchronize(self.device)
 
-    def empty_cache(self, workspaces: bool = False) -> None:
-        # cuBLAS keeps a workspace per stream in the caching allocator (32 MiB on Hopper), and capture uses its
-        # own stream: without clearing them a closed manager would still appear to hold that memory.
-        clear = getattr(torch._C, f"_{self.runtime_name}_clearCublasWorkspaces", None)
-        if workspaces and callable(clear):
-            clear()
+    def empty_cache(self) -> None:
+        # Not the math libraries' per-stream workspaces (torch._C._cuda_clearCublasWorkspaces): captured graphs
+        # anywhere in the process may write to them (see _capture_streams).
         self.runtime().empty_cache()
 
     def memory_in_use(self) -> int:

@@ -111,7 +111,12 @@ def test_replay_path_reads_nothing_back_from_the_device(tower):
         assert m.stats()["hits"] == 5
 
 
-def test_thousand_replays_do_not_grow_memory_and_close_frees_it(tower):
+def test_thousand_replays_do_not_grow_memory_and_close_frees_it(tower, monkeypatch):
+    cleared = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(True))
+    # The device's shared capture stream and its cuBLAS workspaces outlive managers: make them first.
+    with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=4) as first:
+        first.capture()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     m = EncoderGraphManager(tower, budgets=[64, 128, 256], max_images_per_graph=4)
@@ -134,6 +139,7 @@ def test_thousand_replays_do_not_grow_memory_and_close_frees_it(tower):
     del m, inputs
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() <= base + (8 << 20)
+    assert cleared == [], "close() must not free cuBLAS workspaces: other live graphs may write to them"
 
 
 def slowed(fn, cycles: int = 20_000_000):

@@ -252,12 +252,18 @@ def test_aclgraph_capture_warms_up_on_the_capture_stream_then_captures_into_the_
     assert backend.memory_in_use() == 4096
 
 
-def test_graphs_of_one_backend_share_one_capture_stream(npu):
-    backend = NpuGraphBackend()
+def test_every_backend_on_a_device_shares_one_capture_stream_until_a_capture_fails(npu):
     x = torch.ones(2)
-    backend.capture(lambda: x + 1)
-    backend.capture(lambda: x + 2)
+    NpuGraphBackend().capture(lambda: x + 1)
+    NpuGraphBackend().capture(lambda: x + 2)  # another manager's backend: no second stream, no second workspace
     assert npu.streams == 1
+    npu.invalidated = True
+    with pytest.raises(CaptureError):
+        NpuGraphBackend().capture(lambda: x + 3)
+    npu.invalidated = False
+    NpuGraphBackend().capture(lambda: x + 4)  # the failed capture's stream is not used again
+    assert npu.streams == 2
+    assert npu.events[-2:] == ["capture begins on side2 into ('pool', 7)", "capture ends"]
 
 
 def test_a_failed_capture_raises_the_original_message_and_leaves_no_capture_state(npu):
