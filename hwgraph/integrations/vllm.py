@@ -15,6 +15,7 @@ Needs ``vllm`` (``pip install 'hwgraph[vllm]'``); the supported versions are ``S
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Hashable
 from typing import Any, ClassVar, Literal
 
@@ -93,12 +94,17 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
     def __init__(self, tower, min_token_budget: int = budget_rules.MIN_AUTO_BUDGET,
                  max_token_budget: int | None = None):
         super().__init__()
+        for name, value in (("min_token_budget", min_token_budget), ("max_token_budget", max_token_budget)):
+            if name == "max_token_budget" and value is None:
+                continue  # the default: hwgraph's uncalibrated cap
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an int (merged tokens), got {value!r}")
         if min_token_budget <= 0 or (max_token_budget is not None and max_token_budget < min_token_budget):
             raise ValueError(f"token budgets must satisfy 0 < min_token_budget <= max_token_budget, got "
                              f"{min_token_budget} and {max_token_budget}")
         self.tower = tower
-        self.min_token_budget = min_token_budget
-        self.max_token_budget = max_token_budget
+        self.min_token_budget = int(min_token_budget)
+        self.max_token_budget = None if max_token_budget is None else int(max_token_budget)
 
     @property
     def merge_area(self) -> int:
@@ -160,6 +166,9 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         starts = [0]
         for t, h, w in grid:
             starts.append(starts[-1] + t * h * w)
+        if pixels.shape[0] != starts[-1]:  # slicing by the grid's offsets would drop or shift rows silently
+            raise ValueError(f"pixel_values has {pixels.shape[0]} rows but grids {list(grid)} need {starts[-1]} "
+                             f"patch rows")
         if any(not 0 <= i < len(grid) for i in indices):
             raise IndexError(f"item indices {list(indices)} out of range for {len(grid)} images")
         if not indices:
@@ -201,9 +210,13 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         max_frames_per_batch: int,
         path: str = "default",
     ) -> EncoderCudaGraphReplayBuffers:
-        """This step's values, unpadded: ``PADDING_LOGICS`` and vLLM's default copy pad them into the buffers."""
+        """This step's values, unpadded: ``PADDING_LOGICS`` and vLLM's default copy pad them into the buffers.
+        ``ValueError`` unless ``pixel_values`` is ``[patches of the grid, patch_row_width]`` (shapes only)."""
         self._check_path(path)
-        metadata = self.tower.prepare_metadata(self.host_grid(mm_kwargs)).to(self.tower.device)
+        metadata = self.tower.prepare_metadata(self.host_grid(mm_kwargs))
+        # The default copy zero-pads: missing rows would replay as zero pixels and give a wrong answer, not an error.
+        self.tower.check_pixels(mm_kwargs[PIXELS], metadata)
+        metadata = metadata.to(self.tower.device)
         return EncoderCudaGraphReplayBuffers(values={PIXELS: mm_kwargs[PIXELS], **metadata.tensors()})
 
     # ------------------------------------------------------------------ forwards

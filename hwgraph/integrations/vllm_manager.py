@@ -32,7 +32,7 @@ class ReplayDecision:
     """What one step's group of images does: replay ``budget``'s graph, or (``budget is None``) one eager call."""
 
     budget: int | None
-    reason: str  # "replay", "empty", "video", "too many images", "over budget", "no graphs"
+    reason: str  # "replay", "empty", "video", "too many images", "over budget", "no graphs", "capture failed"
 
     @property
     def replay(self) -> bool:
@@ -48,6 +48,11 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
     to beat a single eager forward. Video (t > 1) goes eager. Graphs come from ``hwgraph.registry.create_backend``
     (``graph_backend``: a backend name, default ``$HWGRAPH_GRAPH_BACKEND`` or the best for ``device``). Budgets,
     buffer copies (``_run_budget_graph``), DP sharding and hit/miss counting (images) are upstream's.
+
+    For a model with an hwgraph tower (``model.tower``, e.g. ``Qwen3OmniEncoderCudaGraphAdapter``), as
+    ``hwgraph.EncoderGraphManager`` does: nothing is captured when the tower's attention kernel is not graph-safe
+    (``capture_refusal``; every group runs eagerly), and a replay after the tower's weights moved since capture
+    (``tower.to``, another dtype or device) raises ``RuntimeError`` instead of reading freed memory.
     """
 
     def __init__(self, vllm_config, device: torch.device, dtype: torch.dtype, model, graph_backend: str | None = None):
@@ -58,7 +63,8 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
                              f"vLLM's EncoderCudaGraphManager for it")
         device = torch.device(device)
         self.backend = create_backend(graph_backend, device=device, platform=platform_for(device))
-        self.capture_failures: dict[int, str] = {}
+        self.capture_failures: dict[int, str] = {}  # budget -> why the last capture() left it eager
+        self._captured_tower: tuple | None = None  # (weights_key, dtype, device) of the tower at capture
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -75,7 +81,16 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
     def capture(self, graph_pool: Any = None):
         """Capture every budget, largest first (upstream's loop) into ``graph_pool``: vLLM passes its platform's
         graph pool handle, which is what hwgraph's device backends use; the CPU reference backend, or no pool,
-        gets a pool of the backend's own."""
+        gets a pool of the backend's own. Failures (``capture_failures``) are this capture's only."""
+        self.capture_failures = {}
+        refusal = self.capture_refusal()
+        if refusal:
+            self.capture_failures = {b: refusal for b in self.path_token_budgets["default"] if b > 0}
+            log.warning("no encoder graphs captured on %s, every group runs eagerly: %s", self.backend.name, refusal)
+            return
+        tower = self._tower()
+        # The graphs read the weights where they live now; replay checks that they did not move (_check_tower).
+        self._captured_tower = None if tower is None else (tower.weights_key(), tower.dtype, tower.device)
         if graph_pool is None or not self.backend.accelerates:
             graph_pool = self.backend.new_pool()
         super().capture(graph_pool)
@@ -111,6 +126,34 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
             for meta in graph_set.values():
                 meta.graph.release()
         super().clear()
+        self.capture_failures = {}
+        self._captured_tower = None
+
+    def _tower(self):
+        """The model's hwgraph tower, or None for a model of vLLM's own (the tower guards then do not apply)."""
+        tower = getattr(self.model, "tower", None)
+        return tower if hasattr(tower, "weights_key") else None
+
+    def capture_refusal(self) -> str | None:
+        """Why nothing may be captured for this model, or None."""
+        tower = self._tower()
+        if tower is not None and not tower.attention_spec.graph_safe:
+            return f"attention kernel {tower.attention_kernel} is not graph-safe"
+        return None
+
+    def _check_tower(self) -> None:
+        """``RuntimeError`` when the tower's weights were moved (``to``, ``half``, another manager's dtype or device)
+        since capture: the graphs would read freed memory. Two pointer reads, no device sync."""
+        tower = self._tower()
+        if tower is None or self._captured_tower is None:
+            return
+        key, dtype, device = self._captured_tower
+        if tower.weights_key() != key:
+            raise RuntimeError(
+                f"replay: the tower's weights were moved since its encoder graphs were captured for {dtype} on "
+                f"{device} (the tower is now {tower.dtype} on {tower.device}; tower.to() or a manager with another "
+                f"dtype or device moves it), so the graphs would read freed memory. clear() this manager and "
+                f"capture() again on the tower as it is now")
 
     def captured_budgets(self) -> list[int]:
         return sorted(b for b in self._get_graph_set("default") if isinstance(b, int) and b > 0)
@@ -121,9 +164,18 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
         """The single-replay rule for one group (host values only)."""
         if not item_specs:
             return ReplayDecision(None, "empty")
-        return ReplayDecision(*single_replay_budget(
-            self.captured_budgets(), len(item_specs), sum(spec.output_tokens for spec in item_specs),
-            self.max_batch_size, video=modality != "image" or bool(frames and max(frames) > 1)))
+        tokens = sum(spec.output_tokens for spec in item_specs)
+        budget, reason = single_replay_budget(
+            self.captured_budgets(), len(item_specs), tokens, self.max_batch_size,
+            video=modality != "image" or bool(frames and max(frames) > 1))
+        if reason in ("over budget", "no graphs") and any(b >= tokens for b in self.capture_failures):
+            reason = "capture failed"  # a configured budget would hold the group, but it was not captured
+        return ReplayDecision(budget, reason)
+
+    def _run_budget_graph(self, mm_kwargs: dict[str, Any], token_budget: int, path: str = "default",
+                          axis_keys: tuple = ()) -> torch.Tensor | None:
+        self._check_tower()  # every replay, from either dispatch (this one or upstream's packing)
+        return super()._run_budget_graph(mm_kwargs, token_budget, path, axis_keys)
 
     def _execute_local(self, mm_kwargs: dict[str, Any]) -> list[torch.Tensor]:
         # Called by upstream's execute() for the whole step, or for this rank's share under DP.

@@ -13,8 +13,10 @@ from packaging.version import InvalidVersion, Version
 log = logging.getLogger("hwgraph.integrations.vllm")
 
 # The protocol's method signatures and the manager's internals (which SingleReplayEncoderCudaGraphManager relies on)
-# change between vLLM releases, so only the minor series the integration was written and tested against is accepted.
-SUPPORTED_VLLM = SpecifierSet(">=0.33.0,<0.34")
+# change between vLLM releases, so only the minor series the integration was written and tested against is accepted:
+# its dev builds, pre-releases and local builds too (0.33.0.dev5, 0.33.0rc1, 0.33.1.dev3+g...), none of 0.32 or 0.34
+# (PEP 440: "<0.34" excludes 0.34's pre-releases).
+SUPPORTED_VLLM = SpecifierSet(">=0.33.0.dev0,<0.34")
 ALLOW_UNSUPPORTED_ENV = "HWGRAPH_VLLM_ALLOW_UNSUPPORTED"
 INSTALL_HINT = "pip install 'hwgraph[vllm]'"
 
@@ -32,7 +34,7 @@ def check_vllm_version(found: str | None) -> Version:
         version = Version(found) if found else None
     except InvalidVersion:
         version = None
-    # Pre-releases and dev builds of a supported series (0.33.1.dev3+g...) are accepted: same protocol.
+    # Pre-releases and dev builds of the supported series (0.33.0rc1, 0.33.1.dev3+g...) are accepted: same protocol.
     if version is not None and SUPPORTED_VLLM.contains(version, prereleases=True):
         return version
     message = (f"hwgraph.integrations.vllm supports vllm {SUPPORTED_VLLM} (the encoder CUDA graph protocol and "

@@ -8,6 +8,7 @@ vLLM's manager reads only a few config fields (compilation, multimodal, parallel
 from __future__ import annotations
 
 import inspect
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -29,6 +30,7 @@ from vllm.v1.worker.encoder_cudagraph_defs import (  # noqa: E402
     EncoderItemSpec,
 )
 
+from hwgraph.attention.sdpa import sdpa_varlen  # noqa: E402
 from hwgraph.integrations import vllm as hv  # noqa: E402
 from hwgraph.manager import relative_error  # noqa: E402
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower  # noqa: E402
@@ -153,6 +155,20 @@ def test_budget_range_starts_at_the_smallest_image_and_respects_the_scheduler(to
         hv.Qwen3OmniEncoderCudaGraphAdapter(tower, min_token_budget=128, max_token_budget=64)
 
 
+@pytest.mark.parametrize("name, value", [("min_token_budget", 64.5), ("min_token_budget", True),
+                                         ("min_token_budget", None), ("max_token_budget", 256.0),
+                                         ("max_token_budget", False), ("max_token_budget", "256")])
+def test_adapter_refuses_budgets_that_are_not_ints_naming_the_value(tower, name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be an int .*got {re.escape(repr(value))}"):
+        hv.Qwen3OmniEncoderCudaGraphAdapter(tower, **{name: value})
+
+
+def test_adapter_takes_numpy_int_budgets_as_ints(tower):
+    adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(tower, min_token_budget=np.int64(32), max_token_budget=np.int32(512))
+    assert adapter.get_encoder_cudagraph_budget_range(vllm_config()) == (32, 512)
+    assert type(adapter.min_token_budget) is int and type(adapter.max_token_budget) is int
+
+
 @pytest.mark.parametrize("grid_as", [list, torch.tensor, np.array], ids=["list", "cpu-tensor", "numpy"])
 def test_item_specs_come_from_the_host_grid(tower, adapter, grid_as):
     kwargs = mm_kwargs(tower, [(1, 8, 8), (1, 4, 12), (1, 2, 2)], grid_as=grid_as)
@@ -185,6 +201,30 @@ def test_select_slices_pixels_by_patch_offsets(tower, adapter):
     assert adapter.get_encoder_cudagraph_item_specs(empty) == []
     with pytest.raises(IndexError):
         adapter.select_encoder_cudagraph_items(kwargs, [3])
+
+
+@pytest.mark.parametrize("rows, width_change", [(72, 0), (88, 0), (80, -1)],
+                         ids=["too few rows", "too many rows", "wrong width"])
+def test_pixels_that_disagree_with_the_grid_are_refused_on_every_path(tower, adapter, manager, rows, width_change):
+    """Replay zero-pads its pixel buffer: a group short of rows would replay zeros for them, a wrong answer."""
+    grid = [(1, 8, 8), (1, 4, 4)]  # 80 patch rows, 20 tokens: the 64 budget would replay them
+    width = tower.patch_row_width + width_change
+    kwargs = {"pixel_values": torch.randn(rows, width), "image_grid_thw": grid}
+    if width_change:
+        message = rf"\[patches, {tower.patch_row_width}\].*got shape \({rows}, {width}\)"
+    else:
+        message = rf"pixel_values has {rows} rows but grids .* need 80 patch rows"
+        with pytest.raises(ValueError, match=message):
+            adapter.select_encoder_cudagraph_items(kwargs, [0])
+    with pytest.raises(ValueError, match=message):
+        adapter.prepare_encoder_cudagraph_replay_buffers(kwargs, MAX_ITEMS, MAX_ITEMS)
+    with pytest.raises(ValueError, match=message):
+        manager.execute(kwargs)  # the single-replay dispatch
+    with pytest.raises(ValueError, match=message):
+        upstream.EncoderCudaGraphManager._execute_local(manager, kwargs)  # vLLM's packing: select, then replay
+    with pytest.raises(ValueError, match=message), torch.inference_mode():
+        adapter.encoder_eager_forward(kwargs)  # as eager does
+    assert manager.graph_hits == 0 and manager.replays == 0
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -362,8 +402,81 @@ def test_a_failed_capture_leaves_that_budget_eager(tower, adapter, monkeypatch):
     assert m.captured_budgets() == [64, 128] and "simulated" in m.capture_failures[256]
     kwargs = mm_kwargs(tower, [(1, 16, 32), (1, 8, 8)], seed=3)  # 144 tokens: only the failed 256 would hold it
     assert_matches_eager(adapter, m.execute(kwargs), eager_per_image(tower, kwargs))
-    assert m.get_cumulative_stats()["eager_reasons"] == {"over budget": 1}
+    # The configured 256 budget would hold the group: its failed capture, not the budgets, sent it eager.
+    assert m.get_cumulative_stats()["eager_reasons"] == {"capture failed": 1}
+    oversized = mm_kwargs(tower, [(1, 40, 40)])  # 400 tokens: no configured budget holds it
+    assert m.decide(adapter.get_encoder_cudagraph_item_specs(oversized)).reason == "over budget"
     m.clear()
+
+
+def test_capture_failures_are_those_of_the_last_capture(tower, adapter, monkeypatch):
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
+                                               graph_backend="cpu")
+    real, fail = m.backend.capture, [True]
+
+    def capture(fn, pool=None):
+        if fail[0]:
+            fail[0] = False  # only the first capture (the largest budget) fails
+            raise RuntimeError("simulated transient failure")
+        return real(fn, pool)
+
+    monkeypatch.setattr(m.backend, "capture", capture)
+    m.capture(graph_pool=None)
+    assert list(m.get_cumulative_stats()["capture_failures"]) == [256]
+    m.clear()  # as vLLM does after its profiling capture
+    assert m.get_cumulative_stats()["capture_failures"] == {}
+    fail[0] = True
+    m.capture(graph_pool=None)
+    assert list(m.capture_failures) == [256]
+    m.capture(graph_pool=None)  # a clean capture without clear() mends it
+    stats = m.get_cumulative_stats()
+    assert stats["capture_failures"] == {} and stats["captured_budgets"] == BUDGETS
+    kwargs = mm_kwargs(tower, [(1, 16, 32), (1, 8, 8)], seed=3)
+    assert_matches_eager(adapter, m.execute(kwargs), eager_per_image(tower, kwargs))
+    assert m.get_cumulative_stats()["replays_per_budget"] == {256: 1}
+    m.clear()
+
+
+def test_a_replay_after_the_towers_weights_moved_raises_naming_the_move():
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval()
+    adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
+                                               graph_backend="cpu")
+    m.capture(graph_pool=None)
+    kwargs = mm_kwargs(tower, [(1, 8, 8)])
+    m.execute(kwargs)
+    assert m.replays == 1
+    tower.to(torch.float64)  # new weights: the graphs captured before would read the freed float32 ones
+    message = r"weights were moved since .* captured for torch.float32 on cpu \(the tower is now torch.float64 on cpu"
+    with pytest.raises(RuntimeError, match=message):
+        m.execute(kwargs)
+    with pytest.raises(RuntimeError, match=message):
+        upstream.EncoderCudaGraphManager._execute_local(m, kwargs)
+    assert m.replays == 1 and m.graph_hits == 1
+    m.clear()
+
+
+def test_a_kernel_that_is_not_graph_safe_is_never_captured(monkeypatch):
+    def host_bound_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+        return sdpa_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+
+    host_bound_attention.graph_safe = False  # as the NPU kernel: a capture would keep its host sequence lengths
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention=host_bound_attention).eval()
+    adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
+                                               graph_backend="cpu")
+    calls = []
+    monkeypatch.setattr(m.backend, "capture", lambda fn, pool=None: calls.append(fn))
+    m.capture(graph_pool=None)
+    assert calls == [] and m.captured_budgets() == [] and not m.is_captured()
+    why = "attention kernel host_bound_attention is not graph-safe"
+    assert m.capture_refusal() == why
+    assert m.get_cumulative_stats()["capture_failures"] == {b: why for b in BUDGETS}
+    kwargs = mm_kwargs(tower, [(1, 8, 8), (1, 4, 4)])
+    assert_matches_eager(adapter, m.execute(kwargs), eager_per_image(tower, kwargs))
+    assert m.get_cumulative_stats()["eager_reasons"] == {"capture failed": 1}
 
 
 def test_manager_refuses_multi_path_encoders(tower):
@@ -389,17 +502,20 @@ def test_install_swaps_the_class_vllm_runners_build_and_undoes_it():
 
 
 # ------------------------------------------------------------------------------------------------ versions, imports
-@pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.1.dev3+gabc123", "0.33.0+cu130"])
-def test_supported_versions_are_accepted(version):
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.1.dev3+gabc123", "0.33.0+cu130",
+                                     "0.33.0rc1", "0.33.0.dev5", "0.33.0.dev0", "0.33.0.post1"])
+def test_supported_versions_are_accepted(version, monkeypatch):
+    monkeypatch.delenv(hv.ALLOW_UNSUPPORTED_ENV, raising=False)
     assert hv.check_vllm_version(version).release[:2] == (0, 33)
 
 
-@pytest.mark.parametrize("version", ["0.32.1", "0.34.0", "1.0.0", "not-a-version", None])
+@pytest.mark.parametrize("version", ["0.32.1", "0.32.9rc1", "0.34.0", "0.34.0rc1", "0.34.0.dev1", "1.0.0",
+                                     "not-a-version", None])
 def test_unsupported_versions_are_refused_with_the_fix(monkeypatch, version):
     monkeypatch.delenv(hv.ALLOW_UNSUPPORTED_ENV, raising=False)
     with pytest.raises(hv.UnsupportedVllmError, match=r"pip install 'hwgraph\[vllm\]'") as info:
         hv.check_vllm_version(version)
-    assert ">=0.33.0" in str(info.value) and isinstance(info.value, ImportError)
+    assert str(hv.SUPPORTED_VLLM) in str(info.value) and isinstance(info.value, ImportError)
 
 
 def test_an_unsupported_version_can_be_tried_on_purpose(monkeypatch, caplog):
