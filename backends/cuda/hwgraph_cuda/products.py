@@ -16,8 +16,9 @@ configurations (``LtProduct.configurations``), drops any that cuBLASLt rejects o
 call against the float64 product, and ranks the rest in the rounds of ``RANKING``: one call each
 (``MeasuredProducts.sweep``), then the 64 fastest with 3 calls each, then the 16 fastest of those with 5 calls each,
 best of two passes. It times the ``SHORTLIST`` fastest of the last round and ATen's call in interleaved replays of
-CUDA graphs. The fastest is kept for the process; ATen's call stays where nothing beats it by ``MARGIN``. cuBLASLt
-is called through ctypes on the ``libcublasLt`` that torch has loaded: nothing is built.
+CUDA graphs, captured without a cuBLASLt workspace as the manager's are (``graphed_as_captured``). The fastest is
+kept for the process; ATen's call stays where nothing beats it by ``MARGIN``. cuBLASLt is called through ctypes on
+the ``libcublasLt`` that torch has loaded: nothing is built.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.capability import Capability
+from hwgraph.graphs.torch_cuda import environment_defaults
 from hwgraph.manager import relative_error
 from hwgraph.products import aten_linear_gelu_tanh
-from hwgraph.timing import graphed_calls, measure_interleaved
+from hwgraph.timing import graphed_calls, measure_interleaved, side_stream
+from hwgraph_cuda.graphs import CudaGraphBackend
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +249,10 @@ class LtProduct:
         return result if status == 0 and result.state == 0 else None
 
     def accepts(self, algo: Algo) -> bool:
+        """Whether the check accepts ``algo``. The workspace it reports is not compared with the none that ``run``
+        passes: it recommends one for the ``nvjet`` configurations of qkv and fc1, which run without one, as ATen's
+        own kernel does in the graphs (``docs/benchmarks.md``, session 20). What cannot run without one fails in
+        ``cublasLtMatmul`` and is left out by ``MeasuredProducts.errors`` (and ``recall``)."""
         return self.checked(algo) is not None
 
     def configurations(self, candidates: list[Heuristic]) -> list[Algo]:
@@ -288,6 +295,23 @@ class LtProduct:
 
 def timing_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)
+
+
+def graphed_as_captured(fns: dict) -> dict:
+    """``graphed_calls(fn, CALLS)`` of each of ``fns``, captured under the CUDA plugin's ``capture_environment`` as
+    the manager's graphs are. PyTorch reads ``CUBLASLT_WORKSPACE_SIZE`` at each cuBLASLt call, and with a workspace
+    ATen's call to a larger product captures a dynamically scheduled kernel and a memset node, which the manager's
+    graphs do not hold (``hwgraph_cuda.graphs``). Each runs once first on ``graphed_calls``' stream with the
+    process's setting, as the manager's warm-up does, so that stream's workspaces are made at full size before a
+    capture asks for none."""
+    stream = side_stream(torch.cuda.current_device())
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns.values():
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with environment_defaults(CudaGraphBackend.capture_environment):
+        return {key: graphed_calls(fn, CALLS) for key, fn in fns.items()}
 
 
 class PhaseClock:
@@ -342,16 +366,27 @@ class ChoiceCache:
         return f"{self.setting} | {label}"
 
     def entries(self) -> dict:
+        """The file's entries by key; {} if there is no file, or it is not a JSON object (logged)."""
         if self.path is None or not self.path.exists():
             return {}
         try:
-            return json.loads(self.path.read_text())
+            entries = json.loads(self.path.read_text())
         except (OSError, ValueError) as exc:
             log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
             return {}
+        if not isinstance(entries, dict):
+            log.warning("ignoring the measured-products cache %s: it holds a JSON %s, not an object",
+                        self.path, type(entries).__name__)
+            return {}
+        return entries
 
     def get(self, label: str) -> dict | None:
-        return self.entries().get(self.key(label))
+        entry = self.entries().get(self.key(label))
+        if entry is not None and not isinstance(entry, dict):
+            log.warning("ignoring the measured-products cache's entry for %s in %s: a JSON %s, not an object",
+                        label, self.path, type(entry).__name__)
+            return None
+        return entry
 
     def put(self, label: str, entry: dict) -> None:
         if self.path is None:
@@ -362,7 +397,7 @@ class ChoiceCache:
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as tmp:
                 json.dump(entries, tmp, indent=1, sort_keys=True)
             os.replace(tmp.name, self.path)  # atomic: a concurrent reader sees the old file or the new one
-        except OSError as exc:
+        except (OSError, TypeError, ValueError) as exc:  # TypeError, ValueError: an entry JSON cannot write
             log.warning("could not write the measured-products cache %s: %s", self.path, exc)
 
 
@@ -408,17 +443,19 @@ class MeasuredProducts:
     def product(self, x, weight, bias, gelu: bool) -> torch.Tensor:
         rows, (n, k) = x.shape[0], weight.shape
         shape = (rows, k, n, x.dtype, gelu)
-        choice = self.choices.get(shape)
-        if choice is None:
-            if torch.cuda.is_current_stream_capturing():
+        # cuBLASLt launches in the current device's context: the chooser's device, whichever the caller has current
+        with torch.cuda.device(self.device):
+            choice = self.choices.get(shape)
+            if choice is None:
+                if torch.cuda.is_current_stream_capturing():
+                    return self.aten(x, weight, bias, gelu)
+                start = time.perf_counter()
+                choice = self.recall(x, weight, bias, gelu) or self.measure(x, weight, bias, gelu)
+                self.seconds += time.perf_counter() - start
+                self.choices[shape] = choice
+            if choice.algo is None:
                 return self.aten(x, weight, bias, gelu)
-            start = time.perf_counter()
-            choice = self.recall(x, weight, bias, gelu) or self.measure(x, weight, bias, gelu)
-            self.seconds += time.perf_counter() - start
-            self.choices[shape] = choice
-        if choice.algo is None:
-            return self.aten(x, weight, bias, gelu)
-        return self.descriptor(weight, bias, rows, gelu).run(choice.algo, x, weight, x.new_empty(rows, n))
+            return self.descriptor(weight, bias, rows, gelu).run(choice.algo, x, weight, x.new_empty(rows, n))
 
     @staticmethod
     def aten(x, weight, bias, gelu: bool) -> torch.Tensor:
@@ -443,12 +480,12 @@ class MeasuredProducts:
 
     def recall(self, x, weight, bias, gelu: bool) -> Choice | None:
         """The cached choice for this shape, if there is one, cuBLASLt still accepts its algorithm and it is still as
-        accurate as ATen's call."""
+        accurate as ATen's call. Whatever fails in checking it (the entry, cuBLASLt, the run) is logged: a miss."""
         label = self.label(x, weight, gelu)
-        entry = self.cache.get(label)
-        if entry is None:
-            return None
         try:
+            entry = self.cache.get(label)
+            if entry is None:
+                return None
             aten_us, chosen_us = float(entry["aten_us"]), float(entry["chosen_us"])
             if entry["algo"] is None:
                 return Choice(None, None, aten_us, chosen_us, recalled=True)
@@ -461,7 +498,7 @@ class MeasuredProducts:
                 if relative_error(descriptor.run(algo, x, weight, x.new_empty(exact.shape)), exact) <= bound:
                     return Choice(algo, describe_algo(self.lib, algo), aten_us, chosen_us, recalled=True)
                 reason = "its algorithm is less accurate than ATen's call"
-        except (KeyError, TypeError, ValueError) as exc:
+        except Exception as exc:  # a choice that cannot be checked is measured again
             reason = f"{type(exc).__name__}: {exc}"
         log.info("the cached choice for %s does not hold (%s); measuring again", label, reason)
         return None
@@ -469,7 +506,8 @@ class MeasuredProducts:
     def measure(self, x, weight, bias, gelu: bool) -> Choice:
         """Rank the heuristic's candidates and the other configurations as accurate as ATen's call (``RANKING``), then
         time the ``SHORTLIST`` fastest and ATen's call interleaved; keep the fastest (see ``MARGIN``). A failure of the
-        measurement leaves the shape on ATen's call, logged and not cached."""
+        measurement, or a shape none of whose configurations ran, leaves the shape on ATen's call, logged and not
+        cached. Runs on the chooser's device (``product``)."""
         label, clock = self.label(x, weight, gelu), PhaseClock(self.phases)
         try:
             descriptor = self.descriptor(weight, bias, x.shape[0], gelu)
@@ -478,16 +516,18 @@ class MeasuredProducts:
             clock.lap("configurations")
             exact, bound = self.accuracy(x, weight, bias, gelu)
             scratch = x.new_empty(exact.shape)
-            accurate = [a for a, error in self.errors(descriptor, algos, x, weight, exact, scratch) if error <= bound]
+            ran = self.errors(descriptor, algos, x, weight, exact, scratch)
+            if not ran:  # nothing to compare ATen's call with: no choice for the cache
+                raise RuntimeError(f"none of the {len(algos)} configurations cuBLASLt offered ran")
+            accurate = [a for a, error in ran if error <= bound]
             clock.lap("errors")
             ranked = accurate
-            with torch.cuda.device(self.device):
-                for round_, (round_calls, passes, keep) in enumerate(RANKING):
-                    ranked = self.sweep(descriptor, ranked, x, weight, scratch, round_calls, passes)[:keep]
-                    clock.lap("screen" if round_ else "sweep")
+            for round_, (round_calls, passes, keep) in enumerate(RANKING):
+                ranked = self.sweep(descriptor, ranked, x, weight, scratch, round_calls, passes)[:keep]
+                clock.lap("screen" if round_ else "sweep")
             calls = {"aten": functools.partial(self.aten, x, weight, bias, gelu)}
             calls |= {i: functools.partial(descriptor.run, a, x, weight, scratch) for i, a in enumerate(ranked)}
-            graphs = {key: graphed_calls(fn, CALLS) for key, fn in calls.items()}
+            graphs = graphed_as_captured(calls)
             timed = measure_interleaved({key: graph.replay for key, graph in graphs.items()}, self.device,
                                         warmup=3, samples=10)
             del graphs
