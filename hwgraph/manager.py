@@ -77,7 +77,9 @@ class ManagerStats:
     padding_tokens: int = 0  # budget tokens replayed that held no image
     replays_per_budget: dict = field(default_factory=dict)
     replays_per_slots: dict = field(default_factory=dict)  # slot count of the graph replayed -> replays
-    capture_bytes_per_budget: dict = field(default_factory=dict)
+    capture_bytes_per_budget: dict = field(default_factory=dict)  # device memory the capture kept; the first
+    # captures on a device also hold what the shared capture stream keeps for the process (34 MiB on the H200, in
+    # the first 64-token budget: presumably cuBLAS's per-stream workspace)
     capture_seconds_per_budget: dict = field(default_factory=dict)  # compiling and measuring products included
     compile_seconds_per_budget: dict = field(default_factory=dict)  # compiled captures: the first compiled forward,
     # less the product chooser's measuring in it

@@ -84,6 +84,10 @@ def test_bf16_replay_equals_eager_for_every_kernel(tower, kernel, compiled):
 
 
 def test_graph_memory_per_budget_counts_the_graphs_not_the_capture_check(tower):
+    # The first captures on the device's shared capture stream also make what it keeps for the process (34 MiB,
+    # counted in the first manager's 64-token budget): make it before comparing two managers.
+    with EncoderGraphManager(tower, budgets=[64, 256], max_images_per_graph=4, attention="auto") as first:
+        first.capture()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     found = {}
