@@ -50,7 +50,8 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
     buffer copies (``_run_budget_graph``), DP sharding and hit/miss counting (images) are upstream's.
 
     For a model with an hwgraph tower (``model.tower``, e.g. ``Qwen3OmniEncoderCudaGraphAdapter``), as
-    ``hwgraph.EncoderGraphManager`` does: nothing is captured when the tower's attention kernel is not graph-safe
+    ``hwgraph.EncoderGraphManager`` does: the tower's automatic kernel choice takes graph-safe kernels only (an
+    explicit kernel is kept); nothing is captured when the tower's attention kernel is not graph-safe
     (``capture_refusal``; every group runs eagerly), and a replay after the tower's weights moved since capture
     (``tower.to``, another dtype or device) raises ``RuntimeError`` instead of reading freed memory.
     """
@@ -65,6 +66,9 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
         self.backend = create_backend(graph_backend, device=device, platform=platform_for(device))
         self.capture_failures: dict[int, str] = {}  # budget -> why the last capture() left it eager
         self._captured_tower: tuple | None = None  # (weights_key, dtype, device) of the tower at capture
+        tower = self._tower()
+        if tower is not None:  # as EncoderGraphManager: automatic choice among graph-safe kernels (on NPU, SDPA)
+            tower.set_attention(platform=platform_for(device), graph_safe=True)
         self.reset_stats()
 
     def reset_stats(self) -> None:

@@ -479,6 +479,18 @@ def test_a_kernel_that_is_not_graph_safe_is_never_captured(monkeypatch):
     assert m.get_cumulative_stats()["eager_reasons"] == {"capture failed": 1}
 
 
+def test_the_manager_asks_the_tower_for_graph_safe_kernels_when_it_chooses_automatically(monkeypatch):
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
+    asked = []
+    real = tower.set_attention
+    monkeypatch.setattr(tower, "set_attention", lambda *args, **kwargs: asked.append(kwargs) or real(*args, **kwargs))
+    hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32,
+                                           hv.Qwen3OmniEncoderCudaGraphAdapter(tower), graph_backend="cpu")
+    assert [kwargs.get("graph_safe") for kwargs in asked] == [True]
+    assert tower.attention_spec.graph_safe
+
+
 def test_manager_refuses_multi_path_encoders(tower):
     class TwoPaths(hv.Qwen3OmniEncoderCudaGraphAdapter):
         def get_encoder_cudagraph_config(self):
