@@ -12,6 +12,7 @@ conditions; speedups are ratios of those medians. A group
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
@@ -155,8 +156,12 @@ def reference_calls(tower, groups, inputs) -> dict:
     from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
 
     encoder = reference_encoder(tower, attn_implementation="sdpa")
-    return {group.label: (lambda p=inputs[group.label][0], g=inputs[group.label][1]: run_reference(encoder, p, g))
-            for group in groups}
+
+    def call(pixels, grid):
+        with torch.inference_mode():  # as hwgraph's eager calls run: no grad-mode bookkeeping in either
+            return run_reference(encoder, pixels, grid)
+
+    return {group.label: functools.partial(call, *inputs[group.label]) for group in groups}
 
 
 def warm_device(device: torch.device, seconds: float = 2.0) -> None:

@@ -21,7 +21,7 @@ from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend
 from hwgraph.hostmem import pinned_copy
 from hwgraph.platform import platform_for
 from hwgraph.registry import create_backend
-from hwgraph.timing import median_ms
+from hwgraph.timing import measure_interleaved
 
 log = logging.getLogger(__name__)
 
@@ -439,9 +439,12 @@ class EncoderGraphManager:
         entry.filled_grid = grid
 
     # ---------------------------------------------------------------- calibration
-    def time_ms(self, fn, warmup: int = 3, samples: int = 10) -> float:
-        """Median milliseconds of ``fn`` on this backend (device events on accelerators, wall clock on CPU)."""
-        return median_ms(fn, self.device, warmup=warmup, samples=samples)
+    def time_ms(self, fns: dict, warmup: int = 3, samples: int = 10) -> dict[str, float]:
+        """Median milliseconds of each of ``fns`` on this backend (device events on accelerators, wall clock on CPU),
+        sampled side by side in shuffled rounds (``measure_interleaved``), so that neither is favoured by when it
+        ran."""
+        return {name: lat.median for name, lat in
+                measure_interleaved(fns, self.device, warmup=warmup, samples=samples).items()}
 
     def calibrate(self, warmup: int = 3, samples: int = 10) -> dict:
         """Time each captured budget's replay against eager here; the cap becomes the largest budget whose replay
@@ -462,8 +465,8 @@ class EncoderGraphManager:
                 self._fill(entry, pixels, host)
                 entry.graph_for(host.num_seqs)[1].replay()
 
-            eager_ms = self.time_ms(eager, warmup, samples)
-            replay_ms = self.time_ms(replay, warmup, samples)
+            timed = self.time_ms({"eager": eager, "replay": replay}, warmup, samples)
+            eager_ms, replay_ms = timed["eager"], timed["replay"]
             findings[budget] = {"eager_ms": eager_ms, "replay_ms": replay_ms}
         cap = max((b for b, f in findings.items() if f["replay_ms"] < f["eager_ms"]), default=None)
         for budget, f in findings.items():

@@ -1,4 +1,5 @@
-"""Summed device kernel time of one call, from ``torch.profiler``: the floor a replay is compared against.
+"""Device kernel time of one call, from ``torch.profiler``: the floor a replay is compared against. Kernels that
+overlap (the DeepStack mergers on their own stream) count once: the time in which any ran.
 
 The manager issue asks for every replay within 1.3x of the tower's summed kernel time and the tower issue for the
 eager tower at 1024 tokens within 1.2x of it; both ratios come out of ``hwgraph bench --profile``.
@@ -23,7 +24,8 @@ DEVICE_EVENT_TYPES = (DeviceType.CUDA, DeviceType.PrivateUse1, DeviceType.XPU)  
 
 @dataclass(frozen=True)
 class KernelTime:
-    """``ms``: summed duration of the device activities (kernels, copies, memsets) of one call.
+    """``ms``: the time in which any device activity (kernels, copies, memsets) of one call ran, overlaps counted
+    once (``busy_us``).
 
     On CPU there are no device kernels; ``ms`` is then the summed self time of the CPU operators and ``source``
     says so.
@@ -66,7 +68,18 @@ def kernel_time(fn: Callable[[], object], device, warmup: int = 1) -> KernelTime
     kernels = [e for e in events if e.device_type in DEVICE_EVENT_TYPES]
     if not kernels:
         return KernelTime(None, 0, "unavailable: the profiler recorded no device activity")
-    return KernelTime(sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels), "device kernels")
+    return KernelTime(busy_us(kernels) / 1e3, len(kernels), "device kernels")
+
+
+def busy_us(events) -> float:
+    """Microseconds in which at least one of ``events`` ran: the union of their time ranges, so that kernels on two
+    streams at once count once (a plain sum of durations would exceed the call's device time)."""
+    total, covered_to = 0.0, float("-inf")
+    for start, end in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if end > covered_to:
+            total += end - max(start, covered_to)
+            covered_to = end
+    return total
 
 
 def replay_activities(graph) -> list:

@@ -61,12 +61,14 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.devi
 
 
 def one_sample(fn: Callable[[], object], device: torch.device) -> float:
-    """Milliseconds of one synchronised call: device events on CUDA and ROCm, wall clock elsewhere."""
+    """Milliseconds of one synchronised call: device events on CUDA and ROCm, wall clock elsewhere. The events go
+    on ``device``'s current stream, which ``fn``'s work joins, whichever device the caller has current."""
     if device.type == "cuda":  # CUDA and ROCm builds both answer here
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
+        with torch.cuda.device(device):
+            start.record()
+            fn()
+            end.record()
         end.synchronize()
         return start.elapsed_time(end)
     start = time.perf_counter()
@@ -110,7 +112,7 @@ def synchronize(device: torch.device) -> None:
     """Wait for ``device``'s queued work (no-op on CPU); wall-clock timing needs it off CUDA (NPU, ...)."""
     sync = getattr(getattr(torch, device.type, None), "synchronize", None)
     if device.type != "cpu" and callable(sync):
-        sync()
+        sync(device)
 
 
 def median_ms(fn: Callable[[], object], device, warmup: int = 3, samples: int = 10) -> float:

@@ -211,3 +211,17 @@ def test_bench_samples_every_kernel_in_the_same_rounds(monkeypatch):
     for kernel in ("TORCH_SDPA", "SDPA_TWIN"):  # each manager ran its own kernel on the shared weights
         stats = result["per_kernel"][kernel]["stats"]
         assert stats["attention"] == kernel and stats["hits"] == 3 and stats["misses"] == 0
+
+
+def test_busy_time_counts_kernels_that_overlap_on_two_streams_once():
+    from types import SimpleNamespace
+
+    from hwgraph.profiling import busy_us
+
+    def kernel(start, end):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end))
+
+    # blocks on one stream, a DeepStack merger on another overlapping two of them, then a gap and one more kernel
+    events = [kernel(0, 10), kernel(10, 20), kernel(5, 15), kernel(30, 35), kernel(31, 33)]
+    assert busy_us(events) == 25.0
+    assert busy_us([]) == 0.0

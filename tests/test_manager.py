@@ -245,7 +245,7 @@ def test_calibration_keeps_every_budget_up_to_the_largest_whose_replay_wins(towe
                             attention="TORCH_SDPA")
     m.capture()
     times = iter(timings)
-    monkeypatch.setattr(m, "time_ms", lambda fn, warmup=3, samples=10: next(times))
+    monkeypatch.setattr(m, "time_ms", lambda fns, warmup=3, samples=10: {name: next(times) for name in fns})
     found = m.calibrate()
     assert {b: f["kept"] for b, f in found.items()} == {b: b in kept for b in BUDGETS}
     assert sorted(m.graphs) == m.budgets == kept
