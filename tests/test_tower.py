@@ -456,3 +456,57 @@ def test_deepstack_mergers_run_in_line_off_cuda_and_when_overlap_is_off():
     assert tower.merge_stream(torch.device("cuda", 0), OVERLAP_MAX_ROWS + 4) is None
     tower.overlap_deepstack = False
     assert tower.merge_stream(torch.device("cuda", 0), 196) is None
+
+
+def test_a_float64_tower_equals_its_float64_reference_to_float64_precision():
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention=masked_attention).double().eval()
+    with torch.no_grad():  # weights that float32 cannot hold (a float32 init cast up could)
+        for p in tower.parameters():
+            p.add_(torch.rand_like(p) * 1e-6)
+    reference = reference_encoder(tower)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), tower.parameters(), strict=True))
+    grid = [(3, 6, 10), (1, 2, 2)]
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        assert_same_output(tower(pixels, grid), run_reference(reference, pixels, grid),
+                           rtol=1e-12, atol=1e-12)
+
+
+def test_float64_activations_take_the_exact_fallbacks_not_the_float32_kernels(monkeypatch):
+    from hwgraph.models.qwen3_omni import fused
+
+    monkeypatch.setattr(fused, "use_triton", lambda t: True)  # as on a GPU, or under the Triton interpreter
+    called = []
+    monkeypatch.setattr(fused, "add_layer_norm_reference", lambda *a: called.append("add_layer_norm") or (a[0], a[0]))
+    monkeypatch.setattr(fused, "add_position_embedding_reference", lambda *a: called.append("position") or a[0])
+    x = torch.randn(4, 8, dtype=torch.float64)
+    fused.add_layer_norm(x, x.clone(), torch.nn.LayerNorm(8).double())
+    table, indices = torch.randn(16, 8, dtype=torch.float64), torch.zeros(4, 4, dtype=torch.int64)
+    fused.add_position_embedding(x, table, indices, torch.zeros(4, 4))
+    assert called == ["add_layer_norm", "position"]
+
+
+def test_a_config_of_another_model_is_refused_naming_its_model_type():
+    from hwgraph.models.qwen3_omni.config import vision_config_from_dict
+
+    other = {"model_type": "qwen2_5_omni", "thinker_config": {"vision_config": {
+        "model_type": "qwen2_5_omni_vision_encoder", "depth": 2, "num_heads": 2}}}
+    with pytest.raises(ValueError, match=r"vision config of model_type 'qwen2_5_omni_vision_encoder': this tower is "
+                                         r"Qwen3-Omni's \('qwen3_omni_moe_vision_encoder'\)"):
+        vision_config_from_dict(other)
+
+
+def test_from_pretrained_takes_dtype_names_and_refuses_mixed_dtypes(tmp_path, source):
+    tower, state, vision = source
+    folder = write_checkpoint(tmp_path / "ckpt", state, vision)
+    assert Qwen3OmniVisionTower.from_pretrained(folder, dtype="bfloat16", attention=masked_attention).dtype \
+        == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        Qwen3OmniVisionTower.from_pretrained(folder, dtype="int8")
+    mixed = dict(state, **{"pos_embed.weight": state["pos_embed.weight"].to(torch.bfloat16)})
+    with pytest.raises(CheckpointError, match=r"mixes dtypes bfloat16, float32 .* pass dtype= to load them in one"):
+        Qwen3OmniVisionTower.from_pretrained(write_checkpoint(tmp_path / "mixed", mixed, vision))
+    loaded = Qwen3OmniVisionTower.from_pretrained(write_checkpoint(tmp_path / "cast", mixed, vision),
+                                                  dtype=torch.float32, attention=masked_attention)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeVisionEncoderConfig
 
 VisionConfig = Qwen3OmniMoeVisionEncoderConfig
+VISION_MODEL_TYPE = VisionConfig.model_type  # "qwen3_omni_moe_vision_encoder"
 
 PRESETS: dict[str, dict] = {
     # The image tower of Qwen/Qwen3-Omni-30B-A3B-{Instruct,Thinking,Captioner}.
@@ -49,6 +50,10 @@ def vision_config_from_dict(data: Mapping) -> VisionConfig:
         raise ValueError(f"config of model_type {data.get('model_type')!r} holds no vision config: expected "
                          f"'thinker_config.vision_config', 'vision_config' or vision fields such as 'depth'; "
                          f"keys: {sorted(data)}")
+    model_type = data.get("model_type")
+    if model_type is not None and model_type != VISION_MODEL_TYPE:
+        raise ValueError(f"vision config of model_type {model_type!r}: this tower is Qwen3-Omni's "
+                         f"({VISION_MODEL_TYPE!r}); another model's encoder differs in more than its fields")
     return VisionConfig.from_dict(data)
 
 

@@ -36,6 +36,9 @@ FUSED_ENV = "HWGRAPH_FUSED"
 # Looked up once (finds the package without importing it); a plain constant also keeps torch.compile from tracing
 # a cached function call on every forward.
 TRITON_FOUND = importlib.util.find_spec("triton") is not None
+# What the add + LayerNorm and position-embedding kernels compute in (float32 inside); float64 takes the exact
+# fallbacks instead of being rounded to float32.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -143,8 +146,9 @@ def _(x, delta, weight, bias, eps):
 
 def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + delta, norm(x + delta))`` for ``[rows, N]`` activations, in one kernel on GPUs."""
-    fusable = (use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and delta.stride(-1) == 1
-               and delta.shape == x.shape and norm.weight is not None and norm.bias is not None)
+    fusable = (use_triton(x) and x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.stride(-1) == 1
+               and delta.stride(-1) == 1 and delta.shape == x.shape and norm.weight is not None
+               and norm.bias is not None)
     if not fusable:
         return add_layer_norm_reference(x, delta, norm)
     args = (x, delta, norm.weight, norm.bias, float(norm.eps))
@@ -192,7 +196,8 @@ def _(x, table, indices, weights):
 def add_position_embedding(x: torch.Tensor, table: torch.Tensor, indices: torch.Tensor,
                            weights: torch.Tensor) -> torch.Tensor:
     """``add_position_embedding_reference``, in one kernel on GPUs."""
-    fusable = (use_triton(x) and x.dim() == 2 and table.dim() == 2 and x.stride(-1) == 1 and table.stride(-1) == 1
+    fusable = (use_triton(x) and x.dtype in KERNEL_DTYPES and table.dtype in KERNEL_DTYPES and x.dim() == 2
+               and table.dim() == 2 and x.stride(-1) == 1 and table.stride(-1) == 1
                and table.shape[1] == x.shape[1] and indices.dtype == torch.int64 and weights.dtype == torch.float32
                and indices.shape == weights.shape and indices.shape[1] == x.shape[0]
                and indices.stride(-1) == 1 and weights.stride(-1) == 1)

@@ -88,6 +88,10 @@ def read_vision_tensors(folder: Path, expected: dict[str, torch.Size], device: t
     if wrong:
         raise CheckpointError(f"checkpoint {folder} has tensors of the wrong shape (is config.json the one "
                               f"of these weights?): {shorten(wrong)}")
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+    if len(dtypes) > 1:
+        raise CheckpointError(f"checkpoint {folder} mixes dtypes {', '.join(dtypes)} in the tower's tensors: pass "
+                              f"dtype= to load them in one")
     return tensors
 
 
@@ -105,6 +109,12 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attenti
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {folder} (expected a local Hugging Face checkpoint folder)")
     config = vision_config_from_dict(json.loads(config_file.read_text()))
+    if isinstance(dtype, str):
+        from hwgraph.dtypes import parse_dtype
+
+        dtype = parse_dtype(dtype)  # "bfloat16"; anything else names the accepted ones
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype or its name, got {dtype!r}")
     device = torch.device(device if device is not None else "cpu")
     with torch.device("meta"):
         tower = tower_cls(config, attention=attention)

@@ -98,7 +98,8 @@ class VisionMetadata:
         return {name: getattr(self, name) for name in TENSOR_FIELDS}
 
     def to(self, device: torch.device | str) -> VisionMetadata:
-        """A copy whose tensors are on ``device`` (asynchronous host-to-device copies; no sync)."""
+        """The metadata with its tensors on ``device`` (asynchronous host-to-device copies; no sync): a copy, or
+        this object itself when it is there already (callers do not modify it)."""
         device = torch.device(device)
         if device == self.device:
             return self

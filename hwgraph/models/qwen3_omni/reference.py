@@ -37,11 +37,12 @@ def reference_encoder(config_or_tower, dtype: torch.dtype | None = None, device=
     device = torch.device(device if device is not None else "cpu")
     with torch.device(device):
         encoder = Qwen3OmniMoeVisionEncoder(config)
-    if tower is not None:
-        encoder.load_state_dict(tower.state_dict(), strict=True)
     float32_buffers = {name: buf.detach().clone() for name, buf in encoder.named_buffers()
                        if buf.dtype == torch.float32 and name.endswith("inv_freq")}
+    # Cast first, then load: loading into float32 parameters would round a float64 tower's weights.
     encoder.to(device=device, dtype=dtype)
+    if tower is not None:
+        encoder.load_state_dict(tower.state_dict(), strict=True)
     for name, buf in float32_buffers.items():
         owner, _, leaf = name.rpartition(".")
         setattr(encoder.get_submodule(owner), leaf, buf.to(device))
