@@ -113,7 +113,3 @@ def synchronize(device: torch.device) -> None:
     sync = getattr(getattr(torch, device.type, None), "synchronize", None)
     if device.type != "cpu" and callable(sync):
         sync(device)
-
-
-def median_ms(fn: Callable[[], object], device, warmup: int = 3, samples: int = 10) -> float:
-    return measure(fn, device, warmup, samples).median
