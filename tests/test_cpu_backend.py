@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hwgraph.graphs import HostSyncError
+from hwgraph.graphs import CaptureError, HostSyncError
 from hwgraph.graphs.cpu import CpuGraphBackend
 
 
@@ -102,3 +102,33 @@ def test_graphs_share_a_pool(backend, static_input):
     one = backend.capture(lambda: static_input * 2, pool)
     two = backend.capture(lambda: static_input + 1, pool)
     assert set(pool.graphs) == {one, two}
+
+
+def test_nested_sync_guards_keep_rejecting_until_the_outermost_ends(backend):
+    tensor = torch.ones(3)
+    with backend.sync_guard():
+        with backend.sync_guard():
+            pass
+        with pytest.raises(HostSyncError):  # the inner guard ended, the outer one still holds
+            tensor.sum().item()
+    assert tensor.sum().item() == 3.0 and tensor.tolist() == [1.0, 1.0, 1.0] and bool(tensor.any())
+
+
+def test_a_mode_the_backend_does_not_have_is_refused_naming_its_modes():
+    assert CpuGraphBackend(mode="emulated").mode == CpuGraphBackend().mode == "emulated"
+    with pytest.raises(ValueError, match=r"graph backend 'cpu' has modes \['emulated'\], got mode='full'"):
+        CpuGraphBackend(mode="full")
+
+
+def test_a_replay_whose_outputs_differ_from_the_captured_ones_raises(backend):
+    # a device graph cannot change its output shapes or count: the emulation refuses instead of broadcasting
+    shape = [4]
+    graph = backend.capture(lambda: torch.ones(shape[0]))
+    shape[0] = 1
+    with pytest.raises(CaptureError, match=r"replay produced shape \(1,\), captured \(4,\)"):
+        graph.replay()
+    count = [1]
+    graph = backend.capture(lambda: tuple(torch.ones(2) for _ in range(count[0])))
+    count[0] = 2
+    with pytest.raises(CaptureError, match="different number of outputs"):
+        graph.replay()
