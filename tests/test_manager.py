@@ -133,6 +133,22 @@ def test_no_padded_row_leaks_into_outputs(tower, manager):
     assert all(d.shape == (4, tower.out_hidden_size) for d in out[0].deepstack)
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_non_finite_request_does_not_poison_later_requests_in_the_same_graph(tower, manager, poison):
+    """The static pixel buffer's rows past a smaller call keep the larger call's pixels; attention must keep them
+    out of the real rows, or one bad request turns every later, smaller one in that graph into NaN."""
+    bad = [(1, 8, 8)]  # 16 tokens: fills the 16-token graph
+    pixels = pixels_for(tower, bad, 50)
+    pixels[-3:, :5] = poison
+    manager.encode(pixels, bad)
+    for i, grid in enumerate([[(1, 4, 4)], [(1, 4, 8), (1, 2, 4)]]):  # 4 and 10 tokens: the same graph
+        pixels = pixels_for(tower, grid, 51 + i)
+        got = manager.encode(pixels, grid)
+        assert all(torch.isfinite(o.embeds).all() for o in got)
+        assert_outputs_equal(got, eager_per_image(tower, pixels, grid))
+    assert manager.stats()["replays_per_budget"] == {16: 3}
+
+
 def test_encode_reads_nothing_back_from_the_device(tower, manager):
     grid = [(1, 8, 8), (1, 4, 4)]
     pixels = pixels_for(tower, grid, 40)

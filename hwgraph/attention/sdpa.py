@@ -38,9 +38,17 @@ def block_diagonal_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
 def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                 scale: float) -> torch.Tensor:
     """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out; padding rows attend among themselves
-    (the public function zeroes them)."""
+    (the public function zeroes them).
+
+    A masked key still enters the product: its score is pushed to minus infinity and its softmax weight is 0, but
+    0 times a NaN or infinite value is NaN. So k and v are zeroed in the padding rows first, as every other kernel
+    never reads them: a graph's padding rows hold whatever an earlier, larger call left there, and one non-finite
+    pixel there must not reach the real rows of a later call.
+    """
     tokens = q.shape[0]
     mask = block_diagonal_mask(cu_seqlens, tokens)
+    real = (torch.arange(tokens, device=q.device) < cu_seqlens[-1])[:, None, None]  # on the device: no host read
+    k, v = torch.where(real, k, 0), torch.where(real, v, 0)
     # [T, H, D] -> [1, H, T, D]: the packed batch is one SDPA "batch" whose mask keeps sequences apart.
     attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                           v.transpose(0, 1)[None], attn_mask=mask, scale=scale)

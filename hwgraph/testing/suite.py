@@ -182,6 +182,19 @@ class TestBudgetChanges(ConformanceSuite):
         for seed in (410, 411, 412):
             self.encode_and_check(manager, tower, grid, seed=seed, what=f"seed {seed}")
 
+    def test_a_non_finite_request_leaves_later_requests_in_its_graph_unharmed(self, manager, tower):
+        """Rows past a smaller call keep the larger call's pixels in the graph's buffer: the attention kernel must
+        never multiply them into real rows (a masked key's weight is 0, and 0 times NaN is NaN)."""
+        large = max(self.budgets)
+        grid = self.grid(tower, large)
+        pixels = pixels_for(tower, grid, 420)
+        pixels[-4 * tower.spatial_merge_size**2:] = float("nan")  # the last four tokens' patches
+        manager.encode(pixels, grid)
+        later = self.grid(tower, large // 2 + 1)
+        out = self.encode_and_check(manager, tower, later, seed=421, what="the call after a NaN request")
+        assert all(bool(torch.isfinite(o.embeds).all()) for o in out)
+        assert manager.stats()["replays_per_budget"] == {large: 2}, "both calls must replay the largest graph"
+
 
 class TestDeepStack(ConformanceSuite):
     def test_every_deepstack_slice_of_every_image_equals_eager(self, manager, tower):
