@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import types
@@ -13,7 +14,7 @@ from hwgraph_npu.graphs import NpuGraphBackend
 from hwgraph_npu.platform import gate, probe
 
 from hwgraph.graphs import CaptureError, HostSyncError
-from hwgraph.platform import detect, npu_module
+from hwgraph.platform import PlatformInfo, detect, npu_module
 from hwgraph.registry import SelectionError, choose_backend, create_backend
 from hwgraph.testing.simulate import simulate_gpu
 
@@ -381,3 +382,77 @@ def test_compiled_mode_is_declined_with_the_mode_that_compiles_on_npu(npu, monke
     reason = NpuGraphBackend(mode="aclgraph").compile_support().describe()
     assert "use npu graph mode 'torchair' to compile with it" in reason
     assert "already compiles every capture" in NpuGraphBackend(mode="torchair").compile_support().describe()
+
+
+# ---------------------------------------------------------------- gates and the NPU attention adapter's host lists
+
+
+ASCEND = PlatformInfo("npu", "Ascend910B3", "Ascend910B3", torch.__version__, "CANN", "8.3.RC1", 1)
+
+
+def test_refused_on_an_amd_or_nvidia_gpu_pointing_at_that_backend():
+    for kind, runtime in (("rocm", "HIP"), ("cuda", "CUDA")):
+        gpu = PlatformInfo(kind, f"simulated {kind}", None, torch.__version__, runtime, "1.0", 1)
+        assert gate(gpu).reasons == (
+            f"this machine's accelerator is {kind}, not an Ascend NPU: use the {kind} backend",)
+
+
+def test_refused_on_an_npu_with_a_torch_older_than_the_backend_supports():
+    assert gate(dataclasses.replace(ASCEND, torch_version="2.4.0")).reasons == (
+        "the npu graph backend needs torch >= 2.10, found 2.4.0; upgrade torch",)
+    assert gate(ASCEND).ok
+
+
+def test_npu_attention_is_refused_when_torch_npu_lacks_the_fused_kernel(monkeypatch):
+    from hwgraph_npu.attention import npu_gate
+
+    old = types.ModuleType("torch_npu")
+    old.__version__ = "2.1.0"
+    monkeypatch.setitem(sys.modules, "torch_npu", old)
+    assert npu_gate(ASCEND).reasons == (
+        "NPU attention needs torch_npu.npu_fused_infer_attention_score, which torch_npu 2.1.0 lacks",)
+    old.npu_fused_infer_attention_score = lambda *args, **kwargs: None
+    assert npu_gate(ASCEND).ok
+
+
+@pytest.fixture
+def fused_attention_calls(monkeypatch):
+    """A ``torch_npu`` whose fused kernel records the sequence ends it is given and returns garbage rows."""
+    from hwgraph_npu import attention
+
+    calls = []
+
+    def npu_fused_infer_attention_score(q, k, v, *, actual_seq_lengths, actual_seq_lengths_kv, **kwargs):
+        calls.append(list(actual_seq_lengths))
+        return torch.full_like(q, float("nan")), torch.empty(0)
+
+    fake = types.ModuleType("torch_npu")
+    fake.npu_fused_infer_attention_score = npu_fused_infer_attention_score
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(attention, "scale_keyword", lambda: "scale")
+    return calls
+
+
+def test_npu_sequence_ends_close_an_all_padding_batch_at_the_token_count(fused_attention_calls):
+    from hwgraph_npu.attention import host_cu_seqlens, npu_varlen, sequence_ends
+
+    assert sequence_ends([0, 0, 0], 5) == [5]  # the kernel needs the last end equal to the token count
+    assert sequence_ends([0, 4, 4, 9], 12) == [4, 9, 12]
+    q = torch.randn(5, 2, 64, dtype=torch.float16)
+    with host_cu_seqlens([0, 0, 0]):
+        out = npu_varlen(q, q, q, torch.zeros(3, dtype=torch.int32), 0, 0.125)
+    assert fused_attention_calls == [[5]]
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("values", [[0, 9, 20], [0, 9, 4], [1, 9, 13]],
+                         ids=["past the token count", "decreasing", "not starting at 0"])
+def test_npu_refuses_host_boundaries_that_do_not_describe_the_tokens(fused_attention_calls, values):
+    from hwgraph_npu.attention import host_cu_seqlens, npu_varlen
+
+    q = torch.randn(13, 2, 64, dtype=torch.float16)
+    cu_seqlens = torch.tensor([0, 9, 13], dtype=torch.int32)
+    with host_cu_seqlens(values), pytest.raises(ValueError, match=r"must start at 0, not decrease and end at most "
+                                                                  r"at 13 tokens"):
+        npu_varlen(q, q, q, cu_seqlens, 9, 0.125)
+    assert fused_attention_calls == []

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import sys
+import types
 
 import pytest
 import torch
@@ -124,3 +127,25 @@ def test_a_replay_that_agrees_with_eager_passes_the_check(rocm_backend):
     captured = TorchCudaCapturedGraph(SilentlyBrokenGraph(), x * 2)  # outputs already hold the right answer
     rocm_backend.check_replay(captured, lambda: x * 2)
     torch.testing.assert_close(captured.outputs, x * 2)
+
+
+def test_refused_on_a_supported_gpu_with_a_torch_older_than_the_backend_supports():
+    mi300x = PlatformInfo("rocm", "AMD Instinct MI300X", "gfx942:sramecc+:xnack-", "2.4.1+rocm6.1", "HIP", "6.1", 1)
+    assert gate(mi300x).reasons == ("the rocm graph backend needs torch >= 2.10, found 2.4.1+rocm6.1; upgrade torch",)
+    assert gate(dataclasses.replace(mi300x, torch_version="2.10.0+rocm7.0")).ok
+
+
+def test_aiter_adapter_gives_an_all_padding_batch_a_valid_grid_and_zero_rows(monkeypatch):
+    from hwgraph_rocm.attention import aiter_varlen
+
+    calls = []
+
+    def flash_attn_varlen_func(**kwargs):
+        calls.append(kwargs)
+        return torch.full_like(kwargs["q"], float("nan"))  # rows the kernel never writes
+
+    monkeypatch.setitem(sys.modules, "aiter", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+    q = torch.randn(5, 2, 72, dtype=torch.float16)
+    out = aiter_varlen(q, q, q, torch.zeros(3, dtype=torch.int32), 0, 72 ** -0.5)  # two empty sequences, 5 padding rows
+    assert (calls[0]["max_seqlen_q"], calls[0]["max_seqlen_k"]) == (1, 1)
+    assert torch.equal(out, torch.zeros_like(out))
