@@ -230,15 +230,18 @@ def install_single_replay_manager(manager_cls: type = SingleReplayEncoderCudaGra
     function that restores upstream's class. Nothing is changed unless this is called.
     """
     original = EncoderCudaGraphManager  # upstream's class, as imported above
-    patched = []
-    for name in _CONSTRUCTING_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "EncoderCudaGraphManager", None) is original:
-            module.EncoderCudaGraphManager = manager_cls
-            patched.append(module)
+    swap(original, manager_cls)
 
     def undo() -> None:
-        for module in patched:
-            module.EncoderCudaGraphManager = original
+        # Also the modules imported since: the v2 model state binds whatever the defining module held then.
+        swap(manager_cls, original)
 
     return undo
+
+
+def swap(current: type, replacement: type) -> None:
+    """In every imported module of ``_CONSTRUCTING_MODULES`` that holds ``current``, put ``replacement``."""
+    for name in _CONSTRUCTING_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "EncoderCudaGraphManager", None) is current:
+            module.EncoderCudaGraphManager = replacement

@@ -112,3 +112,20 @@ def test_install_also_rewires_vllms_v2_model_state_and_undo_restores_it(monkeypa
         undo()
     assert v2.EncoderCudaGraphManager is upstream.EncoderCudaGraphManager
     assert not issubclass(upstream.EncoderCudaGraphManager, hv.SingleReplayEncoderCudaGraphManager)
+
+
+def test_undo_also_restores_vllms_v2_model_state_imported_after_install(monkeypatch):
+    """Imported after install, the v2 model state binds the installed class from the defining module; undo must put
+    upstream's back there too, or vLLM's v2 runner keeps building the single-replay manager."""
+    name = "vllm.v1.worker.gpu.model_states.interface"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    undo = hv.install_single_replay_manager()
+    try:
+        v2 = types.ModuleType(name)
+        v2.EncoderCudaGraphManager = upstream.EncoderCudaGraphManager  # what its import binds now
+        monkeypatch.setitem(sys.modules, name, v2)
+        assert v2.EncoderCudaGraphManager is hv.SingleReplayEncoderCudaGraphManager
+    finally:
+        undo()
+    assert v2.EncoderCudaGraphManager is upstream.EncoderCudaGraphManager
+    assert not issubclass(v2.EncoderCudaGraphManager, hv.SingleReplayEncoderCudaGraphManager)
