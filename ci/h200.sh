@@ -5,7 +5,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT="${1:-all}"
-case "$WHAT" in tests|bench|compile|validate|all) ;; *) echo "usage: ci/h200.sh [tests|bench|compile|validate|all]" >&2; exit 2;; esac
+case "$WHAT" in
+  tests|bench|compile|validate|all) ;;
+  *) echo "ci/h200.sh: unknown step '$WHAT': expected tests, bench, compile, validate or all" >&2; exit 2;;
+esac
 OUTDIR="${OUT:-out}"; mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/cuda -e backends/rocm -e backends/npu \

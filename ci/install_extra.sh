@@ -5,6 +5,9 @@
 # --offline (accelerator machines): no index; torch, transformers and pytest come from the system site-packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ $# -lt 2 ] || [ $# -gt 3 ] || { [ $# = 3 ] && [ "$3" != --offline ]; }; then
+  echo "ci/install_extra.sh: expected WHEELDIR EXTRAS [--offline], got: $*" >&2; exit 2
+fi
 WHEELS="$1"; EXTRAS="$2"; OFFLINE="${3:-}"
 PIP="python -m pip --disable-pip-version-check -q"
 mkdir -p "$WHEELS"

@@ -5,6 +5,7 @@
 # since only the rocm extra was asked for).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ $# != 1 ] || [ -z "$1" ]; then echo "ci/pkg_check.sh: expected WORKDIR (emptied first), got: $*" >&2; exit 2; fi
 WORK="$1"; rm -rf "$WORK"; mkdir -p "$WORK/wheels"
 PIP="python -m pip --disable-pip-version-check -q"
 for dist in . backends/cuda backends/rocm backends/npu; do

@@ -4,7 +4,11 @@
 # another accelerator are skipped with the reason; vllm tests run only in the vllm mode (their own venv).
 set -euo pipefail
 ACCEL="${1:-cpu}"
-case "$ACCEL" in cpu|cuda|rocm|npu|vllm) ;; *) echo "usage: ci/test.sh [cpu|cuda|rocm|npu|vllm]" >&2; exit 2;; esac
+case "$ACCEL" in
+  cpu|cuda|rocm|npu|vllm) ;;
+  *) echo "ci/test.sh: unknown accelerator '$ACCEL': expected cpu, cuda, rocm, npu or vllm" \
+       "(usage: ci/test.sh [cpu|cuda|rocm|npu|vllm] [pytest args])" >&2; exit 2;;
+esac
 [ $# -gt 0 ] && shift
 cd "$(dirname "$0")/.."
 if [ "$ACCEL" = vllm ]; then

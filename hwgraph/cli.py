@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -78,7 +79,7 @@ INFO_EPILOG = ("Exit status 0 when a graph backend is selected; 1 when none can 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hwgraph", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hwgraph", description="The hwgraph command line: info, bench, validate.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at info level")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="the platform, graph backends and attention kernels, with reasons",
@@ -102,7 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # the reader went away (``hwgraph info --json | head``): stop quietly, as a tool killed
+        # by SIGPIPE would; stdout goes to /dev/null so that flushing it at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
+
+
+BROKEN_PIPE = 128 + 13  # the status a shell reports for a command killed by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ before anything runs, for a bad argument, a missing pytest or a graph backend th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -53,15 +54,34 @@ def check_arguments(args) -> None:
 
 def choose_backend_name(name: str | None) -> tuple[str, str]:
     """(backend to validate, why): ``name`` as given, so that the report says why it is unavailable here, else the
-    one hwgraph chooses (``$HWGRAPH_GRAPH_BACKEND`` included). ``SelectionError`` for a name no installed package
-    brings, and for an unusable ``$HWGRAPH_GRAPH_BACKEND``."""
-    from hwgraph.registry import choose_backend, spec_named
+    one hwgraph chooses (``$HWGRAPH_GRAPH_BACKEND`` included). ``SelectionError`` naming the option or variable for
+    a name no installed package brings, and for an unusable ``$HWGRAPH_GRAPH_BACKEND``."""
+    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend, spec_named
 
     if name:
-        spec_named(name)  # a typo is not worth a report: the error lists the known backends
+        try:
+            spec_named(name)  # a typo is not worth a report: the error lists the known backends
+        except SelectionError as exc:
+            raise SelectionError(f"--backend: {exc}") from None
         return name, "explicit (--backend)"
-    selected = choose_backend()
+    try:
+        selected = choose_backend()  # an automatic choice never raises: only a forced one can
+    except SelectionError as exc:
+        raise SelectionError(f"${GRAPH_BACKEND_ENV}: {exc}") from None
     return selected.spec.name, selected.reason
+
+
+def bench_refusal(backend: str, device: torch.device) -> str | None:
+    """Why the benchmark cannot run ``backend`` on ``device`` (it is unavailable here), or None. The report says so
+    instead of building a tower only to have the manager refuse the backend."""
+    from hwgraph.platform import platform_for
+    from hwgraph.registry import SelectionError, choose_backend
+
+    try:
+        choose_backend(backend, platform_for(device))
+    except SelectionError as exc:
+        return str(exc)
+    return None
 
 
 def device_for_backend(name: str) -> torch.device:
@@ -142,12 +162,19 @@ def cmd_validate(args) -> int:
     ok, summary = verdict(conformance)
     bench, bench_error = None, None
     if not args.no_bench:
+        bench_error = bench_refusal(backend, device)
+    if not args.no_bench and bench_error is None:
         try:
             bench = run_benchmark(args, backend, device, Progress)
+        except SelectionError as exc:  # a requested kernel unavailable here: the report and stdout say why
+            bench_error = str(exc)
         except Exception as exc:  # the report still says what conformance found, and why no latency table
             log.exception("benchmark failed")
             bench_error = f"{type(exc).__name__}: {exc}"
     plot_note = latency_plot(bench, out / "latency.png") if bench else (bench_error or "benchmark skipped")
+    if plot_note is not None:  # an earlier run's plot must not sit beside a report that says none was drawn
+        with contextlib.suppress(OSError):
+            (out / "latency.png").unlink(missing_ok=True)
     report = {"verdict": summary, "ok": ok, "backend": backend, "backend_reason": why, "preset": args.preset,
               "attention": args.attention, "environment": environment(), "info": info_data(),
               "conformance": conformance, "bench": bench, "bench_error": bench_error,

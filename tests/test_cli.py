@@ -111,7 +111,7 @@ def test_bench_accepts_good_options_and_creates_the_json_folder(tmp_path):
     (["--dtype", "int8"], ["--dtype", "'int8'", "float32, bfloat16, float16"]),
     (["--preset", "huge"], ["--preset", "'huge'", "tiny"]),
     (["--attention", "SDPA"], ["--attention", "'SDPA'", "TORCH_SDPA"]),
-    (["--backend", "bogus"], ["unknown graph backend 'bogus'", "known: cpu"]),
+    (["--backend", "bogus"], ["--backend: unknown graph backend 'bogus'", "known: cpu"]),
 ])
 def test_validate_refuses_a_bad_option_before_anything_runs(argv, expected, tmp_path, capsys):
     report = tmp_path / "report"
@@ -124,7 +124,7 @@ def test_validate_refuses_a_bad_option_before_anything_runs(argv, expected, tmp_
 def test_validate_says_why_no_backend_can_be_chosen(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(GRAPH_BACKEND_ENV, "bogus")
     err = refused(["validate", "--report", str(tmp_path / "report")], capsys)
-    assert "unknown graph backend 'bogus'" in err
+    assert f"${GRAPH_BACKEND_ENV}: unknown graph backend 'bogus'" in err  # not --backend: the variable chose it
 
 
 def test_validate_refuses_a_report_folder_it_cannot_create(tmp_path, capsys):
@@ -178,3 +178,18 @@ def test_bench_parses_its_options_without_pytest_and_validate_says_to_install_it
     assert data["err"] == ("hwgraph validate: the conformance suite needs pytest, which is not installed: "
                            "pip install 'hwgraph[test]'\n")
     assert not (tmp_path / "report").exists()
+
+
+def test_help_is_plain_text():
+    assert "``" not in cli.build_parser().format_help()
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """``hwgraph info --json | head -1``: the closed pipe ends the command with SIGPIPE's status, no traceback."""
+    env = {k: v for k, v in os.environ.items() if k != GRAPH_BACKEND_ENV}
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read(); from hwgraph import cli; "
+                                                    "sys.exit(cli.main(['info', '--json']))"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    child.stdout.close()  # the reader is gone before the command writes
+    _, err = child.communicate(b"", timeout=300)
+    assert child.returncode == cli.BROKEN_PIPE and b"Traceback" not in err and b"Exception ignored" not in err, err

@@ -76,6 +76,28 @@ def test_validate_fails_a_backend_whose_replays_go_stale_naming_the_checks(tmp_p
     assert "**FAIL" in md and f"`{check}-full]`" in md and "latency.png not written" in md
 
 
+@pytest.mark.parametrize("argv, reason", [
+    pytest.param(["--backend", "cuda"], "graph backend 'cuda' is unavailable: ", marks=pytest.mark.cpu_machine),
+    (["--backend", "cpu", "--attention", "FLASH_ATTN"], "attention kernel FLASH_ATTN is unavailable: "),
+], ids=["unavailable backend", "unavailable kernel"])
+def test_a_benchmark_that_cannot_run_here_is_explained_without_a_traceback(tmp_path, argv, reason):
+    from hwgraph.attention.registry import kernel_specs
+
+    if "FLASH_ATTN" in argv and "FLASH_ATTN" not in {k.name for k in kernel_specs()}:
+        pytest.skip("FLASH_ATTN comes with hwgraph-backend-cuda, which is not installed")
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "latency.png").write_bytes(b"an earlier run's plot")
+    result = run_validate(["--report", str(out), *argv, *FAST])
+    assert result.returncode == 1, result.stdout + result.stderr  # nothing validated: no check ran
+    assert not (out / "latency.png").exists()  # the report says none was drawn
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"latency.png not written: {reason}" in result.stdout
+    md = (out / "report.md").read_text()
+    assert f"No benchmark: {reason}" in md
+    assert json.loads((out / "report.json").read_text())["bench_error"].startswith(reason)
+
+
 def test_the_verdict_fails_when_no_check_ran():
     conformance = {"exit_code": 0, "counts": {"passed": 0, "failed": 0, "error": 0, "skipped": 2},
                    "results": [{"check": "x", "outcome": "skipped", "message": "graph backend 'cuda' is unavailable"}]}
