@@ -62,7 +62,10 @@ def parse_groups(spec: str) -> list[Group]:
         count, sep, tokens = item.lower().partition("x")
         if not sep or not count.isdigit() or not tokens.isdigit() or int(count) < 1 or int(tokens) < 1:
             raise ValueError(f"bad group {item!r} in {spec!r}: expected COUNTxTOKENS with positive ints, e.g. 2x49")
-        groups.append(Group(int(count), int(tokens)))
+        group = Group(int(count), int(tokens))
+        if group in groups:
+            raise ValueError(f"group {group.label} repeats in {spec!r}: each group is one row of the table")
+        groups.append(group)
     if not groups:
         raise ValueError(f"no groups in {spec!r}")
     return groups
@@ -377,10 +380,23 @@ def parse_device(spec: str) -> torch.device:
     if spec.partition(":")[0] == "npu":
         npu_module()  # importing torch_npu is what registers the device type "npu" with torch
     try:
-        return torch.device(spec)
+        device = torch.device(spec)
     except (RuntimeError, ValueError) as exc:
         raise ValueError(f"--device {spec!r} is not a torch device: expected e.g. cpu, cuda, cuda:1 or npu:0 "
                          f"({exc})") from None
+    if device.type == "cpu":
+        return device
+    runtime = getattr(torch, device.type, None)
+    if device.type == "meta" or runtime is None or not callable(getattr(runtime, "is_available", None)):
+        raise ValueError(f"--device {spec!r} cannot run a bench: expected an accelerator device (cuda, npu, ...) "
+                         f"or cpu")
+    if not runtime.is_available():
+        raise ValueError(f"--device {spec!r}: this torch ({torch.__version__}) sees no {device.type} device")
+    count = runtime.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device {spec!r}: this machine has {count} {device.type} device(s), "
+                         f"indices 0..{count - 1}")
+    return device
 
 
 def parsed(option: str, parse, value):
@@ -442,6 +458,8 @@ def config_from_args(args) -> BenchConfig:
     at_least("--samples", args.samples, 1)
     for budget in args.budgets or ():
         at_least("--budgets", budget, 1)
+    if args.budgets:  # repeats
+        parsed("--budgets", lambda values: budget_rules.validate_budgets(values, 1), args.budgets)
     device = parse_device(args.device) if args.device is not None else default_device()
     on_cpu = device.type == "cpu"
     preset = args.preset if args.preset is not None else (CPU_PRESET if on_cpu else ACCELERATOR_PRESET)

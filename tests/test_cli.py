@@ -60,6 +60,9 @@ def test_any_other_dtype_is_refused_naming_it_and_the_accepted_names(name):
     (["--backend", "cudagraph"], ["--backend", "'cudagraph'", "known: cpu"]),
     (["--budgets", "64", "0"], ["--budgets 0 is out of range: expected an integer >= 1"]),
     (["--budgets", "-64"], ["--budgets -64", ">= 1"]),
+    (["--budgets", "64", "128", "64"], ["--budgets: budgets must not repeat, got duplicates [64]"]),
+    (["--groups", "1x49,2x8,1X49"], ["--groups", "group 1x49 repeats in '1x49,2x8,1X49'"]),
+    (["--device", "meta"], ["--device 'meta' cannot run a bench", "cpu"]),
     (["--samples", "0"], ["--samples 0 is out of range: expected an integer >= 1"]),
     (["--warmup", "-1"], ["--warmup -1 is out of range: expected an integer >= 0"]),
     (["--groups", "1x"], ["--groups", "bad group '1x'", "COUNTxTOKENS"]),
@@ -82,6 +85,20 @@ def test_bench_refuses_a_forced_backend_from_the_environment_naming_the_variable
 def test_bench_refuses_an_unavailable_backend_with_its_reasons(capsys):
     err = refused(["bench", "--backend", "cuda"], capsys)
     assert "graph backend 'cuda' is unavailable: " in err and "CPU-only build" in err
+
+
+@pytest.mark.cpu_machine
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_bench_refuses_a_device_this_torch_cannot_reach(device, capsys):
+    err = refused(["bench", "--device", device], capsys)
+    assert f"--device '{device}': this torch ({torch.__version__}) sees no cuda device" in err
+
+
+def test_bench_refuses_a_device_index_past_the_machines_devices(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    err = refused(["bench", "--device", "cuda:2"], capsys)
+    assert "--device 'cuda:2': this machine has 2 cuda device(s), indices 0..1" in err
 
 
 def test_bench_refuses_a_json_path_it_could_not_write_before_running(tmp_path, capsys):

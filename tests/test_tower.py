@@ -231,6 +231,22 @@ def test_attention_callable_and_explicit_names():
 
     with pytest.raises(SelectionError, match="unknown attention kernel 'NO_SUCH'"):
         tower.set_attention("NO_SUCH")
+    assert tower.attention_kernel == "masked_attention"  # a refused request changes nothing
+    assert tower.set_attention().spec.name == "masked_attention"
+
+
+def test_a_refused_kernel_request_does_not_stick_to_the_tower():
+    """A manager refused a kernel the platform cannot run; the next manager on the same tower, asking for nothing,
+    gets the automatic choice, not the refusal again."""
+    from hwgraph.manager import EncoderGraphManager
+    from hwgraph.registry import SelectionError
+
+    tower = Qwen3OmniVisionTower.from_preset("tiny")
+    with pytest.raises(SelectionError, match="'FLASH_ATTN' is unavailable"):
+        EncoderGraphManager(tower, graph_backend="cpu", attention="FLASH_ATTN")
+    manager = EncoderGraphManager(tower, graph_backend="cpu")
+    assert tower.attention_kernel == "TORCH_SDPA"
+    manager.close()
 
 
 def test_registry_kernel_is_chosen_for_the_towers_dtype_and_equals_the_reference():

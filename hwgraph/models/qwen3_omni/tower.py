@@ -138,22 +138,21 @@ class Qwen3OmniVisionTower(nn.Module):
         ``attention=...`` passes it here, so a later manager given None keeps it). Automatic choice uses the
         tower's dtype and head dim, on ``platform`` (default: the platform serving the tower's device), among the
         graph-safe kernels only once ``graph_safe=True`` was given (a graph manager gives it; None keeps the last
-        setting). An explicit name is honoured either way.
+        setting). An explicit name is honoured either way. A request that raises changes nothing: the tower keeps
+        its previous request and kernel.
         """
         from hwgraph.attention.registry import SelectedKernel, choose_attention
 
-        if name is not None:
-            self._attention_request = name
-        if graph_safe is not None:
-            self._attention_graph_safe = graph_safe
-        request = self._attention_request
+        request = self._attention_request if name is None else name
+        safe_only = self._attention_graph_safe if graph_safe is None else graph_safe
         if callable(request):
             spec = callable_spec(request)
-            self._attention = (spec, request)
-            return SelectedKernel(spec, request, "callable given to the tower")
-        selected = choose_attention(None if request in (None, AUTO) else request,
-                                    platform or platform_for(self.device), dtype=self.dtype, head_dim=self.head_dim,
-                                    graph_safe=self._attention_graph_safe)
+            selected = SelectedKernel(spec, request, "callable given to the tower")
+        else:
+            selected = choose_attention(None if request in (None, AUTO) else request,
+                                        platform or platform_for(self.device), dtype=self.dtype,
+                                        head_dim=self.head_dim, graph_safe=safe_only)
+        self._attention_request, self._attention_graph_safe = request, safe_only
         self._attention = (selected.spec, selected.fn)
         log.debug("tower attention %s (%s)", selected.spec.name, selected.reason)
         return selected
