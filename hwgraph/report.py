@@ -45,9 +45,26 @@ def latency_table(result: dict) -> str:
 def replay_kind(result: dict) -> tuple[str, str]:
     """What the replay column holds beside plain replay, long and short."""
     if result.get("compile"):
-        return (("compiled replay with measured products", "compiled, measured products")
-                if result.get("measure_products") else ("compiled replay", "compiled"))
+        long, short = ("compiled replay", "compiled") if compiled_anywhere(result) else \
+            ("replay (compile asked, captured uncompiled)", "uncompiled")
+        return ((f"{long} with measured products", f"{short}, measured products")
+                if result.get("measure_products") else (long, short))
     return "replay with measured products", "measured products"
+
+
+def compiled_anywhere(result: dict) -> bool:
+    """``--compile`` was asked and some kernel captured some budget after torch.compile: not where the backend
+    cannot compile (``compile_skipped``) or every compiled capture failed and was captured plain."""
+    if not result.get("compile"):
+        return False
+    for data in result["per_kernel"].values():
+        stats = data["stats"]
+        if stats.get("compile_skipped"):
+            continue
+        uncompiled = {str(b) for b in stats.get("compile_failures") or {}}
+        if any(str(b) not in uncompiled for b in stats.get("capture_seconds_per_budget") or {}):
+            return True
+    return False
 
 
 def mib(nbytes: int) -> str:
@@ -70,7 +87,7 @@ def startup_table(result: dict) -> str:
     """Seconds per budget at startup: compiling (compiled captures), the whole capture, and plain capture where it
     was captured beside; a budget that failed has none."""
     budgets = result["budgets"]
-    before = [step for step, on in (("compiling", result.get("compile")),
+    before = [step for step, on in (("compiling", compiled_anywhere(result)),
                                     ("measuring products", result.get("measure_products"))) if on]
     main = f"{', '.join(before)} and capturing" if before else "capturing"
 
@@ -157,12 +174,20 @@ def heading(result: dict) -> str:
             f"as median / p95; speedups are ratios of medians measured in this run"
             f"{interleaved_note(result)}. Budgets: "
             f"{', '.join(str(b) for b in result['budgets'])}"
-            f"{' (each captured after torch.compile)' if result.get('compile') else ''}. torch {p['torch_version']}, "
+            f"{compile_heading(result)}. torch {p['torch_version']}, "
             f"transformers "
             f"{result['environment']['packages'].get('transformers')}."
             + ("" if result.get("graph_backend_accelerates") is not False else
                f" The {result['graph_backend']} graph backend emulates replay eagerly (exact graph semantics, no "
                f"speed-up): its replay columns show the emulation's cost, not a device graph's."))
+
+
+def compile_heading(result: dict) -> str:
+    if not result.get("compile"):
+        return ""
+    if compiled_anywhere(result):
+        return " (each captured after torch.compile, except where the dispatch table says otherwise)"
+    return " (--compile was asked, but every budget was captured uncompiled: the dispatch table says why)"
 
 
 def has_plain_replay(result: dict) -> bool:

@@ -148,16 +148,36 @@ def test_startup_table_gives_compile_capture_and_plain_seconds_per_budget():
 def test_a_bench_with_measured_products_names_its_replay_and_what_chose_the_products():
     from hwgraph.report import products_lines, replay_kind
 
-    def result(compile, measure_products):
+    def result(compile, measure_products, **compile_stats):
+        captured = {"capture_seconds_per_budget": {"64": 1.0}, **compile_stats}
         return {"compile": compile, "measure_products": measure_products, "per_kernel": {
-            "K": {"stats": {"products": "measured cuBLASLt algorithms: 7 shapes"}}, "L": {"stats": {"products": None}}}}
+            "K": {"stats": {"products": "measured cuBLASLt algorithms: 7 shapes", **captured}},
+            "L": {"stats": {"products": None, **captured}}}}
 
     assert replay_kind(result(True, False)) == ("compiled replay", "compiled")
     assert replay_kind(result(False, True)) == ("replay with measured products", "measured products")
     assert replay_kind(result(True, True)) == ("compiled replay with measured products", "compiled, measured products")
+    # asked to compile, but nothing was: the backend cannot, or every compiled capture failed and was captured plain
+    for uncompiled in ({"compile_skipped": "no inductor here"}, {"compile_failures": {"64": "boom"}}):
+        assert replay_kind(result(True, False, **uncompiled)) == ("replay (compile asked, captured uncompiled)",
+                                                                  "uncompiled")
     assert products_lines(result(True, True)).splitlines() == [
         "Matrix products (K): measured cuBLASLt algorithms: 7 shapes", "", "Matrix products (L): ATen's"]
     assert products_lines(result(True, False)) == ""
+
+
+def test_a_compiled_bench_on_a_backend_that_cannot_compile_says_nothing_was_compiled(monkeypatch):
+    from hwgraph.capability import Capability
+    from hwgraph.graphs.cpu import CpuGraphBackend
+
+    monkeypatch.setattr(CpuGraphBackend, "compile_support", lambda self: Capability.unavailable("no inductor here"))
+    text = bench_markdown(run_bench(BenchConfig(
+        preset="tiny", groups=parse_groups("1x4"), device=torch.device("cpu"), dtype=torch.float32,
+        graph_backend="cpu", warmup=0, samples=1, kernels=["TORCH_SDPA"], budgets=[8], reference=False,
+        compile=True)))
+    assert "--compile was asked, but every budget was captured uncompiled" in text
+    assert "compiled replay" not in text and "after torch.compile" not in text and "compiling" not in text
+    assert "hwgraph replay (compile asked, captured uncompiled)" in text and "all: no inductor here" in text
 
 
 def test_interleaved_timing_takes_one_call_of_each_callable_per_round_in_shuffled_orders():
