@@ -258,6 +258,30 @@ def test_ctrl_c_during_a_capture_is_not_turned_into_a_capture_error(runtime):
     assert runtime.current is runtime.default and not runtime.capturing
 
 
+def test_ctrl_c_stays_ctrl_c_when_ending_the_interrupted_capture_fails_too(runtime, monkeypatch):
+    """``torch.cuda.graph.__exit__`` ends the capture whatever the body raised, and that can raise as well; the
+    manager treats a ``CaptureError`` as one failed budget and goes on, so Ctrl-C must not become one."""
+    backend = on(runtime)("cuda:0")
+
+    def failing_end(graph):
+        runtime.capturing = False
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(FakeGraph, "capture_end", failing_end)
+
+    def interrupted():
+        if runtime.capturing:
+            raise KeyboardInterrupt
+        return torch.ones(2)
+
+    with pytest.raises(KeyboardInterrupt):
+        backend.capture(interrupted)
+    assert runtime.current is runtime.default
+    with pytest.raises(CaptureError, match=r"capture failed: ValueError: bad \(ending the capture then failed too: "
+                                           r"RuntimeError: operation failed"):
+        backend.capture(lambda: (_ for _ in ()).throw(ValueError("bad")) if runtime.capturing else torch.ones(2))
+
+
 @pytest.mark.parametrize("returned", [3, {"x": torch.ones(2)}, None])
 def test_a_capture_that_returns_no_tensors_is_refused_and_its_graph_reset(runtime, returned):
     backend = on(runtime)("cuda:0")
@@ -301,6 +325,13 @@ def test_a_rocm_build_that_also_names_a_cuda_version_is_rocm_to_the_cuda_gate(mo
 def test_an_unknown_torch_version_is_refused(found):
     cap = torch_version_capability("cuda", found)
     assert not cap.ok and "needs torch >= 2.10" in cap.describe()
+
+
+@pytest.mark.parametrize(("found", "ok"), [("2.10.0a0+ecf3bae40a.nv25.11", True), ("2.10.0.dev20250901", True),
+                                           ("2.10.1", True), ("2.9.1", False), ("2.9.0a0+git1234", False)])
+def test_pre_releases_of_the_minimum_torch_count_as_it(found, ok):
+    """NVIDIA's containers ship torch as ``2.10.0a0+<commit>.nv<yy.mm>``; vLLM's own check counts them as 2.10."""
+    assert torch_version_capability("cuda", found).ok is ok
 
 
 def test_the_cuda_backends_product_chooser_is_its_devices(monkeypatch):

@@ -41,9 +41,11 @@ def torch_build() -> tuple[str, str | None]:
 
 
 def torch_version_capability(backend: str, found: str | None, minimum: str = MIN_TORCH) -> Capability:
-    """Gate on ``torch >= minimum``, compared as ``packaging`` versions (so 2.10 > 2.9)."""
+    """Gate on ``torch >= minimum``, compared as ``packaging`` release numbers (so 2.10 > 2.9). Pre-releases of the
+    minimum count as it, as vLLM's ``is_torch_equal_or_newer`` counts them: NVIDIA's containers ship torch as
+    ``2.10.0a0+<commit>.nv<yy.mm>``."""
     have = parse_version(found)
-    if have is None or have < parse_version(minimum):
+    if have is None or have.release < parse_version(minimum).release:
         return Capability.unavailable(f"the {backend} graph backend needs torch >= {minimum}, found {found or 'none'}; "
                                       f"upgrade torch")
     return Capability.available()
@@ -214,9 +216,11 @@ class TorchCudaGraphBackend(GraphBackend):
                     raise
         except BaseException as exc:
             self.abandon_capture(graph, pool, stream, previous)
+            first = raised_by_fn if raised_by_fn is not None else exc
+            if not isinstance(first, Exception):  # Ctrl-C or SystemExit is never a failed capture, also when
+                raise first from (None if first is exc else exc)  # ending the capture then raised too
             if not isinstance(exc, Exception):
                 raise
-            first = raised_by_fn if raised_by_fn is not None else exc
             message = f"capture failed: {type(first).__name__}: {first}"
             if exc is not first:
                 message += f" (ending the capture then failed too: {type(exc).__name__}: {exc})"

@@ -23,6 +23,7 @@ the ``libcublasLt`` that torch has loaded: nothing is built.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -395,8 +396,15 @@ class ChoiceCache:
             entries = self.entries() | {self.key(label): entry}
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as tmp:
-                json.dump(entries, tmp, indent=1, sort_keys=True)
-            os.replace(tmp.name, self.path)  # atomic: a concurrent reader sees the old file or the new one
+                try:
+                    json.dump(entries, tmp, indent=1, sort_keys=True)
+                    tmp.close()
+                    os.replace(tmp.name, self.path)  # atomic: a concurrent reader sees the old file or the new one
+                except BaseException:
+                    tmp.close()
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp.name)  # a failed write leaves no temporary file behind
+                    raise
         except (OSError, TypeError, ValueError) as exc:  # TypeError, ValueError: an entry JSON cannot write
             log.warning("could not write the measured-products cache %s: %s", self.path, exc)
 

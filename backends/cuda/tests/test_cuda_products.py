@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import json
 import logging
 import math
@@ -86,6 +85,16 @@ def test_the_cache_keeps_choices_per_setting_and_survives_bad_files(tmp_path, ca
     (tmp_path / "file").write_text("a file where the folder should be")
     blocked.put("x", chosen)
     assert "could not write the measured-products cache" in caplog.text
+
+
+def test_a_cache_write_that_fails_leaves_the_file_as_it_was_and_no_temporary_file(tmp_path, caplog):
+    path = tmp_path / "cublaslt-products.json"
+    cache, entry = lt.ChoiceCache(path, "H200"), lt.Choice(None, None, 5.0, 5.0).entry()
+    cache.put("a", entry)
+    before = path.read_text()
+    cache.put("b", {"algo": object()})  # JSON cannot write it
+    assert "could not write the measured-products cache" in caplog.text
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 @pytest.mark.parametrize("content", ["[]", "1", '"x"', "null"])
@@ -339,16 +348,21 @@ def test_errors_leave_out_configurations_that_do_not_run(monkeypatch):
 
 
 class FakeDevice:
-    """A device clock for the sweep on the CPU: sleeps and product calls advance it, events read it."""
+    """A device clock and a host clock for the sweep on the CPU: sleeps and product calls advance the device clock,
+    events read it; each launch (a product call or an event record) costs ``HOST_US`` of the host clock, so whether
+    a chunk's launching outlasted its sleep does not depend on how busy the CPU running the test is."""
+
+    HOST_US = 1.0
 
     def __init__(self, us_per_tile: dict[int, float]):
-        self.now_ms, self.us_per_tile = 0.0, us_per_tile
+        self.now_ms, self.us_per_tile, self.host_us = 0.0, us_per_tile, 0.0
 
     def event(self):
         device = self
 
         class Event:
             def record(self):
+                device.host_us += device.HOST_US
                 self.ms = device.now_ms
 
             def elapsed_time(self, other):
@@ -363,28 +377,22 @@ class FakeDevice:
         self.now_ms += cycles / lt.SLEEP_CYCLES_PER_US / 1e3
 
     def run(self, algo, x, weight, out):
+        self.host_us += self.HOST_US
         self.now_ms += self.us_per_tile[algo.data[1]] / 1e3
 
-
-@pytest.fixture
-def without_gc_pauses():
-    """No garbage collection inside the test: one of the oldest generation took 12-45 ms on a CPU host, a host stall
-    longer than the fake sweep's sleeps, which its real clock would count as launching."""
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
+    def perf_counter(self) -> float:
+        return self.host_us / 1e6
 
 
 @pytest.mark.parametrize("first_host_us", [lt.FIRST_HOST_US_PER_CALL, 0.0])
 def test_the_sweep_ranks_configurations_by_their_calls_time_and_sweeps_late_chunks_again(monkeypatch, caplog,
-                                                                                         without_gc_pauses,
                                                                                          first_host_us):
     us = {tile: 5.0 + (tile * 37) % 101 / 10 for tile in range(100)}  # distinct times, in no order of the tiles
     device = FakeDevice(us)
     monkeypatch.setattr(lt, "timing_event", device.event)
     monkeypatch.setattr(torch.cuda, "_sleep", device.sleep)
     monkeypatch.setattr(lt, "FIRST_HOST_US_PER_CALL", first_host_us)
+    monkeypatch.setattr(lt, "time", SimpleNamespace(perf_counter=device.perf_counter))
     algos = [lt.Algo() for _ in us]
     for algo, tile in zip(algos, us, strict=True):
         algo.data[1] = tile
@@ -397,7 +405,7 @@ def test_the_sweep_ranks_configurations_by_their_calls_time_and_sweeps_late_chun
     again = [int(n) for n in re.findall(r"sweeping (\d+) configurations again", caplog.text)]
     if first_host_us == 0:  # the first chunk's sleep is empty: it is late, and swept again
         assert again and again[0] >= lt.SWEEP_CHUNK
-    else:  # its sleep (2.56 ms of the fake clock) outlasts launching 64 fake configurations
+    else:  # its sleep (2.56 ms of the fake clock) outlasts launching 64 fake configurations (128 µs of host time)
         assert not again or again[0] < lt.SWEEP_CHUNK
 
 
