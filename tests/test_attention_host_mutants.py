@@ -56,8 +56,10 @@ def valid_args():
     (5, -float("inf"), r"scale must be a finite host float, got -inf"),
     (5, torch.tensor(0.35), r"scale must be a finite host float.*\(Tensor\)"),  # float() of it reads the device
     (5, True, r"scale must be a finite host float, got True"),
+    (3, torch.tensor([0, 99, 3, 99, 7, 99], dtype=torch.int32)[::2], r"cu_seqlens must be contiguous, got stride "
+                                                                     r"\(2,\)"),  # read by pointer: 99 a boundary
 ], ids=["heads", "v-shape", "k-device", "v-device", "2d-cu", "negative-max", "bool-max", "inf", "-inf",
-        "tensor-scale", "bool-scale"])
+        "tensor-scale", "bool-scale", "strided-cu"])
 def test_kernels_reject_inputs_the_common_signature_excludes(kernel, index, value, message):
     args = list(valid_args())
     args[index] = value
@@ -68,13 +70,15 @@ def test_kernels_reject_inputs_the_common_signature_excludes(kernel, index, valu
 # ---------------------------------------------------------------- TRITON_ATTN's gate and launch
 
 
-@pytest.mark.parametrize(("value", "enabled"), [("1", True), ("TRUE", True), ("Yes", True), ("on", True),
-                                                ("0", False), ("", False), ("off", False), ("false", False)])
-def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value, enabled):
-    """Triton 3.9 reads TRITON_INTERPRET case-insensitively; the gate must agree, or TRITON_ATTN is refused on CPU
-    while triton interprets (and the reverse)."""
+@pytest.mark.parametrize("value", ["1", "TRUE", "Yes", "on", "y", " yes ", "true ", "0", "", "off", "false", "no"])
+def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value):
+    """The gate must agree with Triton, or TRITON_ATTN is refused on CPU while Triton interprets (``y``), or chosen
+    while it does not (`` yes ``), and its first call fails."""
+    knobs = pytest.importorskip("triton.knobs", reason="a Triton with knobs reads TRITON_INTERPRET itself")
     monkeypatch.setenv("TRITON_INTERPRET", value)
-    assert interpreter_enabled() is enabled
+    assert interpreter_enabled() is bool(knobs.runtime.interpret)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert interpreter_enabled() is False
 
 
 class RecordingKernel:

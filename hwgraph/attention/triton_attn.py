@@ -16,11 +16,17 @@ from hwgraph.attention.varlen_inputs import register_varlen_kernel
 from hwgraph.capability import Capability, require_module, sm_tuple
 from hwgraph.platform import PlatformInfo
 
-TRUE_WORDS = ("1", "true", "on", "yes")
-
 
 def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in TRUE_WORDS
+    """Whether Triton runs kernels under its interpreter here: ``TRITON_INTERPRET`` read as the installed Triton
+    reads it (its ``knobs``; a Triton without them took only "1"), so the gate never disagrees with Triton."""
+    if "TRITON_INTERPRET" not in os.environ:
+        return False  # without importing triton
+    try:
+        from triton import knobs
+    except ImportError:  # no triton (the gate says so), or one older than its knobs
+        return os.environ["TRITON_INTERPRET"] == "1"
+    return bool(knobs.runtime.interpret)
 
 
 def triton_gate(platform: PlatformInfo) -> Capability:

@@ -32,6 +32,9 @@ def check_varlen_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{kernel}: cu_seqlens must be 1-D with at least 2 entries [0, ...], "
                          f"got shape {tuple(cu_seqlens.shape)}")
+    if not cu_seqlens.is_contiguous():  # the Triton kernels read it by pointer, as ATen's flash kernel requires
+        raise ValueError(f"{kernel}: cu_seqlens must be contiguous, got stride {cu_seqlens.stride()}; pass "
+                         f"cu_seqlens.contiguous()")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"{kernel}: max_seqlen must be a non-negative host int (fixed at capture), "
                          f"got {max_seqlen!r} ({type(max_seqlen).__name__})")
