@@ -5,10 +5,13 @@ TRITON_INTERPRET=1 is set before triton itself is imported, and which, once set,
 automatic choice for every other test in the process. So the ``interpreted`` tests run in a child pytest with
 TRITON_INTERPRET=1 (``test_triton_attn_cases_pass_under_the_interpreter``), and skip in a process without it.
 The plugin adapters (FLASH_ATTN, ROCM_AITER_FA, NPU) run with fake vendor modules that compute the reference.
+TRITON_ATTN's launch choices are checked with its Triton kernels recording instead of launching (the ``triton_kernel``
+fixture of conftest.py), and the float64 reference's own checks come last.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import subprocess
@@ -26,6 +29,7 @@ from hwgraph.attention.triton_attn import interpreter_enabled, triton_varlen, tr
 from hwgraph.graphs.base import HostSyncError
 from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.testing.reference import (
+    ATTENTION_TOLERANCES,
     PackedBatch,
     assert_matches_reference,
     random_packed_batch,
@@ -269,6 +273,38 @@ def test_triton_attn_takes_the_tma_kernel_only_on_nvidia_hopper_with_aligned_k_a
         assert not takes_tma(k=bad) and not takes_tma(v=bad)
 
 
+def test_the_tma_kernel_serves_a_head_of_128_lanes(monkeypatch):
+    """128 lanes is the widest head whose TMA tiles fit shared memory (``uses_tma``); 200 (256 lanes) is not."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    module = pytest.importorskip("hwgraph.attention.triton_kernel")
+    monkeypatch.setattr(module, "has_tma", module.has_tma.__wrapped__)
+    monkeypatch.setattr(module, "is_interpreted", lambda: False)
+    simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("simulated H200", 9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    for head_dim, tma in ((128, True), (16, True), (200, False)):
+        batch = random_packed_batch([5], heads=2, head_dim=head_dim, dtype=torch.bfloat16)
+        on_gpu = types.SimpleNamespace(is_cuda=True, dtype=batch.q.dtype, shape=batch.q.shape,
+                                       device=torch.device("cuda", 0))
+        assert module.uses_tma(on_gpu, batch.k, batch.v) is tma, head_dim
+
+
+def test_tile_choices_follow_the_documented_thresholds():
+    module = pytest.importorskip("hwgraph.attention.triton_kernel")
+    gluon_kernel = pytest.importorskip("hwgraph.attention.gluon_kernel")
+    # TMA tiles: 128x128 with 8 warps from max_seqlen 1024 (one sequence of 1024: 0.0226 against 0.0261 ms)
+    assert module.tma_tiles(1024) == (128, 128, 8, 3) and module.tma_tiles(1023) == (64, 64, 4, 3)
+    # fp32 and wide heads shrink their tiles to fit shared memory
+    assert module.block_sizes(72, torch.float32) == (64, 32, 64, 16)
+    assert module.block_sizes(72, torch.bfloat16) == (64, 64, 64, 16)
+    assert module.block_sizes(64, torch.float32) == (64, 64, 64, 0)
+    assert module.block_sizes(200, torch.float32) == (32, 16, 256, 0)
+    assert module.block_sizes(200, torch.bfloat16) == (32, 32, 256, 0)
+    # the ping-pong kernel's fixed shifts: bf16 from FIXED_SHIFT_FROM rows, never fp16
+    assert gluon_kernel.uses_fixed_shift(torch.bfloat16, 2048)
+    assert not gluon_kernel.uses_fixed_shift(torch.bfloat16, 2047)
+    assert not gluon_kernel.uses_fixed_shift(torch.float16, 4096)
+
+
 @interpreted
 def test_interpreted_triton_op_passes_opcheck():
     batch = random_packed_batch([5, 7], heads=2, head_dim=72, zero_length=1, padding_rows=3)
@@ -295,22 +331,48 @@ def test_triton_attn_splits_the_head_into_two_power_of_two_parts_when_narrower(h
     assert triton_kernel.head_split(head_dim) == split
 
 
-def test_triton_attn_launch_grid_depends_only_on_host_values(monkeypatch):
+def test_triton_attn_launch_grid_depends_only_on_host_values(triton_kernel):
     """The launch is sized by max_seqlen, heads and the number of sequences: no device value reaches the host."""
-    triton_kernel = pytest.importorskip("hwgraph.attention.triton_kernel")
-    launches = []
-
-    class RecordingKernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, kwargs))
-
-    monkeypatch.setattr(triton_kernel, "varlen_attention_kernel", RecordingKernel())
     batch = random_packed_batch([300, 2], heads=3, head_dim=72, zero_length=2, padding_rows=5, max_seqlen=512)
     with CpuGraphBackend().sync_guard():
         triton_varlen(*batch.args())
-    (grid, meta), = launches
+    (grid, _, meta), = triton_kernel.varlen_attention_kernel.calls
     assert grid == (512 // meta["BLOCK_M"], 3, 5)  # 4 sequence slots (2 real, 2 empty) + 1 padding slot
     assert (meta["HEAD_DIM"], meta["D_A"], meta["D_B"], meta["HAS_B"], meta["D_V"]) == (72, 64, 16, True, 128)
+
+
+def test_an_all_empty_call_with_max_seqlen_zero_still_runs_the_padding_slot(triton_kernel):
+    """The padding slot zeroes the rows past cu_seqlens[-1]: a grid with no m program would leave them unwritten."""
+    batch = random_packed_batch([], heads=2, head_dim=72, zero_length=2, padding_rows=5)
+    assert batch.max_seqlen == 0
+    triton_varlen(*batch.args())
+    ((grid, _, _),) = triton_kernel.varlen_attention_kernel.calls
+    assert grid == (1, 2, 3)  # one m program, 2 heads, 2 empty slots + the padding slot
+
+
+def test_inputs_without_unit_stride_on_d_reach_the_kernel_as_unit_stride_copies(triton_kernel):
+    """The pointer kernel addresses lanes as ``base + lane``: a view with another stride on D (a transpose, every
+    other lane) must be copied first, or it reads the wrong lanes."""
+    batch = random_packed_batch([5, 3], heads=2, head_dim=16, padding_rows=2)
+    lanes_apart = [torch.stack([t, torch.full_like(t, 9.0)], dim=-1)[..., 0] for t in (batch.q, batch.k, batch.v)]
+    transposed = batch.q.transpose(1, 2).contiguous().transpose(1, 2)
+    for q, k, v in ((*lanes_apart,), (transposed, batch.k, batch.v)):
+        assert q.stride(-1) != 1
+        triton_varlen(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.scale)
+        (_, args, _), = triton_kernel.varlen_attention_kernel.calls[-1:]
+        for given, original in zip(args[:3], (batch.q, batch.k, batch.v), strict=True):
+            assert given.stride(-1) == 1 and torch.equal(given, original)
+
+
+@pytest.mark.parametrize("value", ["1", "TRUE", "Yes", "on", "y", " yes ", "true ", "0", "", "off", "false", "no"])
+def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value):
+    """The gate must agree with Triton, or TRITON_ATTN is refused on CPU while Triton interprets (``y``), or chosen
+    while it does not (`` yes ``), and its first call fails."""
+    knobs = pytest.importorskip("triton.knobs", reason="a Triton with knobs reads TRITON_INTERPRET itself")
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreter_enabled() is bool(knobs.runtime.interpret)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert interpreter_enabled() is False
 
 
 # ---------------------------------------------------------------- graph discipline, host reads, custom ops
@@ -421,6 +483,19 @@ def valid_args():
     (4, torch.tensor(7), r"max_seqlen must be a non-negative host int.*Tensor"),
     (4, 7.0, r"max_seqlen must be a non-negative host int.*7\.0"),
     (5, float("nan"), r"scale must be a finite host float, got nan"),
+    (1, torch.zeros(8, 3, 8), r"one shape, got q \(8, 2, 8\), k \(8, 3, 8\)"),  # another head count
+    (2, torch.zeros(8, 2, 4), r"one shape, got .* v \(8, 2, 4\)"),
+    (1, torch.zeros(8, 2, 8, device="meta"), r"one device, got q cpu, k meta"),
+    (2, torch.zeros(8, 2, 8, device="meta"), r"one device, got q cpu, k cpu, v meta"),
+    (3, torch.tensor([[0, 3, 7]], dtype=torch.int32), r"cu_seqlens must be 1-D .*\(1, 3\)"),
+    (4, -1, r"max_seqlen must be a non-negative host int.*-1"),
+    (4, True, r"max_seqlen must be a non-negative host int.*True \(bool\)"),
+    (5, float("inf"), r"scale must be a finite host float, got inf"),
+    (5, -float("inf"), r"scale must be a finite host float, got -inf"),
+    (5, torch.tensor(0.35), r"scale must be a finite host float.*\(Tensor\)"),  # float() of it reads the device
+    (5, True, r"scale must be a finite host float, got True"),
+    (3, torch.tensor([0, 99, 3, 99, 7, 99], dtype=torch.int32)[::2], r"cu_seqlens must be contiguous, got stride "
+                                                                     r"\(2,\)"),  # read by pointer: 99 a boundary
 ])
 def test_kernels_reject_bad_inputs_naming_the_value(kernel, index, value, message):
     args = list(valid_args())
@@ -491,6 +566,58 @@ def test_flash_adapter_uses_either_provider_and_zeroes_padding(monkeypatch, prov
                                     dtype=torch.bfloat16)
         assert_matches_reference(attention.flash_varlen(*batch.args()), batch)
     assert ran == [(provider, 72), (provider, 40)]
+
+
+def test_flash_provider_takes_the_flash_attn_package_when_it_has_the_varlen_function(monkeypatch):
+    attention = pytest.importorskip("hwgraph_cuda.attention")
+
+    provider = attention.flash_provider.__wrapped__  # uncached: the fake modules change
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=lambda **kw: None))
+    assert provider() == ("flash_attn", ())
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace())
+    name, missing = provider()
+    assert name != "flash_attn" and missing[0] == "flash_attn has no flash_attn_varlen_func"
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
+    name, missing = provider()
+    assert name != "flash_attn" and missing[0].startswith("flash_attn does not import (")
+
+
+def test_flash_gets_max_seqlen_of_at_least_one_for_an_all_padding_call(monkeypatch):
+    attention = pytest.importorskip("hwgraph_cuda.attention")
+
+    seen = []
+
+    def aten_flash(q, k, v, cu, max_seqlen, scale):
+        seen.append(max_seqlen)
+        return torch.full_like(q, float("nan"))  # rows the kernel never writes
+
+    monkeypatch.setattr(attention, "flash_provider", lambda: ("aten", ()))
+    monkeypatch.setattr(attention, "aten_flash", aten_flash)
+    batch = random_packed_batch([], heads=2, head_dim=72, zero_length=1, padding_rows=4, dtype=torch.bfloat16)
+    out = attention.flash_varlen(*batch.args())
+    assert seen == [1] and torch.equal(out, torch.zeros_like(out))
+
+
+def test_torch_varlen_attn_without_a_scale_argument_gets_the_scale_folded_into_q(monkeypatch):
+    """torch 2.10's ``varlen_attn`` scales by the (padded) head dim's ``** -0.5``: the adapter folds the ratio into
+    q, with the padded width (36 lanes are padded to 40)."""
+    import torch.nn.attention.varlen as torch_varlen
+    attention = pytest.importorskip("hwgraph_cuda.attention")
+
+    widths = []
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
+        widths.append(query.shape[-1])
+        return varlen_reference(query, key, value, cu_seq_q, query.shape[-1] ** -0.5).to(query.dtype)
+
+    monkeypatch.setattr(attention, "flash_provider", lambda: ("torch", ()))
+    monkeypatch.setattr(attention, "varlen_attn_takes_scale", lambda: False)
+    monkeypatch.setattr(torch_varlen, "varlen_attn", varlen_attn)
+    for head_dim in (36, 72):
+        batch = random_packed_batch([9, 4], heads=2, head_dim=head_dim, zero_length=1, padding_rows=3,
+                                    dtype=torch.float32, scale=0.3)
+        assert_matches_reference(attention.flash_varlen(*batch.args()), batch)
+    assert widths == [40, 72]
 
 
 class FakeTorchNpu(types.ModuleType):
@@ -575,3 +702,28 @@ def test_npu_adapter_rejects_host_boundaries_that_disagree_in_length(fake_torch_
     batch = random_packed_batch([5, 8], heads=2, head_dim=64, dtype=torch.float16)
     with host_cu_seqlens([0, 13]), pytest.raises(ValueError, match="host cu_seqlens has 2 entries.* 3"):
         npu_varlen(*batch.args())
+
+
+# ---------------------------------------------------------------- the float64 reference's own checks
+
+
+def test_the_reference_check_rejects_non_zero_padding_rows_and_a_five_percent_error():
+    batch = random_packed_batch([1, 2, 3], heads=2, head_dim=16, padding_rows=3, dtype=torch.bfloat16, seed=3)
+    exact = varlen_reference(*batch.args()[:4], batch.scale).to(torch.bfloat16)
+    assert_matches_reference(exact, batch)
+    leaked = exact.clone()
+    leaked[batch.total] = 1.0
+    with pytest.raises(AssertionError, match="3 padding rows must be zero"):
+        assert_matches_reference(leaked, batch)
+    with pytest.raises(AssertionError):
+        assert_matches_reference(exact * 1.05, batch)
+    assert ATTENTION_TOLERANCES[torch.bfloat16] == (1.6e-2, 1.6e-2)
+
+
+def test_random_batches_fill_padding_rows_with_large_garbage():
+    """So that a kernel reading padding keys or values, or copying padding rows out, fails the comparison."""
+    batch = random_packed_batch([4, 2], heads=2, head_dim=8, zero_length=1, padding_rows=3, dtype=torch.float16)
+    for t in (batch.q, batch.k, batch.v):
+        assert torch.equal(t[6:], torch.full_like(t[6:], 1e3)) and t[:6].abs().max() < 100
+    assert batch.cu_seqlens.tolist() == [0, 4, 6, 6] and batch.max_seqlen == 4
+    assert math.isclose(batch.scale, 8 ** -0.5)

@@ -254,6 +254,20 @@ def test_dtype_and_head_dim_limits_are_reasons():
         choose_attention(platform=CPU, head_dim=300)
 
 
+def test_the_attention_selection_error_names_every_refused_candidate_with_its_reasons(monkeypatch):
+    monkeypatch.setitem(sys.modules, "aiter", None)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(SelectionError) as failure:
+        choose_attention(platform=MI300X, dtype=torch.float16, head_dim=300)
+    message = str(failure.value)
+    assert message.startswith("no attention kernel is available: ")
+    assert "ROCM_AITER_FA: ROCM_AITER_FA needs the aiter package" in message
+    assert "TRITON_ATTN: TRITON_ATTN needs the triton package" in message
+    assert "TORCH_SDPA: TORCH_SDPA supports head_dim 1..256, got 300" in message
+    # the kernels of other platforms are not candidates here
+    assert "FLASH_ATTN" not in message and "NPU" not in message
+
+
 # ---------------------------------------------------------------- explicit choices
 
 

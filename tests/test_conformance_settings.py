@@ -1,7 +1,9 @@
-"""How the shipped suite picks its cases: capability gates, HWGRAPH_TEST_BACKENDS, kernel narrowing, overrides."""
+"""How the shipped suite picks its cases (capability gates, HWGRAPH_TEST_BACKENDS, kernel narrowing, overrides), how
+the pytest plugin's markers skip, and how the suite compares outputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,7 +13,10 @@ import types
 import pytest
 import torch
 
+from hwgraph.attention.sdpa import TORCH_SDPA
+from hwgraph.testing import plugin
 from hwgraph.testing.cases import BACKENDS_ENV, SuiteSettings, conformance_params, settings_for
+from hwgraph.testing.suite import ConformanceSuite
 
 
 def settings(**kw) -> SuiteSettings:
@@ -32,6 +37,25 @@ def test_cpu_cases_run_torch_sdpa_in_float32_and_skip_unavailable_kernels_with_g
     if "TRITON_INTERPRET" not in os.environ:
         assert "TRITON_INTERPRET=1" in skip_reason(params["cpu-TRITON_ATTN-float32"])
     assert not any("FLASH_ATTN" in i or "NPU" in i for i in params), "other accelerators' kernels are not cases"
+
+
+def test_a_kernel_that_is_not_graph_safe_is_skipped_saying_the_manager_runs_it_eagerly(monkeypatch):
+    from hwgraph.attention import registry
+
+    eager_only = dataclasses.replace(TORCH_SDPA, name="EAGER_ONLY", graph_safe=False)
+    monkeypatch.setattr(registry, "kernel_specs", lambda: [TORCH_SDPA, eager_only])
+    params = {p.id: p for p in conformance_params(settings())}
+    assert skip_reason(params["cpu-EAGER_ONLY-float32"]) == \
+        "attention kernel EAGER_ONLY is not graph-safe: the manager runs it eagerly"
+    assert skip_reason(params["cpu-TORCH_SDPA-float32"]) is None
+
+
+def test_kernel_gates_are_asked_with_the_presets_head_dim():
+    """The real tower has 16 heads of 72 lanes (hidden 1152): its cases must not be skipped for a head dim of 1152."""
+    params = {p.id: p for p in conformance_params(settings(preset="qwen3-omni-30b-a3b"))}
+    assert skip_reason(params["cpu-TORCH_SDPA-float32"]) is None
+    assert params["cpu-TORCH_SDPA-float32"].values[0].preset == "qwen3-omni-30b-a3b"
+    assert all("head_dim" not in (skip_reason(p) or "") for p in params.values())
 
 
 def test_backends_outside_the_allowed_list_are_skipped_saying_so():
@@ -108,3 +132,71 @@ def test_a_misspelt_kernel_in_the_environment_fails_the_run_instead_of_skipping_
     assert module != VENDOR_MODULE
     run = run_pytest(tmp_path, {"HWGRAPH_TEST_ATTENTION": "torch_spda"}, module)
     assert run.returncode != 0 and "unknown attention kernel 'TORCH_SPDA'" in run.stdout, run.stdout + run.stderr
+
+
+# ---------------------------------------------------------------- the pytest plugin's markers
+
+
+class FakeItem:
+    def __init__(self, *markers):
+        self.markers, self.skips = set(markers), []
+
+    def get_closest_marker(self, name):
+        return name if name in self.markers else None
+
+    def add_marker(self, mark):
+        assert mark.name == "skip"
+        self.skips.append(mark.kwargs["reason"])
+
+
+@pytest.mark.parametrize("machine", ["cpu", "cuda", "rocm", "npu"])
+def test_accelerator_markers_skip_off_their_accelerator_and_cpu_machine_off_a_cpu(monkeypatch, machine):
+    monkeypatch.setattr(plugin, "detected_kind", lambda: machine)
+    items = {name: FakeItem(name) for name in ("cuda", "rocm", "npu", "cpu_machine")}
+    items["plain"] = FakeItem()
+    plugin.pytest_collection_modifyitems(None, list(items.values()))
+    for name, item in items.items():
+        runs = name == "plain" or name == machine or (name == "cpu_machine" and machine == "cpu")
+        if runs:
+            assert item.skips == [], (name, item.skips)
+        else:
+            need = {**plugin.ACCELERATOR_MARKERS, "cpu_machine": plugin.CPU_MACHINE_NEED}[name]
+            assert item.skips == [f"{need}; this machine is {machine}"]
+
+
+def test_the_plugin_registers_every_marker_it_documents(monkeypatch):
+    """A vendor's repository with ``--strict-markers`` gets ``cuda``/``rocm``/``npu``, ``cpu_machine``, ``vllm`` and
+    ``slow`` from the plugin alone."""
+    lines = []
+    config = types.SimpleNamespace(addinivalue_line=lambda name, line: lines.append((name, line)))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    plugin.pytest_configure(config)
+    assert {name for name, _ in lines} == {"markers"}
+    assert {line.split(":")[0] for _, line in lines} == {"cuda", "rocm", "npu", "cpu_machine", "vllm", "slow"}
+    assert ("markers", f"cpu_machine: {plugin.CPU_MACHINE_NEED}") in lines
+
+
+# ---------------------------------------------------------------- the suite's comparison
+
+
+@pytest.mark.parametrize(("dtype", "want", "got"), [(torch.bfloat16, 0.5, 0.52), (torch.float16, 0.5, 0.5025)])
+def test_the_suite_bounds_the_relative_l2_error_beyond_elementwise_closeness(dtype, want, got):
+    """Every element within the suite's rtol/atol, yet a systematic shift of 4% (bf16) or 0.5% (fp16) of every
+    element: the relative L2 bound (3e-2, 4e-3) is what fails it."""
+    suite = ConformanceSuite()
+    w, g = torch.full((1000,), want, dtype=dtype), torch.full((1000,), got, dtype=dtype)
+    torch.testing.assert_close(g, w, **suite.tolerances[dtype])
+    with pytest.raises(AssertionError, match=f"relative L2 error .* above {suite.relative_l2[dtype]} for {dtype}"):
+        suite.assert_close(g, w, "embeddings")
+    suite.assert_close(w.clone(), w, "embeddings")
+
+
+def test_the_suite_allows_low_precision_rounding_up_to_its_widened_atol():
+    """A few bf16 elements 0.0195 off (a padded replay's GEMM tiling): inside the suite's atol 2e-2 and the L2 bound,
+    outside torch.testing's bf16 defaults; the suite must pass them."""
+    w = torch.full((1000,), 0.5, dtype=torch.bfloat16)
+    g = w.clone()
+    g[:10] = 0.52
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(g, w)
+    ConformanceSuite().assert_close(g, w, "embeddings")

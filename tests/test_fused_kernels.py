@@ -1,4 +1,5 @@
-"""The tower's fused kernels (rotary on q/k, residual add + LayerNorm) equal their unfused torch computations.
+"""The tower's fused kernels (rotary on q/k, residual add + LayerNorm, position embedding) equal their unfused torch
+computations.
 
 The Triton kernels run on CPU under the Triton interpreter (``TRITON_INTERPRET=1``, which Triton reads when it is
 first imported), so these checks run in a child process; the `cuda` tests run them on the GPU for real.
@@ -74,6 +75,39 @@ def test_triton_fused_kernels_equal_the_unfused_computation_under_the_interprete
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "fused kernels ok" in done.stdout
+
+
+FP16_POSITION_CHILD = textwrap.dedent("""
+    import os, sys, types
+    import torch
+    import hwgraph.models
+
+    # The kernels without the package's __init__ (it imports transformers: most of this child's start-up time).
+    package = types.ModuleType("hwgraph.models.qwen3_omni")
+    package.__path__ = [os.path.join(os.path.dirname(hwgraph.models.__file__), "qwen3_omni")]
+    sys.modules[package.__name__] = package
+    from hwgraph.models.qwen3_omni import fused
+
+    assert fused.use_triton(torch.empty(1)), "the interpreter path must be active in this child"
+    torch.manual_seed(0)
+    table, x = torch.randn(16, 32).half(), torch.randn(9, 32).half()
+    indices, weights = torch.randint(0, 16, (4, 9)), torch.rand(4, 9)
+    got = fused.add_position_embedding(x, table, indices, weights)
+    torch.testing.assert_close(got, fused.add_position_embedding_reference(x, table, indices, weights),
+                               rtol=0, atol=0)
+    print("fp16 position ok")
+""")
+
+
+def test_the_position_embedding_kernel_rounds_the_blend_before_the_add_in_float16():
+    """The interpreter converts float32 to float16 by rounding (as the GPU does; bf16 it truncates), so fp16 checks
+    the kernel bit for bit on the CPU: the blend is rounded to the activation dtype before the add, as unfused."""
+    pytest.importorskip("triton", reason="the position-embedding kernel needs triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", HWGRAPH_FUSED="1")
+    done = subprocess.run([sys.executable, "-c", FP16_POSITION_CHILD], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "fp16 position ok" in done.stdout
 
 
 def test_the_rotary_kernel_refuses_an_odd_head_dim_by_name():

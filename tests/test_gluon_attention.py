@@ -155,6 +155,43 @@ def test_one_sequence_slot_takes_the_pingpong_kernel_only_where_its_ring_fits(mo
     assert not triton_kernel.uses_gluon(batch.q, batch.k, batch.v, 1024, 1)  # 128 lanes: the TMA kernel
 
 
+@pytest.mark.usefixtures("triton_kernel")  # conftest.py: its Triton kernels record instead of launching
+def test_one_sequence_slot_from_1024_rows_takes_the_gluon_kernel(monkeypatch):
+    """``gluon_tiles``' ping-pong kernel from 1024 rows holds for a call of one slot only; the launcher must pass the
+    slot count, or one image's call inside TMA_OVER_GLUON takes the slower TMA kernel (0.021 against 0.016 ms)."""
+    gluon_calls = []
+    monkeypatch.setattr(triton_kernel, "uses_tma", lambda q, k, v: True)
+    monkeypatch.setattr(triton_kernel, "gluon_ready", lambda index: True)
+    monkeypatch.setattr(gluon_kernel, "launch_gluon_attention", lambda *args, **kwargs: gluon_calls.append(args))
+    batch = random_packed_batch([1000], heads=2, head_dim=72, dtype=torch.bfloat16, max_seqlen=1024)
+    triton_kernel.launch_varlen_attention(*batch.args())
+    assert len(gluon_calls) == 1 and triton_kernel.varlen_attention_tma_kernel.calls == []
+    two = random_packed_batch([600, 400], heads=2, head_dim=72, dtype=torch.bfloat16, max_seqlen=1024)
+    triton_kernel.launch_varlen_attention(*two.args())  # two slots: the TMA kernel measured faster here
+    assert len(gluon_calls) == 1 and len(triton_kernel.varlen_attention_tma_kernel.calls) == 1
+
+
+def test_a_head_too_wide_for_the_pingpong_ring_takes_gluon_from_2048_rows(monkeypatch):
+    """TMA_OVER_GLUON ends before 2048 rows: there 128 lanes a head (no ping-pong ring fits) take the plain Gluon
+    kernel, not the TMA kernel."""
+    monkeypatch.setattr(triton_kernel, "uses_tma", lambda q, k, v: True)
+    monkeypatch.setattr(triton_kernel, "gluon_ready", lambda index: True)
+    batch = random_packed_batch([5], heads=2, head_dim=128, dtype=torch.bfloat16)
+    assert triton_kernel.uses_gluon(batch.q, batch.k, batch.v, 2048, 2)
+    assert not triton_kernel.uses_gluon(batch.q, batch.k, batch.v, 2047, 2)
+
+
+@pytest.mark.parametrize(("heads", "head_dim", "dtype", "row"), [
+    (1, 20, torch.bfloat16, 24), (3, 20, torch.float16, 64), (16, 72, torch.bfloat16, 1152), (1, 6, torch.float32, 8)])
+def test_rows_the_gluon_launcher_allocates_are_tma_addressable(heads, head_dim, dtype, row):
+    """``tma_rows_like`` pads each token's ``heads * head_dim`` lanes to 16 bytes where they are not (20 bf16 lanes:
+    40 bytes -> 48), so q's copy and the output pass ``tma_rows`` (a TMA descriptor needs 16-byte row strides)."""
+    t = torch.zeros(5, heads, head_dim, dtype=dtype)
+    like = gluon_kernel.tma_rows_like(t)
+    assert like.shape == t.shape and like.dtype == dtype and like.stride() == (row, head_dim, 1)
+    assert gluon_kernel.tma_rows(like)
+
+
 def test_forcing_the_gluon_kernel_on_cpu_says_it_needs_hopper():
     batch = random_packed_batch([5], heads=2, head_dim=72, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="Hopper"):
@@ -245,25 +282,16 @@ def test_pingpong_kernel_call_rejects_overflow_flags_too_short_and_ignores_them_
     assert args[gluon_kernel.FLAGS_ARG] is short_cu and kwargs["FIXED_SHIFT"] is False
 
 
-class RecordingKernel:
-    """Stands in for a compiled kernel: ``kernel[grid](*args, **kwargs)`` records the call and launches nothing."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
-
-
 @needs_gluon
 @pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
 @pytest.mark.parametrize(("dtype", "max_seqlen", "fixup"), [(torch.bfloat16, 4096, True), (torch.bfloat16, 1024, False),
                                                              (torch.float16, 4096, False)])
 def test_launch_gluon_attention_follows_fixed_shift_calls_with_the_fixup_on_their_flags(sm90, monkeypatch, dtype,
-                                                                                        max_seqlen, fixup):
+                                                                                        max_seqlen, fixup,
+                                                                                        recording_kernel):
     """The ping-pong call's own flags go to ``launch_overflow_fixup``, with one flag per 64-row half of each 128-row q
     block, slot-major then head, exactly when the call uses the fixed shift."""
-    kernel = RecordingKernel()
+    kernel = recording_kernel
     real_call = gluon_kernel.kernel_call
     monkeypatch.setattr(gluon_kernel, "kernel_call", lambda *a, **kw: (kernel, *real_call(*a, **kw)[1:]))
     fixups = []
@@ -335,7 +363,7 @@ def test_descriptors_share_one_default_layout_per_box_and_dtype(dtype):
 @needs_gluon
 @pytest.mark.skipif(interpreter_enabled(), reason="compiles for a GPU target: not under TRITON_INTERPRET=1")
 def test_pingpong_q_and_output_that_tma_cannot_address_are_refused_by_kernel_call_and_copied_by_the_launcher(
-        sm90, monkeypatch):
+        sm90, monkeypatch, recording_kernel):
     """q two bytes past 16-byte alignment: ``kernel_call`` names what TMA needs; ``launch_gluon_attention`` hands the
     kernel an aligned copy of q (same values) and an aligned output instead."""
     storage = torch.zeros(4096 * 16 * 72 + 1, dtype=torch.bfloat16)
@@ -348,7 +376,7 @@ def test_pingpong_q_and_output_that_tma_cannot_address_are_refused_by_kernel_cal
                                          r"row stride, got strides \(1152, 72, 1\) of 2-byte elements at address "
                                          r"\d+ \(2 past 16-byte alignment\)"):
         gluon_kernel.kernel_call(q, k, v, torch.empty_like(k), cu_seqlens, 4096, 0.1)
-    kernel = RecordingKernel()
+    kernel = recording_kernel
     real_call = gluon_kernel.kernel_call
     monkeypatch.setattr(gluon_kernel, "kernel_call", lambda *a, **kw: (kernel, *real_call(*a, **kw)[1:]))
     monkeypatch.setattr(gluon_kernel, "launch_overflow_fixup", lambda *args: None)

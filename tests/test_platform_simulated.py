@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from hwgraph.platform import detect
+from hwgraph.platform import detect, platform_for
 from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
 
 
@@ -47,6 +47,28 @@ def test_a_cuda_build_with_a_gpu_is_cuda_with_an_sm_arch(monkeypatch):
     info = detect()
     assert (info.kind, info.arch, info.runtime, info.runtime_version, info.device_count) == ("cuda", "sm_90", "CUDA",
                                                                                               "12.8", 2)
+
+
+def test_a_cpu_tensor_on_a_gpu_machine_is_a_cpu_job(monkeypatch):
+    simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("NVIDIA H200", 9, 0))
+    assert detect().kind == "cuda"
+    for device in ("cpu", torch.device("cpu"), "meta"):
+        info = platform_for(device)
+        assert (info.kind, info.arch, info.device_count) == ("cpu", None, 0)
+    assert platform_for("cuda:0").kind == "cuda"
+
+
+def test_detection_asks_torch_cuda_before_torch_npu(monkeypatch):
+    """A GPU machine that also has torch_npu installed is a GPU machine, and detection does not query the NPU."""
+    simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("NVIDIA H200", 9, 0))
+
+    def asked():
+        raise AssertionError("detect() queried torch_npu on a machine whose torch.cuda has a device")
+
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(device_count=asked), raising=False)
+    info = detect()
+    assert (info.kind, info.arch, info.notes) == ("cuda", "sm_90", ())
 
 
 def test_a_cuda_build_without_a_visible_device_is_cpu_with_a_note(monkeypatch):

@@ -115,6 +115,15 @@ def test_automatic_choice_on_cuda_with_a_refused_plugin_falls_back_naming_its_re
     assert "gpu: the driver is too old" in caplog.text  # logged as a warning off CPU
 
 
+def test_the_graph_backend_fallback_names_every_refused_plugin(monkeypatch):
+    install_probes(monkeypatch, first=lambda: spec("first", "cuda", ("the driver is too old",), priority=90),
+                   second=lambda: spec("second", "cuda", ("the runtime is missing",), priority=10))
+    selected = choose_backend(platform=platform_of("cuda"))
+    assert selected.spec.name == "cpu"
+    assert "first: the driver is too old" in selected.reason
+    assert "second: the runtime is missing" in selected.reason
+
+
 def test_automatic_choice_prefers_the_highest_priority_available_backend(monkeypatch):
     install_probes(monkeypatch,
                    low=lambda: spec("low", "cuda", priority=10),

@@ -1,4 +1,4 @@
-"""The Qwen3-Omni image tower against transformers' encoder: outputs, names, loading, metadata, sync-freedom."""
+"""The Qwen3-Omni image tower against transformers' encoder: outputs, names, config, loading, metadata, sync-freedom."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from hwgraph.models.qwen3_omni import (
     from_pretrained,
     preset_config,
 )
+from hwgraph.models.qwen3_omni.config import vision_config_from_dict
 from hwgraph.models.qwen3_omni.reference import as_vision_output, reference_encoder, run_reference
 from hwgraph.models.qwen3_omni.tower import OVERLAP_MAX_ROWS
 
@@ -179,6 +180,56 @@ def test_reference_output_adapter_reads_objects_and_tuples():
         as_vision_output(merged)
 
 
+def test_a_configured_rope_theta_is_used_as_transformers_uses_it():
+    config = preset_config("tiny", rope_parameters={"rope_type": "axial", "rope_theta": 100.0})
+    torch.manual_seed(0)
+    tower = perturbed(Qwen3OmniVisionTower(config, attention=masked_attention))
+    grid = [(1, 8, 12)]
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        assert_same_output(tower(pixels, grid), run_reference(reference_encoder(tower), pixels, grid))
+
+
+def test_bfloat16_position_embedding_blend_equals_transformers_bit_for_bit():
+    """transformers blends the bf16 table rows with float32 weights (float32 products and sum), then rounds once.
+    The input of the first block's norm1 (patch embedding + position embedding) must match it exactly."""
+    torch.manual_seed(0)
+    tower = perturbed(Qwen3OmniVisionTower.from_preset("tiny", attention=masked_attention)).to(torch.bfloat16)
+    reference = reference_encoder(tower)
+    seen = {}
+    hooks = [module.blocks[0].norm1.register_forward_pre_hook(
+        lambda mod, args, name=name: seen.__setitem__(name, args[0].detach().clone()))
+        for name, module in (("ours", tower), ("theirs", reference))]
+    grid = [(1, 8, 12), (1, 20, 18)]
+    pixels = pixels_for(tower, grid)
+    try:
+        with torch.no_grad():
+            tower(pixels, grid)
+            run_reference(reference, pixels, grid)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen["ours"].dtype == torch.bfloat16
+    torch.testing.assert_close(seen["ours"], seen["theirs"], rtol=0, atol=0)
+
+
+def test_split_refuses_negative_token_counts():
+    out = VisionOutput(torch.zeros(6, 2), (torch.zeros(6, 2),))
+    with pytest.raises(ValueError, match=r"token counts \[-1, 4\]"):
+        out.split([-1, 4])
+
+
+def test_clone_copies_the_deepstack_features_too():
+    out = VisionOutput(torch.zeros(4, 2), (torch.zeros(4, 2), torch.ones(4, 2)))
+    copy = out.clone()
+    for original, cloned in zip(out.tensors(), copy.tensors(), strict=True):
+        assert cloned.data_ptr() != original.data_ptr()
+        torch.testing.assert_close(cloned, original, rtol=0, atol=0)
+    for t in out.tensors():
+        t.fill_(5.0)
+    assert not any((t == 5.0).any() for t in copy.tensors())
+
+
 # ---------------------------------------------------------------------------------------------- names and sizes
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_state_dict_names_and_shapes_equal_transformers(name):
@@ -221,6 +272,38 @@ def test_presets_and_config_checks():
     with pytest.raises(ValueError, match=r"deepstack_visual_indexes \[0, 4\]"):
         Qwen3OmniVisionTower.from_preset("tiny", deepstack_visual_indexes=[0, 4])
     assert Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[1]).num_deepstack == 1
+
+
+def test_duplicate_deepstack_indexes_are_refused():
+    with pytest.raises(ValueError, match=r"deepstack_visual_indexes \[1, 1\] must be distinct"):
+        Qwen3OmniVisionTower.from_preset("tiny", deepstack_visual_indexes=[1, 1])
+
+
+def test_a_config_json_with_non_axial_rope_is_refused_as_transformers_refuses_it():
+    config = vision_config_from_dict(dict(preset_config("tiny").to_dict(),
+                                          rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}))
+    with pytest.raises(ValueError, match="supports only axial rope"):
+        reference_encoder(config)
+    with pytest.raises(ValueError, match="only axial rope, got rope_type 'linear'"):
+        Qwen3OmniVisionTower(config)
+
+
+def test_a_full_or_thinker_config_object_builds_the_tower_of_its_vision_config():
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
+
+    vision = preset_config("tiny", depth=2, deepstack_visual_indexes=[1])
+    full = Qwen3OmniMoeConfig(thinker_config={"vision_config": vision.to_dict()})
+    for config in (full, full.thinker_config):
+        with torch.device("meta"):
+            tower = Qwen3OmniVisionTower(config)
+        assert tower.config.to_dict() == full.thinker_config.vision_config.to_dict()
+        assert len(tower.blocks) == 2 and tower.deepstack_visual_indexes == (1,)
+
+
+@pytest.mark.parametrize("fields", [{"depth": 2}, {"num_heads": 4}])
+def test_a_vision_only_config_needs_only_one_vision_field(fields):
+    config = vision_config_from_dict(fields)
+    assert all(getattr(config, k) == v for k, v in fields.items())
 
 
 # ---------------------------------------------------------------------------------------------- attention choice
@@ -340,6 +423,20 @@ def test_padded_forward_equals_unpadded_on_the_real_rows_and_copy_from_refills_s
         assert_same_output(tower.forward_with_metadata(pixels2, static), tower(pixels2, grid2))
     with pytest.raises(ValueError, match="does not match these static buffers"):
         static.copy_from(meta.padded(32, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int64])
+def test_integer_pixels_are_refused_not_cast(dtype):
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention=masked_attention)
+    with pytest.raises(ValueError, match=f"floating-point torch.Tensor.*of {dtype}"):
+        tower(torch.zeros(64, tower.patch_row_width, dtype=dtype), [(1, 8, 8)])
+
+
+def test_metadata_padded_with_sequence_slots_only_is_padded():
+    meta = Qwen3OmniVisionTower.from_preset("tiny").prepare_metadata([(1, 4, 4), (2, 2, 4)])
+    assert not meta.padded(meta.num_rows, meta.num_seqs).is_padded
+    slots_only = meta.padded(meta.num_rows, meta.num_seqs + 2)
+    assert slots_only.num_rows == meta.num_rows and slots_only.is_padded
 
 
 # ---------------------------------------------------------------------------------------------- sync-freedom
@@ -504,8 +601,6 @@ def test_float64_activations_take_the_exact_fallbacks_not_the_float32_kernels(mo
 
 
 def test_a_config_of_another_model_is_refused_naming_its_model_type():
-    from hwgraph.models.qwen3_omni.config import vision_config_from_dict
-
     other = {"model_type": "qwen2_5_omni", "thinker_config": {"vision_config": {
         "model_type": "qwen2_5_omni_vision_encoder", "depth": 2, "num_heads": 2}}}
     with pytest.raises(ValueError, match=r"vision config of model_type 'qwen2_5_omni_vision_encoder': this tower is "
@@ -526,3 +621,35 @@ def test_from_pretrained_takes_dtype_names_and_refuses_mixed_dtypes(tmp_path, so
     loaded = Qwen3OmniVisionTower.from_pretrained(write_checkpoint(tmp_path / "cast", mixed, vision),
                                                   dtype=torch.float32, attention=masked_attention)
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool])
+def test_from_pretrained_refuses_a_dtype_object_that_is_not_floating_point(tmp_path, source, dtype):
+    _, state, vision = source
+    folder = write_checkpoint(tmp_path / "ckpt", state, vision)
+    with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
+        from_pretrained(folder, dtype=dtype)
+
+
+def test_from_pretrained_reads_every_safetensors_file_of_a_folder_without_an_index(tmp_path, source):
+    tower, state, vision = source
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(vision))
+    names = sorted(state)
+    for i in range(3):
+        save_file({n: state[n] for n in names[i::3]}, str(folder / f"part-{i}.safetensors"))
+    loaded = from_pretrained(folder, attention=masked_attention)
+    grid = [(1, 4, 6)]
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        assert_same_output(loaded(pixels, grid), tower(pixels, grid), rtol=0, atol=0)
+
+
+def test_from_pretrained_prefers_the_most_specific_prefix_when_two_hold_the_whole_tower(tmp_path, source):
+    tower, state, vision = source
+    tensors = {f"thinker.visual.{k}": v for k, v in state.items()}
+    tensors.update((f"visual.{k}", torch.zeros_like(v)) for k, v in state.items())
+    loaded = from_pretrained(write_checkpoint(tmp_path / "ckpt", tensors, vision), attention=masked_attention)
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0)

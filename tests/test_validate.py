@@ -1,4 +1,5 @@
-"""``hwgraph validate`` on CPU: the report passes for the cpu backend and fails, naming the check, for a broken one."""
+"""``hwgraph validate`` on CPU: the report passes for the cpu backend and fails, naming the check, for a broken one;
+the result collector's outcomes, and the conformance run it starts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hwgraph.testing.results import suite_module
+from hwgraph.testing.results import ResultCollector, failing_checks, run_conformance, suite_module
 from hwgraph.validate import verdict
 
 STALE = Path(__file__).parent / "plugins" / "stale"
@@ -110,6 +111,58 @@ def test_the_generated_suite_module_names_backend_preset_and_kernels():
     assert "from hwgraph.testing.suite import *" in text
     assert "HWGRAPH_BACKEND = 'rocm'" in text and "HWGRAPH_ATTENTION = ('TRITON_ATTN',)" in text
     assert "HWGRAPH_DTYPE = 'bfloat16'" in text
+
+
+def report(nodeid, when, outcome, longrepr=None, duration=0.25):
+    return pytest.TestReport(nodeid, ("m.py", 1, nodeid), {}, outcome, longrepr, when, duration=duration)
+
+
+def test_the_collector_reports_skips_with_their_reason_and_setup_or_teardown_failures_as_errors():
+    collector = ResultCollector()
+    skipped_case = "m.py::TestCapture::test_x[cpu-TRITON_ATTN-float32]"
+    reason = "attention kernel TRITON_ATTN is unavailable: on CPU TRITON_ATTN runs only under the Triton interpreter"
+    events = [
+        report(skipped_case, "setup", "skipped", ("m.py", 149, f"Skipped: {reason}")),
+        report(skipped_case, "teardown", "passed"),
+        report("m.py::T::broken_fixture", "setup", "failed", "RuntimeError: capture failed"),
+        report("m.py::T::broken_fixture", "teardown", "passed"),
+        report("m.py::T::leaks", "setup", "passed"),
+        report("m.py::T::leaks", "call", "passed"),
+        report("m.py::T::leaks", "teardown", "failed", "AssertionError: pool not released"),
+        report("m.py::T::wrong", "setup", "passed"),
+        report("m.py::T::wrong", "call", "failed", "AssertionError: not close"),
+        report("m.py::T::ok", "setup", "passed"),
+        report("m.py::T::ok", "call", "passed"),
+    ]
+    for event in events:
+        collector.pytest_runtest_logreport(event)
+    got = {r.check: (r.outcome, r.message) for r in collector.results.values()}
+    assert got == {
+        "TestCapture::test_x[cpu-TRITON_ATTN-float32]": ("skipped", reason),
+        "T::broken_fixture": ("error", "RuntimeError: capture failed"),
+        "T::leaks": ("error", "teardown: AssertionError: pool not released"),
+        "T::wrong": ("failed", "AssertionError: not close"),
+        "T::ok": ("passed", ""),
+    }
+    assert collector.counts() == {"passed": 1, "failed": 1, "error": 2, "skipped": 1}
+    results = {"results": [r.as_dict() for r in collector.results.values()]}
+    assert [r["check"] for r in failing_checks(results)] == ["T::broken_fixture", "T::leaks", "T::wrong"]
+
+
+def test_run_conformance_runs_the_explicit_backend_without_the_environments_narrowing(tmp_path, monkeypatch):
+    """``hwgraph validate --backend cpu`` with HWGRAPH_TEST_BACKENDS=rocm left in the environment must still run the
+    cpu cases (not skip them all as excluded), and leave the variable as it found it."""
+    seen = []
+
+    def main(args, plugins=()):
+        seen.append(os.environ.get("HWGRAPH_TEST_BACKENDS"))
+        return 0
+
+    monkeypatch.setenv("HWGRAPH_TEST_BACKENDS", "rocm")
+    monkeypatch.setattr(pytest, "main", main)
+    result = run_conformance(tmp_path, "cpu", "tiny")
+    assert seen == [None] and result["exit_code"] == 0
+    assert os.environ["HWGRAPH_TEST_BACKENDS"] == "rocm"
 
 
 class FakeTerminal:

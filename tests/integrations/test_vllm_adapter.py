@@ -1,5 +1,6 @@
 """vLLM 0.33 integration on CPU: the adapter against vLLM's installed protocol, the single-replay manager's decisions
-and outputs. Runs in .venv-vllm (ci/test.sh vllm); the default CPU run has no vllm and skips this module.
+and outputs, the install hook, and the version check. Runs in .venv-vllm (ci/test.sh vllm); the default CPU run has
+no vllm and skips this module.
 
 vLLM's manager reads only a few config fields (compilation, multimodal, parallel, scheduler); building a real
 ``VllmConfig`` would need a Hugging Face model config, so the real sub-configs are assembled in a namespace.
@@ -11,6 +12,7 @@ import inspect
 import re
 import subprocess
 import sys
+import types
 from types import SimpleNamespace
 
 import numpy as np
@@ -77,6 +79,23 @@ def captured(adapter):
 def manager(captured):
     captured.reset_stats()  # captured once per module; each test counts from zero
     return captured
+
+
+def manager_whose_first_capture_fails(adapter, monkeypatch):
+    """A manager of BUDGETS on the cpu backend, captured once; the first capture (the largest budget) raised."""
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
+                                               graph_backend="cpu")
+    real, calls = m.backend.capture, []
+
+    def capture(fn, pool=None):
+        calls.append(fn)
+        if len(calls) == 1:  # the first capture is the largest budget
+            raise RuntimeError("simulated capture failure")
+        return real(fn, pool)
+
+    monkeypatch.setattr(m.backend, "capture", capture)
+    m.capture(graph_pool=None)
+    return m
 
 
 def tokens_of(grid):
@@ -153,6 +172,11 @@ def test_budget_range_starts_at_the_smallest_image_and_respects_the_scheduler(to
     assert wide.get_encoder_cudagraph_budget_range(vllm_config()) == (16, 1024)
     with pytest.raises(ValueError, match="min_token_budget"):
         hv.Qwen3OmniEncoderCudaGraphAdapter(tower, min_token_budget=128, max_token_budget=64)
+
+
+def test_the_budget_range_never_ends_below_its_start_under_a_small_scheduler_budget(adapter):
+    small = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=32))  # below the 64 minimum
+    assert adapter.get_encoder_cudagraph_budget_range(small) == (64, 64)
 
 
 @pytest.mark.parametrize("name, value", [("min_token_budget", 64.5), ("min_token_budget", True),
@@ -243,6 +267,20 @@ def test_capture_inputs_and_forward_have_the_budget_shapes(tower, adapter, budge
     with torch.inference_mode():
         out = adapter.encoder_cudagraph_forward({**v, "pixel_values": v["pixel_values"].float()})
     assert out.shape == (budget, adapter.out_hidden_size) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_the_captured_forward_keeps_the_budgets_patch_rows_as_max_seqlen(tower, adapter, monkeypatch, budget):
+    """One image may fill the budget, so the host ``max_seqlen`` every replay keeps is the buffer's patch-row count
+    (flash kernels size their grid by it); the merged-token count would cut that image's attention short."""
+    seen = []
+    real = tower.forward_with_metadata
+    monkeypatch.setattr(tower, "forward_with_metadata",
+                        lambda pixels, metadata: (seen.append(metadata.max_seqlen), real(pixels, metadata))[1])
+    values = adapter.prepare_encoder_cudagraph_capture_inputs(budget, MAX_ITEMS, MAX_ITEMS, CPU, torch.float32).values
+    with torch.inference_mode():
+        adapter.encoder_cudagraph_forward(values)
+    assert seen == [budget * adapter.merge_area] and type(seen[0]) is int
 
 
 def test_replay_buffers_are_the_unpadded_host_metadata(tower, adapter):
@@ -387,18 +425,7 @@ def test_adapter_also_serves_vllms_greedy_packing(tower, adapter, manager):
 
 
 def test_a_failed_capture_leaves_that_budget_eager(tower, adapter, monkeypatch):
-    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
-                                               graph_backend="cpu")
-    real, calls = m.backend.capture, []
-
-    def capture(fn, pool=None):
-        calls.append(fn)
-        if len(calls) == 1:  # the first capture is the largest budget
-            raise RuntimeError("simulated capture failure")
-        return real(fn, pool)
-
-    monkeypatch.setattr(m.backend, "capture", capture)
-    m.capture(graph_pool=None)
+    m = manager_whose_first_capture_fails(adapter, monkeypatch)
     assert m.captured_budgets() == [64, 128] and "simulated" in m.capture_failures[256]
     kwargs = mm_kwargs(tower, [(1, 16, 32), (1, 8, 8)], seed=3)  # 144 tokens: only the failed 256 would hold it
     assert_matches_eager(adapter, m.execute(kwargs), eager_per_image(tower, kwargs))
@@ -407,6 +434,17 @@ def test_a_failed_capture_leaves_that_budget_eager(tower, adapter, monkeypatch):
     oversized = mm_kwargs(tower, [(1, 40, 40)])  # 400 tokens: no configured budget holds it
     assert m.decide(adapter.get_encoder_cudagraph_item_specs(oversized)).reason == "over budget"
     m.clear()
+
+
+def test_a_group_of_exactly_a_failed_budgets_size_is_reported_as_a_capture_failure(adapter, monkeypatch):
+    m = manager_whose_first_capture_fails(adapter, monkeypatch)
+    try:
+        assert m.captured_budgets() == [64, 128] and list(m.capture_failures) == [256]
+        kwargs = {"pixel_values": torch.zeros(1024, adapter.tower.patch_row_width), "image_grid_thw": [(1, 32, 32)]}
+        decision = m.decide(adapter.get_encoder_cudagraph_item_specs(kwargs))  # 256 tokens: the failed budget holds it
+        assert (decision.budget, decision.reason) == (None, "capture failed")
+    finally:
+        m.clear()
 
 
 def test_capture_failures_are_those_of_the_last_capture(tower, adapter, monkeypatch):
@@ -513,6 +551,39 @@ def test_install_swaps_the_class_vllm_runners_build_and_undoes_it():
     assert not issubclass(upstream.EncoderCudaGraphManager, hv.SingleReplayEncoderCudaGraphManager)
 
 
+def test_install_also_rewires_vllms_v2_model_state_and_undo_restores_it(monkeypatch):
+    """vLLM 0.33's v2 model state binds EncoderCudaGraphManager at import: an already imported one is patched too."""
+    name = "vllm.v1.worker.gpu.model_states.interface"
+    v2 = types.ModuleType(name)
+    v2.EncoderCudaGraphManager = upstream.EncoderCudaGraphManager
+    monkeypatch.setitem(sys.modules, name, v2)
+    undo = hv.install_single_replay_manager()
+    try:
+        assert v2.EncoderCudaGraphManager is hv.SingleReplayEncoderCudaGraphManager
+        assert upstream.EncoderCudaGraphManager is hv.SingleReplayEncoderCudaGraphManager
+    finally:
+        undo()
+    assert v2.EncoderCudaGraphManager is upstream.EncoderCudaGraphManager
+    assert not issubclass(upstream.EncoderCudaGraphManager, hv.SingleReplayEncoderCudaGraphManager)
+
+
+def test_undo_also_restores_vllms_v2_model_state_imported_after_install(monkeypatch):
+    """Imported after install, the v2 model state binds the installed class from the defining module; undo must put
+    upstream's back there too, or vLLM's v2 runner keeps building the single-replay manager."""
+    name = "vllm.v1.worker.gpu.model_states.interface"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    undo = hv.install_single_replay_manager()
+    try:
+        v2 = types.ModuleType(name)
+        v2.EncoderCudaGraphManager = upstream.EncoderCudaGraphManager  # what its import binds now
+        monkeypatch.setitem(sys.modules, name, v2)
+        assert v2.EncoderCudaGraphManager is hv.SingleReplayEncoderCudaGraphManager
+    finally:
+        undo()
+    assert v2.EncoderCudaGraphManager is upstream.EncoderCudaGraphManager
+    assert not issubclass(v2.EncoderCudaGraphManager, hv.SingleReplayEncoderCudaGraphManager)
+
+
 # ------------------------------------------------------------------------------------------------ versions, imports
 @pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.1.dev3+gabc123", "0.33.0+cu130",
                                      "0.33.0rc1", "0.33.0.dev5", "0.33.0.dev0", "0.33.0.post1"])
@@ -535,6 +606,13 @@ def test_an_unsupported_version_can_be_tried_on_purpose(monkeypatch, caplog):
     assert hv.check_vllm_version("0.34.0") == Version("0.34.0")
     assert "supports vllm" in caplog.text
     assert hv.VLLM_VERSION.release[:2] == (0, 33)
+
+
+@pytest.mark.parametrize("value", ["0", "true", "yes"])
+def test_only_the_documented_value_opts_in_to_an_unsupported_vllm(monkeypatch, value):
+    monkeypatch.setenv(hv.ALLOW_UNSUPPORTED_ENV, value)
+    with pytest.raises(hv.UnsupportedVllmError, match=rf"set {hv.ALLOW_UNSUPPORTED_ENV}=1"):
+        hv.check_vllm_version("0.34.0")
 
 
 def test_the_manager_module_imports_on_its_own_and_is_the_one_the_integration_reexports():

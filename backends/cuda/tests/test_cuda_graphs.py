@@ -1,24 +1,33 @@
-"""CUDA graph capture and replay on a real GPU (skipped, with the reason, elsewhere)."""
+"""CUDA graph capture and replay: on a real GPU (the ``cuda`` tests, skipped with the reason elsewhere), and the host
+side of the shared ``torch.cuda`` backend (``hwgraph.graphs.torch_cuda``, as the CUDA and ROCm plugins take it) on the
+CPU: a released graph never replays; the sync guard turns the runtime's sync error into ``HostSyncError``; a capture
+uses the caller's pool, the backend's device (its stream, memory, synchronisation and pool routing after a failure)
+and lets Ctrl-C through; ROCm warms up one run more and catches a replay that disagrees with eager.
+
+On the CPU the device runtime is a fake namespace (``FakeRuntime``) handed to a subclass of the backend (``on``), and
+every tensor is a CPU tensor.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hwgraph_cuda.graphs import CudaGraphBackend
+from hwgraph_rocm.graphs import RocmGraphBackend
 
+from hwgraph.capability import Capability
 from hwgraph.graphs import CaptureError, HostSyncError
+from hwgraph.graphs.torch_cuda import TorchCudaCapturedGraph, TorchCudaGraphBackend
 from hwgraph.profiling import replay_activities
-
-pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture
 def backend():
-    from hwgraph_cuda.graphs import CudaGraphBackend
-
     return CudaGraphBackend()
 
 
@@ -34,6 +43,7 @@ def forward(x, weight):
     return torch.relu(x @ weight) * 2 + 1
 
 
+@pytest.mark.cuda
 def test_replay_after_copying_new_input_reflects_it(backend, buffers):
     x, weight = buffers
     graph = backend.capture(lambda: forward(x, weight))
@@ -44,6 +54,7 @@ def test_replay_after_copying_new_input_reflects_it(backend, buffers):
     torch.testing.assert_close(graph.outputs, forward(new, weight))
 
 
+@pytest.mark.cuda
 def test_replay_without_copying_returns_the_old_answer(backend, buffers):
     x, weight = buffers
     graph = backend.capture(lambda: forward(x, weight))
@@ -57,6 +68,7 @@ def test_replay_without_copying_returns_the_old_answer(backend, buffers):
     assert not torch.allclose(graph.outputs, forward(not_copied, weight))
 
 
+@pytest.mark.cuda
 def test_outputs_are_the_same_memory_across_replays(backend, buffers):
     x, weight = buffers
     graph = backend.capture(lambda: (forward(x, weight), x.sum(dim=1)))
@@ -67,6 +79,7 @@ def test_outputs_are_the_same_memory_across_replays(backend, buffers):
     assert [t.data_ptr() for t in graph.outputs] == pointers
 
 
+@pytest.mark.cuda
 def test_graphs_captured_into_one_pool_replay_independently(backend, buffers):
     x, weight = buffers
     pool = backend.new_pool()
@@ -79,6 +92,7 @@ def test_graphs_captured_into_one_pool_replay_independently(backend, buffers):
     assert torch.all(double.outputs == 6.0) and torch.all(shifted.outputs == 4.0)
 
 
+@pytest.mark.cuda
 def test_a_capture_that_syncs_with_the_host_fails_and_leaves_the_device_usable(backend, buffers):
     x, weight = buffers
     x.fill_(1.0)
@@ -95,6 +109,7 @@ def test_a_capture_that_syncs_with_the_host_fails_and_leaves_the_device_usable(b
     torch.testing.assert_close(graph.outputs, forward(x, weight))
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("host_read", [
     pytest.param(lambda t: t.sum().item(), id="item"),
     pytest.param(lambda t: t.cpu(), id="cpu"),
@@ -111,6 +126,7 @@ def test_sync_guard_raises_on_host_reads_of_device_tensors(backend, host_read):
     assert doubled.sum().item() == 16.0
 
 
+@pytest.mark.cuda
 def test_memory_in_use_grows_on_capture_and_drops_after_release(backend):
     big = torch.randn(1024, 1024, device=backend.device)
     nbytes = big.numel() * big.element_size()
@@ -129,6 +145,7 @@ def test_memory_in_use_grows_on_capture_and_drops_after_release(backend):
     assert after <= during - nbytes
 
 
+@pytest.mark.cuda
 def test_a_released_graph_refuses_to_replay(backend, buffers):
     x, _ = buffers
     graph = backend.capture(lambda: x + 1)
@@ -142,12 +159,11 @@ def memsets_in_replay(graph) -> int:
     return sum("Memset" in e.name for e in replay_activities(graph))
 
 
+@pytest.mark.cuda
 def test_capture_takes_cublaslt_kernels_without_workspace_memsets(backend, monkeypatch):
     """The tower's qkv product at 4096 rows: captured with the process's cuBLASLt workspace, the graph zeroes the
     kernel's tile counter with a memset before it (on the H200); captured by the plugin (``capture_environment``),
     it has no memset, and the product equals the eager one (default workspace) bit for bit."""
-    from hwgraph_cuda.graphs import CudaGraphBackend
-
     monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
     torch.manual_seed(0)
     x = torch.randn(4096, 1152, device=backend.device, dtype=torch.bfloat16)
@@ -166,3 +182,267 @@ def test_capture_takes_cublaslt_kernels_without_workspace_memsets(backend, monke
     backend.synchronize()
     assert torch.equal(graph.outputs, fn())
     assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+
+
+# ---------------------------------------------------------------- the host side on a fake torch.cuda namespace (CPU)
+
+
+class FakeStream:
+    def __init__(self, name: str, device, runtime: FakeRuntime):
+        self.name, self.device, self.runtime = name, device, runtime
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.runtime.events.append(f"{self.name} waits for {other.name}")
+
+
+class FakeGraph:
+    """Replays nothing: its outputs keep what the capture computed."""
+
+    def __init__(self, runtime: FakeRuntime):
+        self.runtime, self.replays, self.was_reset = runtime, 0, False
+
+    def capture_begin(self, pool=None):
+        self.runtime.capturing = True
+
+    def capture_end(self):
+        self.runtime.capturing = False
+
+    def replay(self):
+        self.replays += 1
+
+    def reset(self):
+        self.was_reset = True
+
+
+class FakeGraphContext:
+    """As ``torch.cuda.graph``: switches to the capture stream and begins; on exit ends, then switches back."""
+
+    def __init__(self, runtime, graph, pool, stream):
+        self.runtime, self.graph, self.pool, self.stream = runtime, graph, pool, stream
+
+    def __enter__(self):
+        self.runtime.pools_captured_into.append(self.pool)
+        self.previous, self.runtime.current = self.runtime.current, self.stream
+        self.graph.capture_begin(self.pool)
+
+    def __exit__(self, *exc):
+        self.graph.capture_end()
+        self.runtime.current = self.previous
+
+
+class FakeRuntime:
+    """Stands in for ``torch.cuda`` with ``count`` devices, recording the devices the backend names."""
+
+    def __init__(self, count: int = 2):
+        self.count, self.events, self.capturing = count, [], False
+        self.default = self.current = FakeStream("default", None, self)
+        self.streams, self.graphs, self.pools_captured_into, self.synchronized = [], [], [], []
+        self.debug_mode, self.pools_made = 0, 0
+
+    def device_count(self):
+        return self.count
+
+    def current_device(self):
+        return 0
+
+    def Stream(self, device=None):  # noqa: N802 (torch's spelling)
+        self.streams.append(FakeStream(f"side{len(self.streams) + 1}", device, self))
+        return self.streams[-1]
+
+    def current_stream(self):
+        return self.current
+
+    def set_stream(self, stream):
+        self.current = stream
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    @contextlib.contextmanager
+    def device(self, device):
+        yield
+
+    def synchronize(self, device=None):
+        self.synchronized.append(device)
+
+    def memory_reserved(self, device=None):
+        index = 0 if device is None else torch.device(device).index
+        return 1000 * (index + 1)
+
+    def is_current_stream_capturing(self):
+        return self.capturing
+
+    def graph_pool_handle(self):
+        self.pools_made += 1
+        return ("pool", self.pools_made)
+
+    def CUDAGraph(self):  # noqa: N802 (torch's spelling)
+        self.graphs.append(FakeGraph(self))
+        return self.graphs[-1]
+
+    def graph(self, graph, pool=None, stream=None):
+        return FakeGraphContext(self, graph, pool, stream)
+
+    def set_sync_debug_mode(self, mode):
+        self.debug_mode = {"default": 0, "warn": 1, "error": 2}.get(mode, mode)
+
+    def get_sync_debug_mode(self):
+        return self.debug_mode
+
+
+@pytest.fixture
+def runtime():
+    return FakeRuntime()
+
+
+def on(fake: FakeRuntime, base: type = TorchCudaGraphBackend) -> type:
+    """``base`` with ``fake`` as its runtime namespace (devices stay of type "cuda")."""
+    return type(f"Fake{base.__name__}", (base,), {"name": "fake", "runtime": classmethod(lambda cls: fake),
+                                                  "capability": classmethod(lambda cls, device=None: Capability())})
+
+
+def test_a_released_graph_refuses_to_replay_and_its_graph_is_not_replayed(runtime):
+    graph = FakeGraph(runtime)
+    captured = TorchCudaCapturedGraph(graph, torch.ones(2))
+    captured.replay()
+    captured.release()
+    assert graph.was_reset and captured.outputs is None
+    with pytest.raises(RuntimeError, match="replay\\(\\) of a released graph"):
+        captured.replay()
+    assert graph.replays == 1
+
+
+class Syncing(torch.Tensor):
+    """A tensor whose ``item()`` fails as a CUDA tensor's does under ``set_sync_debug_mode("error")``."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.item:
+            raise RuntimeError("called a synchronizing CUDA operation")
+        if func is torch.Tensor.tolist:
+            raise RuntimeError("another failure")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_the_sync_guard_turns_the_runtimes_sync_error_into_a_host_sync_error_and_restores_the_mode(runtime):
+    backend = on(runtime)("cuda:0")
+    runtime.debug_mode = 1
+    tensor = torch.ones(2).as_subclass(Syncing)
+    with backend.sync_guard():
+        assert runtime.debug_mode == 2
+        with pytest.raises(HostSyncError, match="item\\(\\) inside sync_guard\\(\\) synchronised the device"):
+            tensor.item()
+        with pytest.raises(RuntimeError, match="another failure") as other:  # any other error passes through
+            tensor.tolist()
+        assert not isinstance(other.value, HostSyncError)
+    assert runtime.debug_mode == 1
+
+
+def test_a_capture_goes_into_the_callers_pool(runtime):
+    backend = on(runtime)("cuda:0")
+    pool = object()
+    x = torch.ones(2)
+    backend.capture(lambda: x + 1, pool)
+    backend.capture(lambda: x + 2, pool)
+    assert runtime.pools_captured_into == [pool, pool] and runtime.pools_made == 0
+    backend.capture(lambda: x + 3)  # none given: a new one
+    assert runtime.pools_captured_into[-1] == ("pool", 1)
+
+
+def test_each_device_has_its_own_capture_stream_made_on_it_and_shared_by_its_backends(runtime):
+    backend_class, x = on(runtime), torch.ones(2)
+    backend_class("cuda:0").capture(lambda: x + 1)
+    backend_class("cuda:1").capture(lambda: x + 1)
+    backend_class("cuda:1").capture(lambda: x + 2)
+    assert [s.device for s in runtime.streams] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+def test_memory_and_synchronisation_are_the_backends_devices(runtime):
+    backend = on(runtime)("cuda:1")
+    assert backend.memory_in_use() == 2000  # memory_reserved of cuda:1, not of the current device
+    backend.synchronize()
+    assert runtime.synchronized == [torch.device("cuda", 1)]
+
+
+def test_a_failed_capture_ends_the_allocators_routing_into_the_pool_on_the_backends_device(runtime, monkeypatch):
+    ended = []
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda index, pool: ended.append((index, pool)),
+                        raising=False)
+    backend, pool = on(runtime)("cuda:1"), object()
+
+    def fails_in_capture():
+        if runtime.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return torch.ones(2)
+
+    with pytest.raises(CaptureError, match="operation not permitted"):
+        backend.capture(fails_in_capture, pool)
+    assert ended == [(1, pool)]
+    assert runtime.current is runtime.default and runtime.graphs[-1].was_reset
+
+
+def assert_ctrl_c_in_a_capture_stays_ctrl_c(backend, runtime):
+    """A capture whose function is interrupted (Ctrl-C) while captured raises KeyboardInterrupt, not a CaptureError,
+    and leaves the default stream current."""
+
+    def interrupted():
+        if runtime.capturing:
+            raise KeyboardInterrupt
+        return torch.ones(2)
+
+    with pytest.raises(KeyboardInterrupt):
+        backend.capture(interrupted)
+    assert runtime.current is runtime.default
+
+
+def test_ctrl_c_during_a_capture_is_not_turned_into_a_capture_error(runtime):
+    assert_ctrl_c_in_a_capture_stays_ctrl_c(on(runtime)("cuda:0"), runtime)
+    assert not runtime.capturing
+
+
+def test_ctrl_c_stays_ctrl_c_when_ending_the_interrupted_capture_fails_too(runtime, monkeypatch):
+    """``torch.cuda.graph.__exit__`` ends the capture whatever the body raised, and that can raise as well; the
+    manager treats a ``CaptureError`` as one failed budget and goes on, so Ctrl-C must not become one."""
+    backend = on(runtime)("cuda:0")
+
+    def failing_end(graph):
+        runtime.capturing = False
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(FakeGraph, "capture_end", failing_end)
+    assert_ctrl_c_in_a_capture_stays_ctrl_c(backend, runtime)
+    with pytest.raises(CaptureError, match=r"capture failed: ValueError: bad \(ending the capture then failed too: "
+                                           r"RuntimeError: operation failed"):
+        backend.capture(lambda: (_ for _ in ()).throw(ValueError("bad")) if runtime.capturing else torch.ones(2))
+
+
+@pytest.mark.parametrize("returned", [3, {"x": torch.ones(2)}, None])
+def test_a_capture_that_returns_no_tensors_is_refused_and_its_graph_reset(runtime, returned):
+    backend = on(runtime)("cuda:0")
+    with pytest.raises(CaptureError, match="must return tensors"):
+        backend.capture(lambda: returned)  # refused by the warm-up: nothing captured
+    assert runtime.graphs == []
+    with pytest.raises(CaptureError, match="must return tensors"):
+        backend.capture(lambda: returned if runtime.capturing else torch.ones(2))
+    assert runtime.graphs[-1].was_reset
+
+
+def test_rocm_warms_up_one_run_more_than_cuda_and_refuses_a_capture_whose_replay_disagrees_with_eager(runtime):
+    calls = []
+
+    def counting():
+        calls.append(runtime.capturing)
+        return torch.full((2,), float(len(calls)))  # the fake graph's replay keeps the captured value
+
+    on(runtime, CudaGraphBackend)("cuda:0").capture(counting)
+    assert calls == [False] * TorchCudaGraphBackend.warmup_runs + [True]
+    calls.clear()
+    with pytest.raises(CaptureError, match="pytorch#155684"):
+        on(runtime, RocmGraphBackend)("cuda:0").capture(counting)
+    assert calls[: TorchCudaGraphBackend.warmup_runs + 2] == [False] * (TorchCudaGraphBackend.warmup_runs + 1) + [True]
+    assert runtime.graphs[-1].was_reset and runtime.graphs[-1].replays == 1

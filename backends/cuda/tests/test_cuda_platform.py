@@ -1,4 +1,5 @@
-"""The cuda plugin's gate and selection: refused here (CPU-only torch) with reasons, chosen on a simulated GPU."""
+"""The cuda plugin's gate and selection: refused here (CPU-only torch) with reasons, chosen on a simulated GPU; the
+torch versions the shared ``torch.cuda`` backend accepts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from hwgraph_cuda.graphs import CudaGraphBackend
 from hwgraph_cuda.platform import attention_kernels, gate, probe
 
+from hwgraph.graphs.torch_cuda import torch_build, torch_version_capability
 from hwgraph.platform import PlatformInfo, detect
 from hwgraph.registry import SelectionError, choose_backend, create_backend
 from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
@@ -35,6 +37,12 @@ def test_refused_on_a_rocm_build_pointing_at_the_rocm_backend(monkeypatch):
     assert gate(detect()).reasons == ("torch is a ROCm (HIP 6.2.41133) build: use the rocm backend",)
 
 
+def test_a_rocm_build_that_also_names_a_cuda_version_is_rocm_to_the_cuda_gate(monkeypatch):
+    simulate_gpu(monkeypatch, cuda="12.8", hip="6.4.0", props=DeviceProperties("MI250X", 9, 0, "gfx90a:sramecc+"))
+    assert torch_build() == ("rocm", "6.4.0")
+    assert gate(detect()).reasons == ("torch is a ROCm (HIP 6.4.0) build: use the rocm backend",)
+
+
 def test_refused_on_an_ascend_machine_without_advice_to_replace_torch():
     # torch_npu runs on a CPU build of torch: "install a CUDA build of torch" would break it.
     ascend = PlatformInfo("npu", "Ascend910B3", "Ascend910B3", torch.__version__, "CANN", "8.3.RC1", 1)
@@ -58,6 +66,19 @@ def test_torch_versions_compare_as_versions(version, ok):
         assert cap.reasons == (f"the cuda graph backend needs torch >= 2.10, found {version}; upgrade torch",)
 
 
+@pytest.mark.parametrize("found", [None, "", "unknown"])
+def test_an_unknown_torch_version_is_refused(found):
+    cap = torch_version_capability("cuda", found)
+    assert not cap.ok and "needs torch >= 2.10" in cap.describe()
+
+
+@pytest.mark.parametrize(("found", "ok"), [("2.10.0a0+ecf3bae40a.nv25.11", True), ("2.10.0.dev20250901", True),
+                                           ("2.10.1", True), ("2.9.1", False), ("2.9.0a0+git1234", False)])
+def test_pre_releases_of_the_minimum_torch_count_as_it(found, ok):
+    """NVIDIA's containers ship torch as ``2.10.0a0+<commit>.nv<yy.mm>``; vLLM's own check counts them as 2.10."""
+    assert torch_version_capability("cuda", found).ok is ok
+
+
 def test_chosen_automatically_on_a_simulated_cuda_gpu(monkeypatch):
     simulate_gpu(monkeypatch, cuda="12.8", props=H200)
     selected = choose_backend()
@@ -69,6 +90,12 @@ def test_a_device_index_that_does_not_exist_is_refused(monkeypatch):
     simulate_gpu(monkeypatch, cuda="12.8", props=H200)
     assert CudaGraphBackend.capability("cuda:3").reasons == ("cuda:3 does not exist: 1 device(s) are visible",)
     assert "captures on cuda devices" in CudaGraphBackend.capability("cpu").describe()
+
+
+def test_a_device_index_equal_to_the_device_count_does_not_exist(monkeypatch):
+    simulate_gpu(monkeypatch, cuda="12.8", count=1, props=H200)
+    assert CudaGraphBackend.capability("cuda:0").ok
+    assert CudaGraphBackend.capability("cuda:1").reasons == ("cuda:1 does not exist: 1 device(s) are visible",)
 
 
 def test_the_probe_describes_the_backend_without_loading_it():

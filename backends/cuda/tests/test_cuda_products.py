@@ -1,5 +1,8 @@
 """Measured cuBLASLt products (``hwgraph_cuda.products``): refused with reasons off CUDA; on a GPU equal to ATen's
-products, captured and replayed right, measured once per shape and never inside a capture."""
+products, captured and replayed right, measured once per shape and never inside a capture.
+
+Off the GPU, with a fake cuBLASLt and faked device queries: the cache, the chooser's choices per GPU model, library,
+shape, dtype and epilogue, the operands it takes, its accuracy bound, and what measuring keeps and times."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hwgraph_cuda import products as lt
+from hwgraph_cuda.graphs import CudaGraphBackend
 
 from hwgraph.manager import EncoderGraphManager, relative_error
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
@@ -407,6 +411,218 @@ def test_the_sweep_ranks_configurations_by_their_calls_time_and_sweeps_late_chun
         assert again and again[0] >= lt.SWEEP_CHUNK
     else:  # its sleep (2.56 ms of the fake clock) outlasts launching 64 fake configurations (128 µs of host time)
         assert not again or again[0] < lt.SWEEP_CHUNK
+
+
+def test_the_cuda_backends_product_chooser_is_its_devices(monkeypatch):
+    asked = []
+    monkeypatch.setattr(lt, "measured_products", lambda index: asked.append(index) or f"chooser {index}")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert CudaGraphBackend("cuda:1").product_chooser() == "chooser 1"
+    assert asked == [1]
+
+
+class FakeLt:
+    """The few cuBLASLt calls the chooser makes besides ``LtProduct``'s: a handle, the version, and no
+    configuration attributes (``config_value`` reads -1)."""
+
+    def __init__(self, version: int = 120805):
+        self.version = version
+
+    def cublasLtCreate(self, handle):
+        return 0
+
+    def cublasLtGetVersion(self):
+        return self.version
+
+    def cublasLtMatmulAlgoConfigGetAttribute(self, *args):
+        return 7
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """torch.cuda's device queries for the chooser's constructor; the GPU's name is ``fake_gpu.name``."""
+    gpu = SimpleNamespace(name="NVIDIA H200", capturing=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu.name)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: gpu.capturing)
+    return gpu
+
+
+def chooser_on(path, lib=None, device=torch.device("cpu")) -> lt.MeasuredProducts:
+    """A ``MeasuredProducts`` built by its constructor, on a fake cuBLASLt (``FakeLt``); needs ``fake_gpu``."""
+    return lt.MeasuredProducts(lib or FakeLt(), device, path)
+
+
+def test_a_choice_is_recalled_only_on_the_same_gpu_model_and_cublaslt(tmp_path, fake_gpu):
+    path, label = tmp_path / "c.json", "1024 x 4304 -> 1152 (torch.bfloat16)"
+    entry = lt.Choice(None, None, 5.0, 5.0).entry()
+    chooser_on(path).cache.put(label, entry)
+    assert chooser_on(path).cache.get(label) == entry
+    fake_gpu.name = "NVIDIA H100 80GB HBM3"  # the same sm_90
+    assert chooser_on(path).cache.get(label) is None
+    fake_gpu.name = "NVIDIA H200"
+    assert chooser_on(path, FakeLt(version=130000)).cache.get(label) is None
+
+
+def aligned(shape, dtype=torch.bfloat16, shift_bytes=0):
+    """A contiguous tensor starting ``shift_bytes`` past a 256-byte boundary."""
+    numel, size = math.prod(shape), torch.tensor([], dtype=dtype).element_size()
+    flat = torch.zeros(numel + 512 // size, dtype=dtype)
+    start = ((-flat.data_ptr()) % 256 + shift_bytes) // size
+    return flat[start:start + numel].view(shape)
+
+
+def aligned_operands(dtype=torch.bfloat16):
+    """x, weight and bias of a product the chooser takes: 256-byte aligned."""
+    g = torch.Generator().manual_seed(0)
+    return (aligned((8, 16), dtype).copy_(torch.randn(8, 16, generator=g)),
+            aligned((4, 16), dtype).copy_(torch.randn(4, 16, generator=g) / 4),
+            aligned((4,), dtype).copy_(torch.randn(4, generator=g)))
+
+
+def test_cached_choices_are_per_dtype_and_epilogue_and_a_cached_aten_choice_is_recalled(tmp_path, fake_gpu):
+    chooser = chooser_on(tmp_path / "c.json")
+    x, w, b = aligned_operands()
+    chooser.cache.put(chooser.label(x, w, False), lt.Choice(None, None, 5.0, 5.0).entry())
+    assert chooser.recall(x, w, b, gelu=False) == lt.Choice(None, None, 5.0, 5.0, recalled=True)
+    assert chooser.recall(x, w, b, gelu=True) is None
+    assert chooser.recall(*aligned_operands(torch.float16), gelu=False) is None
+
+
+class Recorder:
+    def __init__(self, chooser):
+        self.seen = []
+        chooser.recall = lambda x, w, b, gelu: self.seen.append(("recall", x.dtype, gelu))
+        chooser.measure = lambda x, w, b, gelu: (self.seen.append(("measure", x.dtype, gelu)),
+                                                 lt.Choice(None, None, 5.0, 5.0))[1]
+
+
+def test_a_shape_is_measured_once_per_dtype_and_never_inside_a_capture(tmp_path, fake_gpu):
+    chooser = chooser_on(tmp_path / "c.json")
+    record = Recorder(chooser)
+    x, w, b = aligned_operands()
+    fake_gpu.capturing = True  # first met inside a capture: ATen's call, nothing measured nor kept
+    torch.testing.assert_close(chooser.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
+    assert record.seen == [] and chooser.choices == {}
+    fake_gpu.capturing = False
+    chooser.linear(x, w, b)
+    chooser.linear(x, w, b)
+    x16, w16, b16 = aligned_operands(torch.float16)
+    torch.testing.assert_close(chooser.linear(x16, w16, b16), F.linear(x16, w16, b16), rtol=0, atol=0)
+    assert record.seen == [("recall", torch.bfloat16, False), ("measure", torch.bfloat16, False),
+                           ("recall", torch.float16, False), ("measure", torch.float16, False)]
+    assert len(chooser.choices) == 2
+    fake_gpu.capturing = True  # measured before: its choice runs inside a capture too
+    chooser.linear(x, w, b)
+    assert len(record.seen) == 4
+
+
+def test_the_chooser_takes_aligned_operands_on_its_own_device_only(tmp_path, fake_gpu):
+    chooser = chooser_on(tmp_path / "c.json")
+    x, w, b = aligned((8, 16)), aligned((4, 16)), aligned((4,))
+    assert chooser.takes(x, w, b)
+    assert not chooser.takes(aligned((8, 16), shift_bytes=32), w, b)  # cuBLASLt's heuristic assumes 256 bytes
+    assert not chooser.takes(x, aligned((4, 16), shift_bytes=64), b)
+    other = chooser_on(tmp_path / "c.json", device=torch.device("cuda", 1))
+    assert not other.takes(x, w, b)  # cpu operands, a chooser of cuda:1
+
+
+def test_the_accuracy_bound_is_one_and_a_half_times_atens_error_plus_1e_4():
+    x, w, b = aligned_operands()
+    exact, bound = lt.MeasuredProducts.accuracy(x, w, b, gelu=False)
+    torch.testing.assert_close(exact, x.double() @ w.double().t() + b.double())
+    assert bound == pytest.approx(1.5 * relative_error(F.linear(x, w, b), exact) + 1e-4)
+
+
+class RankedDescriptor:
+    """``LtProduct`` off the GPU: configurations are ``Algo``s named by ``data[0]``; ``run`` writes ATen's result,
+    off by ``errors[id]`` where given. ``sweep_ms`` is what the sweep measures of each (``sweep_times``)."""
+
+    def __init__(self, ids, bias, errors=None):
+        self.ids, self.bias, self.errors = ids, bias, errors or {}
+
+    def algo(self, algo_id):
+        algo = lt.Algo()
+        algo.data[0] = algo_id
+        return algo
+
+    def candidates(self):
+        found = []
+        for algo_id in self.ids[:2]:
+            heuristic = lt.Heuristic()
+            heuristic.algo = self.algo(algo_id)
+            found.append(heuristic)
+        return found
+
+    def configurations(self, candidates):
+        return [self.algo(i) for i in self.ids[2:]]
+
+    def run(self, algo, x, weight, out, workspace=None):
+        return out.copy_(F.linear(x, weight, self.bias) + self.errors.get(algo.data[0], 0.0))
+
+
+class Replay:
+    def __init__(self, key):
+        self.key = key
+
+    def __call__(self):
+        pass
+
+
+@pytest.fixture
+def ranked(tmp_path, fake_gpu, monkeypatch):
+    """A chooser whose ``measure`` runs on ``RankedDescriptor`` with the sweep's and the graphs' times set by the
+    test (``setup(ids, errors, sweep_ms, graph_us)``; graph_us has "aten"); records the keys timed in graphs."""
+    chooser, timed = chooser_on(tmp_path / "c.json"), []
+
+    def setup(ids, errors, sweep_ms, graph_us):
+        x, w, b = aligned_operands()
+        descriptor = RankedDescriptor(ids, b, errors)
+        chooser.descriptor = lambda weight, bias, rows, gelu: descriptor
+        monkeypatch.setattr(lt.MeasuredProducts, "sweep_times", staticmethod(
+            lambda descriptor, algos, x, weight, out, calls=1, passes=1: [sweep_ms[a.data[0]] for a in algos]))
+
+        def graphed(calls):
+            keys = {key: "aten" if key == "aten" else fn.args[0].data[0] for key, fn in calls.items()}
+            timed.append(set(keys.values()))
+            return {key: SimpleNamespace(replay=Replay(keys[key])) for key in calls}
+
+        monkeypatch.setattr(lt, "graphed_as_captured", graphed)
+        monkeypatch.setattr(lt, "measure_interleaved", lambda fns, device, warmup, samples: {
+            key: SimpleNamespace(median=graph_us[fn.key] * lt.CALLS / 1e3) for key, fn in fns.items()})
+        return x, w, b
+
+    chooser.setup, chooser.timed = setup, timed
+    return chooser
+
+
+def test_measuring_keeps_the_fastest_accurate_configuration_times_only_the_shortlist_and_caches_it(ranked):
+    ids = list(range(1, 11))  # 9 and 10 are the sweep's and the graphs' fastest, and inaccurate
+    sweep_ms = {i: 1.0 + i / 10 for i in ids} | {9: 0.1, 10: 0.2}
+    graph_us = {"aten": 10.0} | {i: 9.0 + i / 10 for i in ids} | {9: 5.0, 10: 5.0}
+    x, w, b = ranked.setup(ids, {9: 1.0, 10: -0.5}, sweep_ms, graph_us)
+    choice = ranked.measure(x, w, b, gelu=False)
+    assert ranked.timed == [{"aten", 1, 2, 3, 4}]  # the SHORTLIST fastest accurate ones, and ATen's call
+    assert choice.algo is not None and choice.algo.data[0] == 1
+    assert (choice.aten_us, choice.chosen_us) == (pytest.approx(10.0), pytest.approx(9.1))
+    assert ranked.cache.get(ranked.label(x, w, False)) == choice.entry()
+
+
+def test_measuring_keeps_atens_call_unless_a_configuration_beats_it_by_the_margin(ranked):
+    ids = [1, 2]
+    almost = 10.0 * (1 - lt.MARGIN / 2)
+    x, w, b = ranked.setup(ids, {}, {1: 1.0, 2: 2.0}, {"aten": 10.0, 1: almost, 2: 11.0})
+    choice = ranked.measure(x, w, b, gelu=False)
+    assert choice.algo is None and choice.aten_us == choice.chosen_us == pytest.approx(10.0)
+    assert ranked.cache.get(ranked.label(x, w, False)) == choice.entry()
+
+
+def test_a_measured_shape_is_logged_with_its_choice(ranked, caplog):
+    x, w, b = ranked.setup([1], {}, {1: 1.0}, {"aten": 10.0, 1: 8.0})
+    with caplog.at_level(logging.INFO, logger=lt.__name__):
+        ranked.measure(x, w, b, gelu=False)
+    assert f"matrix product {ranked.label(x, w, False)}: 1 of 1 configurations as accurate" in caplog.text
 
 
 # ---------------------------------------------------------------- on the GPU
