@@ -1,14 +1,23 @@
-"""``hwgraph bench`` on CPU: group specs, budgets, and the shape of its JSON and Markdown (tiny preset, 2 samples)."""
+"""``hwgraph bench`` on CPU: group specs, budgets, the shape of its JSON and Markdown (tiny preset, 2 samples), and
+the bookkeeping under it: latency statistics and sampling (``hwgraph.timing``), device busy time
+(``hwgraph.profiling``), pinned host copies, and compiled mode's settings and fallbacks. Timings there are injected
+(fake clocks, events and profilers): nothing here asserts how fast anything runs."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (at collection: the first capture would otherwise spend 2 s importing it)
+from torch.autograd import DeviceType
 
-from hwgraph import cli
-from hwgraph.bench import BenchConfig, Group, covering_budgets, parse_groups, run_bench
+from hwgraph import cli, timing
+from hwgraph.bench import BenchConfig, Group, covering_budgets, flatten_rows, parse_groups, run_bench
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.platform import detect
 from hwgraph.profiling import kernel_time
 from hwgraph.report import bench_markdown
@@ -245,3 +254,405 @@ def test_busy_time_counts_kernels_that_overlap_on_two_streams_once():
     events = [kernel(0, 10), kernel(10, 20), kernel(5, 15), kernel(30, 35), kernel(31, 33)]
     assert busy_us(events) == 25.0
     assert busy_us([]) == 0.0
+
+
+# ---------------------------------------------------------------- timing
+def test_latency_median_and_p95_are_order_statistics_of_the_samples():
+    lat = timing.Latency((5.0, 1.0, 3.0, 2.0, 100.0))
+    assert lat.median == 3.0  # not the mean (22.2): one slow call does not move it
+    descending = timing.Latency(tuple(float(v) for v in range(30, 0, -1)))  # 30 samples, given slowest first
+    # p95 of 30: the sorted sample at round(0.95 * 29) = 28, i.e. 29 ms
+    assert descending.p95 == 29.0 and descending.median == 15.5
+    assert descending.as_dict() == {"median_ms": 15.5, "p95_ms": 29.0, "samples": 30}
+    assert timing.Latency((4.0,)).p95 == 4.0
+
+
+def test_interleaved_samples_leave_the_warm_up_calls_out(monkeypatch):
+    # each callable's first two calls are slow warm-ups; one_sample reports what the call returns as its time
+    monkeypatch.setattr(timing, "one_sample", lambda fn, device: fn())
+    counts = {"a": itertools.count(), "b": itertools.count()}
+    fns = {name: (lambda n=name: 1000.0 if next(counts[n]) < 2 else 1.0) for name in counts}
+    timed = timing.measure_interleaved(fns, "cpu", warmup=2, samples=5)
+    assert {name: lat.samples_ms for name, lat in timed.items()} == {"a": (1.0,) * 5, "b": (1.0,) * 5}
+    assert {name: next(c) for name, c in counts.items()} == {"a": 7, "b": 7}  # 2 warm-ups + 5 samples each
+
+
+def test_a_wall_clock_sample_includes_waiting_for_the_device(monkeypatch):
+    now = [0.0]
+    order = []
+
+    def advance(seconds, what):
+        order.append(what)
+        now[0] += seconds
+
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(timing, "synchronize", lambda device: advance(0.004, "sync"))  # queued device work: 4 ms
+    ms = timing.one_sample(lambda: advance(0.001, "call"), torch.device("meta"))  # a non-CUDA device
+    assert order == ["call", "sync"] and ms == pytest.approx(5.0)
+
+
+def test_a_cuda_sample_records_both_events_on_the_timed_device(monkeypatch):
+    state = {"device": 0, "clock": 0.0}
+    events = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+            events.append(self)
+
+        def record(self):
+            self.at = (state["device"], state["clock"])
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.at[1] - self.at[1]
+
+    class FakeDevice:
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            self.previous, state["device"] = state["device"], self.index
+
+        def __exit__(self, *exc):
+            state["device"] = self.previous
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    ms = timing.one_sample(lambda: state.update(clock=state["clock"] + 2.5), torch.device("cuda:1"))
+    assert ms == 2.5  # start to end, not end to start
+    assert [e.at for e in events] == [(1, 0.0), (1, 2.5)]  # both on cuda:1, though cuda:0 is current
+    assert state["device"] == 0
+
+
+# ---------------------------------------------------------------- profiling
+def ranges(*pairs):
+    return [SimpleNamespace(time_range=SimpleNamespace(start=s, end=e)) for s, e in pairs]
+
+
+def test_busy_time_is_the_union_of_ranges_in_any_order():
+    from hwgraph.profiling import busy_us
+
+    assert busy_us(ranges((10, 20), (0, 10))) == 20.0  # listed out of start order
+    assert busy_us(ranges((0, 10), (5, 15))) == 15.0  # a range starting inside another extends it
+    assert busy_us(ranges((0, 10), (2, 5))) == 10.0  # a nested range adds nothing
+    assert busy_us(ranges((20, 30), (0, 5), (3, 8), (25, 40))) == 28.0
+
+
+class FakeProfile:
+    """Stands in for ``torch.profiler.profile``: yields ``events`` and notes when it is active."""
+
+    def __init__(self, events, state, fail=None):
+        self._events, self.state, self.fail = events, state, fail
+
+    def __enter__(self):
+        if self.fail:
+            raise self.fail
+        self.state["profiling"] = True
+        return self
+
+    def __exit__(self, *exc):
+        self.state["profiling"] = False
+
+    def events(self):
+        return self._events
+
+
+def fake_profiler(monkeypatch, events, fail=None):
+    from hwgraph import profiling
+
+    state = {"profiling": False, "activities": None}
+
+    def make(activities):
+        state["activities"] = activities
+        return FakeProfile(events, state, fail)
+
+    monkeypatch.setattr(profiling, "profile", make)
+    monkeypatch.setattr(profiling, "synchronize", lambda device: None)
+    return state
+
+
+def test_cpu_kernel_time_sums_operators_self_time_after_an_unprofiled_warm_up(monkeypatch):
+    from hwgraph.profiling import kernel_time
+
+    ops = [SimpleNamespace(device_type=DeviceType.CPU, self_cpu_time_total=300.0, cpu_time_total=1000.0),
+           SimpleNamespace(device_type=DeviceType.CPU, self_cpu_time_total=700.0, cpu_time_total=700.0)]
+    state = fake_profiler(monkeypatch, ops)
+    calls = []
+    found = kernel_time(lambda: calls.append(state["profiling"]), "cpu", warmup=2)
+    assert calls == [False, False, True]  # two warm-ups outside the profiler, then the profiled call
+    # self time: an operator's children are not counted again inside their parent
+    assert (found.ms, found.events, found.source) == (1.0, 2, "cpu operators")
+
+
+def test_kernel_time_on_a_privateuse1_device_counts_its_device_activity(monkeypatch):
+    from torch.profiler import ProfilerActivity
+
+    from hwgraph.profiling import kernel_time
+
+    events = [SimpleNamespace(device_type=DeviceType.CPU, time_range=SimpleNamespace(start=0, end=10_000)),
+              *[SimpleNamespace(device_type=DeviceType.PrivateUse1, time_range=r.time_range)
+                for r in ranges((0, 400), (300, 1000), (2000, 2500))]]
+    state = fake_profiler(monkeypatch, events)
+    found = kernel_time(lambda: None, torch.device("privateuseone"))  # how the NPU reports its kernels
+    assert ProfilerActivity.PrivateUse1 in state["activities"]
+    assert (found.ms, found.events, found.source) == (1.5, 3, "device kernels")
+
+
+def test_a_profiler_that_cannot_start_is_reported_not_raised(monkeypatch, caplog):
+    from hwgraph.profiling import kernel_time
+
+    fake_profiler(monkeypatch, [], fail=RuntimeError("profiler busy"))
+    with caplog.at_level(logging.WARNING, logger="hwgraph.profiling"):
+        found = kernel_time(lambda: None, "cpu")
+    assert (found.ms, found.events) == (None, 0)
+    assert found.source == "unavailable: RuntimeError: profiler busy" and "profiler busy" in caplog.text
+
+
+# ---------------------------------------------------------------- bench bookkeeping
+def test_speedups_are_ratios_of_medians_in_the_right_direction():
+    lat = {name: {"median_ms": v, "p95_ms": v, "samples": 3}
+           for name, v in (("tf", 6.0), ("eager", 3.0), ("replay", 1.0), ("plain", 2.0))}
+    per_kernel = [{"kernel": "K", "rows": {"1x4": {"transformers": lat["tf"], "eager": lat["eager"],
+                                                    "replay": lat["replay"], "plain_replay": lat["plain"],
+                                                    "budget": 8, "replay_note": "replay"}}}]
+    row, = flatten_rows(parse_groups("1x4"), per_kernel)
+    assert row["speedup"] == {"eager_vs_transformers": 2.0, "replay_vs_transformers": 6.0, "replay_vs_eager": 3.0,
+                              "replay_vs_plain_replay": 2.0}
+
+
+def tiny_bench(**kwargs):
+    cfg = dict(preset="tiny", groups=parse_groups("1x4"), device=torch.device("cpu"), dtype=torch.float32,
+               graph_backend="cpu", warmup=0, samples=1, kernels=["TORCH_SDPA"], budgets=[8], reference=False)
+    return run_bench(BenchConfig(**{**cfg, **kwargs}))
+
+
+def test_a_group_over_every_budget_is_reported_eager_with_its_reason_not_as_a_replay():
+    from hwgraph.report import latency_table
+
+    result = tiny_bench(groups=parse_groups("1x4,1x12"))
+    rows = {r["group"]: r for r in result["rows"]}
+    assert rows["1x4"]["replay"]["samples"] == 1 and rows["1x4"]["replay_note"] == "replay"
+    assert rows["1x12"]["replay"] is None and rows["1x12"]["budget"] is None
+    assert rows["1x12"]["replay_note"] == "eager: over budget"
+    assert rows["1x12"]["speedup"]["replay_vs_eager"] is None
+    table = latency_table(result)
+    assert "| 1x12 | 12 | TORCH_SDPA | - |" in table and "| eager: over budget |" in table
+    stats = result["per_kernel"]["TORCH_SDPA"]["stats"]
+    assert stats["eager_groups"] == 0 and stats["hits"] == 1  # the bench times eager itself, not the manager
+
+
+def test_profiled_replay_profiles_the_replay(monkeypatch):
+    from hwgraph import profiling
+
+    monkeypatch.setattr(profiling, "kernel_time",
+                        lambda fn, device: (fn(), profiling.KernelTime(1.0, 1, "fake"))[1])
+    result = tiny_bench(profile=True)
+    stats = result["per_kernel"]["TORCH_SDPA"]["stats"]
+    assert stats["replays"] == 2  # one timed sample, one profiled call
+    assert result["rows"][0]["profile"]["replay_kernel_ms"] == 1.0
+
+
+def test_a_compiled_bench_times_plain_replay_from_an_uncompiled_manager_and_reports_its_capture(monkeypatch):
+    from hwgraph import manager as manager_module
+    from hwgraph.capability import Capability
+
+    built = []
+
+    class Recording(manager_module.EncoderGraphManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+            self.backend.compile_support = Capability.available  # inductor or not: identity compile below
+
+        def close(self):
+            self.final_stats = self.stats()
+            super().close()
+
+    monkeypatch.setattr(manager_module, "EncoderGraphManager", Recording)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # no inductor: the bookkeeping is under test
+    result = tiny_bench(compile=True)
+    assert [m.compile for m in built] == [True, False]
+    compiled, plain = built
+    per = result["per_kernel"]["TORCH_SDPA"]
+    assert per["stats"]["compile_seconds_per_budget"].keys() == {8}
+    assert per["plain_capture_seconds"] == plain.final_stats["capture_seconds_per_budget"]
+    assert per["stats"]["capture_seconds_per_budget"] == compiled.final_stats["capture_seconds_per_budget"]
+    assert plain.final_stats["compile_seconds_per_budget"] == {}
+    assert result["rows"][0]["plain_replay"]["samples"] == 1
+
+
+# ---------------------------------------------------------------- report
+def lat(median, p95):
+    return {"median_ms": median, "p95_ms": p95, "samples": 3}
+
+
+def report_result(accelerates=False):
+    stats = {"calls": 2, "hits": 2, "misses": 0, "eager_groups": 0, "padding_tokens": 4,
+             "replays_per_budget": {8: 2}, "capture_failures": {"16": "CaptureError: boom"},
+             "compile_skipped": None, "compile_failures": {}, "capture_seconds_per_budget": {"8": 0.5}}
+    rows = []
+    for kernel, speed in (("K", 1.0), ("L", 2.0)):
+        r = {"group": "1x4", "images": 1, "tokens": 4, "kernel": kernel, "transformers": lat(6.0, 7.0),
+             "eager": lat(3.0 * speed, 4.0 * speed), "replay": lat(1.0, 1.5), "budget": 8, "replay_note": "replay",
+             "plain_replay": None, "profile": {}}
+        r["speedup"] = {"eager_vs_transformers": 6.0 / (3.0 * speed), "replay_vs_transformers": 6.0,
+                        "replay_vs_eager": 3.0 * speed, "replay_vs_plain_replay": None}
+        rows.append(r)
+    return {"environment": {"platform": {"device_name": "-", "torch_version": "2.x"},
+                            "packages": {"transformers": "4.x"}},
+            "preset": "tiny", "device": "cpu", "dtype": "float32", "timer": "wall clock", "warmup": 1,
+            "samples": 3, "groups": ["1x4"], "compile": False, "measure_products": False, "budgets": [8, 16],
+            "graph_backend": "cpu", "graph_backend_accelerates": accelerates,
+            "kernels": [{"name": "K", "available": True, "reasons": []},
+                        {"name": "FLASH_ATTN", "available": False, "reasons": ["needs CUDA"]}],
+            "rows": rows, "interleaved": True,
+            "per_kernel": {k: {"budgets": [8], "graph_memory_bytes": {"8": 2**20}, "plain_capture_seconds": None,
+                               "stats": stats} for k in ("K", "L")},
+            "calibration": {"kernel": "K", "kept_budgets": [8],
+                            "findings": {"8": {"eager_ms": 3.0, "replay_ms": 1.0, "kept": True},
+                                         "16": {"eager_ms": 5.0, "replay_ms": 9.0, "kept": False}},
+                            "rows": [{"group": "1x4", "replay": lat(1.0, 1.5), "budget": 8, "replay_note": "replay",
+                                      "replay_vs_transformers": 6.0}]}}
+
+
+def test_latency_table_has_a_row_per_group_and_kernel_with_cells_under_their_headers():
+    from hwgraph.report import latency_table
+
+    lines = latency_table(report_result()).splitlines()
+    assert lines[0] == ("| group | tokens | attention | transformers eager | hwgraph eager | hwgraph replay | "
+                        "eager vs transformers | replay vs transformers | replay vs eager |")
+    assert lines[2:] == [
+        "| 1x4 | 4 | K | 6.000 / 7.000 | 3.000 / 4.000 | 1.000 / 1.500 (budget 8) | 2.00x | 6.00x | 3.00x |",
+        "| 1x4 | 4 | L | 6.000 / 7.000 | 6.000 / 8.000 | 1.000 / 1.500 (budget 8) | 1.00x | 6.00x | 6.00x |"]
+
+
+def test_bench_markdown_reports_settings_failed_budgets_calibration_emulation_and_skipped_kernels():
+    from hwgraph.report import bench_markdown, memory_table
+
+    text = bench_markdown(report_result())
+    assert "wall clock, 1 warm-ups, 3 samples per cell" in text
+    assert "The cpu graph backend emulates replay eagerly" in text
+    assert "emulates replay" not in bench_markdown(report_result(accelerates=True))
+    assert memory_table(report_result()).splitlines()[2] == "| K | 1.0 | failed | 1.0 |"  # JSON's string keys
+    assert "| 8 | 3.000 | 1.000 | yes |" in text and "| 16 | 5.000 | 9.000 | no |" in text
+    assert "### Calibrated budgets (K): kept 8" in text
+    assert "Attention kernels not run here: FLASH_ATTN (needs CUDA)" in text
+
+
+# ---------------------------------------------------------------- pinned host copies
+def test_pinned_copy_allocates_pinned_memory_of_the_same_dtype_and_fills_it(monkeypatch):
+    from hwgraph import hostmem
+
+    asked = []
+
+    def empty(shape, **kwargs):
+        asked.append(dict(kwargs))
+        kwargs.pop("pin_memory", None)  # no pinned allocator without an accelerator
+        return torch.full(shape, -7, **kwargs)
+
+    monkeypatch.setattr(hostmem, "torch", SimpleNamespace(empty=empty))
+    src = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    out = hostmem.pinned_copy(src)
+    assert asked == [{"dtype": torch.int32, "pin_memory": True}]
+    assert out.dtype == torch.int32 and torch.equal(out, src) and out.data_ptr() != src.data_ptr()
+
+
+# ---------------------------------------------------------------- compiled mode
+def test_compile_limits_fit_every_budget_and_fail_loudly_then_restore_dynamos_settings():
+    from hwgraph.compile_mode import compile_limits
+
+    config = torch._dynamo.config
+    before = (config.recompile_limit, config.fail_on_recompile_limit_hit)
+    with compile_limits(7):
+        assert config.recompile_limit >= 2 * 7 and config.fail_on_recompile_limit_hit is True
+    with compile_limits(1):
+        assert config.recompile_limit >= 8  # never below dynamo's default
+    assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == before
+
+
+def test_block_forward_is_compiled_static_on_its_own_code_object(monkeypatch):
+    from hwgraph.compile_mode import compile_block_forward
+
+    def block(x, y=2):
+        return x * y
+
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: (asked.append((fn, kwargs)), fn)[1])
+    compiled = compile_block_forward(block)
+    (fn, kwargs), = asked
+    assert kwargs == {"dynamic": False}
+    assert fn is not block and fn.__code__ is not block.__code__ and compiled(3) == 6 and compiled(3, 4) == 12
+
+
+def tiny_tower(seed=0):
+    torch.manual_seed(seed)
+    return Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[0]).eval()
+
+
+def check_against_eager(tower, m, grid):
+    pixels = torch.randn(sum(t * h * w for t, h, w in grid), tower.patch_row_width)
+    want = tower.forward(pixels, grid).split([t * h * w // 4 for t, h, w in grid])
+    for a, b in zip(m.encode(pixels, grid), want, strict=True):
+        for x, y in zip(a.tensors(), b.tensors(), strict=True):
+            torch.testing.assert_close(x, y)
+
+
+def test_a_compiled_capture_that_replays_wrongly_is_refused_and_captured_plain(monkeypatch, caplog):
+    from hwgraph.capability import Capability
+    from hwgraph.manager import EncoderGraphManager
+
+    def wrong_compile(fn, **kwargs):  # a miscompiled block: its output is off by a factor of two
+        def run(*args):
+            x, normed = fn(*args)
+            return x * 2, normed
+        return run
+
+    tower = tiny_tower()
+    m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=2, graph_backend="cpu", compile=True)
+    monkeypatch.setattr(m.backend, "compile_support", Capability.available)
+    monkeypatch.setattr(torch, "compile", wrong_compile)
+    with caplog.at_level(logging.WARNING, logger="hwgraph.manager"):
+        m.capture()
+    s = m.stats()
+    assert sorted(m.graphs) == [8, 16] and s["capture_failures"] == {}
+    assert set(s["compile_failures"]) == {8, 16}
+    assert all("replay differs from eager" in why for why in s["compile_failures"].values())
+    check_against_eager(tower, m, [(1, 4, 8)])
+    m.close()
+
+
+def test_compiled_mode_compiles_the_block_forward_once_for_every_budget(monkeypatch):
+    from hwgraph.capability import Capability
+    from hwgraph.manager import EncoderGraphManager
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: (compiled.append(fn), fn)[1])
+    tower = tiny_tower(1)
+    m = EncoderGraphManager(tower, budgets=[4, 8, 16], max_images_per_graph=1, graph_backend="cpu", compile=True)
+    monkeypatch.setattr(m.backend, "compile_support", Capability.available)
+    m.capture()
+    assert len(compiled) == 1 and set(m.stats()["compile_seconds_per_budget"]) == {4, 8, 16}
+    m.close()
+
+
+def test_calibration_drops_the_compile_seconds_of_the_budgets_it_releases(monkeypatch):
+    from hwgraph.capability import Capability
+    from hwgraph.manager import EncoderGraphManager
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    tower = tiny_tower(2)
+    m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=1, graph_backend="cpu", compile=True)
+    monkeypatch.setattr(m.backend, "compile_support", Capability.available)
+    m.capture()
+    times = iter([{"eager": 2.0, "replay": 1.0}, {"eager": 2.0, "replay": 3.0}])  # budget 8 wins, 16 loses
+    monkeypatch.setattr(m, "time_ms", lambda fns, warmup=3, samples=10: next(times))
+    m.calibrate()
+    s = m.stats()
+    assert sorted(m.graphs) == [8]
+    assert set(s["compile_seconds_per_budget"]) == {8} and set(s["capture_seconds_per_budget"]) == {8}
+    m.close()

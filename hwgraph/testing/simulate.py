@@ -1,6 +1,9 @@
-"""A simulated GPU runtime for testing gates and selection on a CPU-only machine (core and plugin tests)."""
+"""A simulated GPU runtime for testing gates, selection and graph backends' bookkeeping on a CPU-only machine (core
+and plugin tests)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -21,3 +24,54 @@ def simulate_gpu(monkeypatch, *, cuda: str | None = None, hip: str | None = None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+
+
+class FakeStream:
+    """A stream of a ``FakeGraphRuntime``: waiting on another is recorded in the runtime's ``events``."""
+
+    def __init__(self, name: str, device, runtime: FakeGraphRuntime):
+        self.name, self.device, self.runtime = name, device, runtime
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.runtime.events.append(f"{self.name} waits for {other.name}")
+
+
+class FakeGraphRuntime:
+    """The stream and device plumbing of a ``torch.cuda``-like namespace (``torch.cuda``, ``torch.npu``), for testing a
+    graph backend's bookkeeping on the CPU: side streams are numbered and kept in ``streams``, what the backend calls
+    is appended to ``events``. Subclasses add the graph, pool and memory calls they fake."""
+
+    def __init__(self, count: int = 1):
+        self.count, self.events, self.capturing, self.streams = count, [], False, []
+        self.default = self.current = FakeStream("default", None, self)
+
+    def device_count(self):
+        return self.count
+
+    def current_device(self):
+        return 0
+
+    def Stream(self, device=None):  # noqa: N802 (torch's spelling)
+        self.streams.append(FakeStream(f"side{len(self.streams) + 1}", device, self))
+        return self.streams[-1]
+
+    def current_stream(self):
+        return self.current
+
+    def set_stream(self, stream):
+        self.current = stream
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    @contextlib.contextmanager
+    def device(self, device):
+        yield
+
+    def is_current_stream_capturing(self):
+        return self.capturing

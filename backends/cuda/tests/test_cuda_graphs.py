@@ -10,7 +10,6 @@ every tensor is a CPU tensor.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 
@@ -24,6 +23,7 @@ from hwgraph.capability import Capability
 from hwgraph.graphs import CaptureError, HostSyncError
 from hwgraph.graphs.torch_cuda import TorchCudaCapturedGraph, TorchCudaGraphBackend
 from hwgraph.profiling import replay_activities
+from hwgraph.testing.simulate import FakeGraphRuntime
 
 
 @pytest.fixture
@@ -187,14 +187,6 @@ def test_capture_takes_cublaslt_kernels_without_workspace_memsets(backend, monke
 # ---------------------------------------------------------------- the host side on a fake torch.cuda namespace (CPU)
 
 
-class FakeStream:
-    def __init__(self, name: str, device, runtime: FakeRuntime):
-        self.name, self.device, self.runtime = name, device, runtime
-
-    def wait_stream(self, other: FakeStream) -> None:
-        self.runtime.events.append(f"{self.name} waits for {other.name}")
-
-
 class FakeGraph:
     """Replays nothing: its outputs keep what the capture computed."""
 
@@ -230,42 +222,13 @@ class FakeGraphContext:
         self.runtime.current = self.previous
 
 
-class FakeRuntime:
+class FakeRuntime(FakeGraphRuntime):
     """Stands in for ``torch.cuda`` with ``count`` devices, recording the devices the backend names."""
 
     def __init__(self, count: int = 2):
-        self.count, self.events, self.capturing = count, [], False
-        self.default = self.current = FakeStream("default", None, self)
-        self.streams, self.graphs, self.pools_captured_into, self.synchronized = [], [], [], []
+        super().__init__(count)
+        self.graphs, self.pools_captured_into, self.synchronized = [], [], []
         self.debug_mode, self.pools_made = 0, 0
-
-    def device_count(self):
-        return self.count
-
-    def current_device(self):
-        return 0
-
-    def Stream(self, device=None):  # noqa: N802 (torch's spelling)
-        self.streams.append(FakeStream(f"side{len(self.streams) + 1}", device, self))
-        return self.streams[-1]
-
-    def current_stream(self):
-        return self.current
-
-    def set_stream(self, stream):
-        self.current = stream
-
-    @contextlib.contextmanager
-    def stream(self, stream):
-        previous, self.current = self.current, stream
-        try:
-            yield
-        finally:
-            self.current = previous
-
-    @contextlib.contextmanager
-    def device(self, device):
-        yield
 
     def synchronize(self, device=None):
         self.synchronized.append(device)
@@ -273,9 +236,6 @@ class FakeRuntime:
     def memory_reserved(self, device=None):
         index = 0 if device is None else torch.device(device).index
         return 1000 * (index + 1)
-
-    def is_current_stream_capturing(self):
-        return self.capturing
 
     def graph_pool_handle(self):
         self.pools_made += 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import sys
@@ -16,15 +15,7 @@ from hwgraph_npu.platform import gate, probe
 from hwgraph.graphs import CaptureError, HostSyncError
 from hwgraph.platform import PlatformInfo, detect, npu_module
 from hwgraph.registry import SelectionError, choose_backend, create_backend
-from hwgraph.testing.simulate import simulate_gpu
-
-
-class FakeStream:
-    def __init__(self, name: str, runtime: FakeNpu):
-        self.name, self.runtime = name, runtime
-
-    def wait_stream(self, other: FakeStream) -> None:
-        self.runtime.events.append(f"{self.name} waits for {other.name}")
+from hwgraph.testing.simulate import FakeGraphRuntime, simulate_gpu
 
 
 class FakeGraph:
@@ -63,14 +54,12 @@ class FakeGraphContext:
         self.runtime.current = self.previous
 
 
-class FakeNpu:
+class FakeNpu(FakeGraphRuntime):
     """Stand-in for the ``torch.npu`` namespace torch_npu registers, recording what the backend calls, in order."""
 
     def __init__(self, with_sync_debug_mode: bool = False):
-        self.events: list[str] = []
-        self.default = self.current = FakeStream("default", self)
-        self.capturing = self.invalidated = False
-        self.streams = 0
+        super().__init__(count=1)
+        self.invalidated = False
         if with_sync_debug_mode:
             self.debug_mode = 0
             self.set_sync_debug_mode = self._set_mode
@@ -82,45 +71,14 @@ class FakeNpu:
     def is_available(self):
         return False  # asked by torch.accelerator (inside torch.compile); the tensors here are CPU tensors
 
-    def device_count(self):
-        return 1
-
-    def current_device(self):
-        return 0
-
     def get_device_name(self, index=0):
         return "Ascend910B3"
-
-    def Stream(self, device=None):  # noqa: N802 (torch.npu's spelling)
-        self.streams += 1
-        return FakeStream(f"side{self.streams}", self)
-
-    def current_stream(self):
-        return self.current
-
-    def set_stream(self, stream):
-        self.current = stream
-
-    @contextlib.contextmanager
-    def stream(self, stream):
-        previous, self.current = self.current, stream
-        try:
-            yield
-        finally:
-            self.current = previous
-
-    @contextlib.contextmanager
-    def device(self, device):
-        yield
 
     def synchronize(self, device=None):
         self.events.append("synchronize")
 
     def memory_reserved(self, device=None):
         return 4096
-
-    def is_current_stream_capturing(self):
-        return self.capturing
 
     def graph_pool_handle(self):
         return ("pool", 7)
@@ -257,13 +215,13 @@ def test_every_backend_on_a_device_shares_one_capture_stream_until_a_capture_fai
     x = torch.ones(2)
     NpuGraphBackend().capture(lambda: x + 1)
     NpuGraphBackend().capture(lambda: x + 2)  # another manager's backend: no second stream, no second workspace
-    assert npu.streams == 1
+    assert len(npu.streams) == 1
     npu.invalidated = True
     with pytest.raises(CaptureError):
         NpuGraphBackend().capture(lambda: x + 3)
     npu.invalidated = False
     NpuGraphBackend().capture(lambda: x + 4)  # the failed capture's stream is not used again
-    assert npu.streams == 2
+    assert len(npu.streams) == 2
     assert npu.events[-2:] == ["capture begins on side2 into ('pool', 7)", "capture ends"]
 
 
@@ -285,7 +243,7 @@ def test_a_failed_capture_raises_the_original_message_and_leaves_no_capture_stat
     assert npu.events[-2:] == ["reset", "synchronize"]
     npu.invalidated = False
     backend.capture(lambda: x + 1)  # the next capture works, on a fresh stream
-    assert npu.streams == 2
+    assert len(npu.streams) == 2
 
 
 def test_a_warm_up_failure_is_a_capture_error(npu):
