@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import register_varlen_kernel
+from hwgraph.attention.varlen_inputs import register_varlen_kernel, valid_rows
 from hwgraph.capability import Capability
 
 
@@ -47,7 +47,7 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     """
     tokens = q.shape[0]
     mask = block_diagonal_mask(cu_seqlens, tokens)
-    real = (torch.arange(tokens, device=q.device) < cu_seqlens[-1])[:, None, None]  # on the device: no host read
+    real = valid_rows(cu_seqlens, tokens)[:, None, None]  # on the device: no host read
     k, v = torch.where(real, k, 0), torch.where(real, v, 0)
     # [T, H, D] -> [1, H, T, D]: the packed batch is one SDPA "batch" whose mask keeps sequences apart.
     attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],

@@ -393,19 +393,19 @@ class ChoiceCache:
         if self.path is None:
             return
         try:
-            entries = self.entries() | {self.key(label): entry}
+            # TypeError, ValueError: an entry JSON cannot write; raised here, before any file is made
+            text = json.dumps(self.entries() | {self.key(label): entry}, indent=1, sort_keys=True)
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as tmp:
-                try:
-                    json.dump(entries, tmp, indent=1, sort_keys=True)
-                    tmp.close()
-                    os.replace(tmp.name, self.path)  # atomic: a concurrent reader sees the old file or the new one
-                except BaseException:
-                    tmp.close()
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp.name)  # a failed write leaves no temporary file behind
-                    raise
-        except (OSError, TypeError, ValueError) as exc:  # TypeError, ValueError: an entry JSON cannot write
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as file:
+                    file.write(text)
+                os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old file or the new one
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)  # a failed write (a full disk) leaves no temporary file behind
+                raise
+        except (OSError, TypeError, ValueError) as exc:
             log.warning("could not write the measured-products cache %s: %s", self.path, exc)
 
 

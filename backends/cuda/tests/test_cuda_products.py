@@ -91,13 +91,22 @@ def test_the_cache_keeps_choices_per_setting_and_survives_bad_files(tmp_path, ca
     assert "could not write the measured-products cache" in caplog.text
 
 
-def test_a_cache_write_that_fails_leaves_the_file_as_it_was_and_no_temporary_file(tmp_path, caplog):
+def test_a_cache_write_that_fails_leaves_the_file_as_it_was_and_no_temporary_file(tmp_path, caplog, monkeypatch):
     path = tmp_path / "cublaslt-products.json"
     cache, entry = lt.ChoiceCache(path, "H200"), lt.Choice(None, None, 5.0, 5.0).entry()
     cache.put("a", entry)
     before = path.read_text()
     cache.put("b", {"algo": object()})  # JSON cannot write it
     assert "could not write the measured-products cache" in caplog.text
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(lt.os, "replace", full_disk)  # the temporary file is written, then cannot take its place
+    caplog.clear()
+    cache.put("c", entry)
+    assert "No space left on device" in caplog.text
     assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
