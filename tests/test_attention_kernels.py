@@ -11,6 +11,8 @@ fixture of conftest.py), and the float64 reference's own checks come last.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
 import os
 import random
@@ -26,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hwgraph.attention.base import KernelSpec
 from hwgraph.attention.sdpa import masked_sdpa, sdpa_varlen, sdpa_varlen_op
 from hwgraph.attention.triton_attn import interpreter_enabled, triton_varlen, triton_varlen_op
+from hwgraph.attention.varlen_inputs import launches_on_tensor_device
 from hwgraph.graphs.base import HostSyncError
 from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.testing.reference import (
@@ -374,6 +377,62 @@ def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert interpreter_enabled() is False
 
+
+
+class OnAnotherGpu:
+    """Stands in for a tensor on ``cuda:1``: what the launchers' device switch reads, nothing a kernel could use."""
+    is_cuda = True
+    device = torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("launcher", [
+    "hwgraph.attention.triton_kernel:launch_varlen_attention",
+    "hwgraph.attention.triton_kernel:launch_overflow_fixup",
+    "hwgraph.attention.gluon_kernel:launch_gluon_attention",
+    "hwgraph.models.qwen3_omni.fused:rotary_qk_launch",
+    "hwgraph.models.qwen3_omni.fused:add_layer_norm_launch",
+    "hwgraph.models.qwen3_omni.fused:add_position_embedding_launch",
+])
+def test_every_triton_launcher_switches_to_its_tensors_gpu_first(monkeypatch, launcher):
+    """Triton launches on the current GPU, not on its arguments': with ``cuda:0`` current, a launcher given
+    ``cuda:1`` tensors must make ``cuda:1`` current before anything else (the H200 pair checks the results:
+    ``backends/cuda/tests/test_cuda_other_device.py``)."""
+    pytest.importorskip("triton", reason="the launchers import triton")
+    module, name = launcher.split(":")
+    launch = getattr(importlib.import_module(module), name)
+
+    class Switched(Exception):
+        pass
+
+    def switch(device):
+        raise Switched(device)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", switch)
+    with pytest.raises(Switched) as switched:
+        launch(OnAnotherGpu())
+    assert switched.value.args == (torch.device("cuda", 1),)
+
+
+def test_the_launch_device_switch_wraps_the_launch_and_is_skipped_where_it_is_not_needed(monkeypatch):
+    events = []
+
+    @contextlib.contextmanager
+    def switch(device):
+        events.append(("enter", device))
+        yield
+        events.append("exit")
+
+    launch = launches_on_tensor_device(lambda tensor, value: events.append(("launch", value)) or value)
+    monkeypatch.setattr(torch.cuda, "device", switch)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert launch(OnAnotherGpu(), 1) == 1
+    assert events == [("enter", torch.device("cuda", 1)), ("launch", 1), "exit"]
+    events.clear()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # already current: no switch
+    assert launch(OnAnotherGpu(), 2) == 2
+    assert launch(torch.zeros(1), 3) == 3  # CPU tensors (the Triton interpreter): never a GPU switch
+    assert events == [("launch", 2), ("launch", 3)]
 
 # ---------------------------------------------------------------- graph discipline, host reads, custom ops
 

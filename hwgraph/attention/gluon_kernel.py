@@ -37,6 +37,7 @@ from hwgraph.attention.triton_kernel import (
     launch_overflow_fixup,
     tma_rows,
 )
+from hwgraph.attention.varlen_inputs import launches_on_tensor_device
 
 try:
     from triton.experimental import gluon
@@ -529,6 +530,7 @@ def sm_count(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@launches_on_tensor_device
 def launch_gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            max_seqlen: int, scale: float, tiles: tuple | None = None,
                            padding_slot: bool = True) -> torch.Tensor:

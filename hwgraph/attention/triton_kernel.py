@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hwgraph.attention.varlen_inputs import launches_on_tensor_device
+
 try:  # host-side TMA descriptors (Triton 3.4 and newer)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
@@ -464,6 +466,7 @@ def tma_tiles(max_seqlen: int) -> tuple[int, int, int, int]:
 FIXUP_FLAG_CHUNK = 64  # flags an overflow_fixup_kernel program loads at once
 
 
+@launches_on_tensor_device
 def launch_overflow_fixup(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           cu_seqlens: torch.Tensor, flags: torch.Tensor, blocks: int, block_m: int,
                           scale: float) -> None:
@@ -489,6 +492,7 @@ def launch_overflow_fixup(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
     )
 
 
+@launches_on_tensor_device
 def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, scale: float, tiles: tuple[int, int, int, int] | None = None,
                             use_tma: bool | None = None, padding_slot: bool = True,

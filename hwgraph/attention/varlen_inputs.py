@@ -1,4 +1,5 @@
-"""Checks and helpers shared by every varlen attention kernel; none of them reads device memory.
+"""Checks and helpers shared by every varlen attention kernel (and, for launching, by the tower's other Triton
+kernels); none of them reads device memory.
 
 Validation looks only at tensor metadata (shape, dtype, device, strides) and host values, so it is safe on the
 replay path and under capture. Zeroing the padding rows is a device-side ``torch.where``.
@@ -6,6 +7,7 @@ replay path and under capture. Zeroing the padding rows is a device-side ``torch
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -99,3 +101,21 @@ def eager_or_op(op, body):
     in eager, skipping the dispatcher's Python round trip (about 0.12 ms of host time per call on the H200's host,
     measured with torch.profiler: 3.3 ms of a 29 ms eager forward)."""
     return op if torch.compiler.is_compiling() else body
+
+
+def launches_on_tensor_device(launch):
+    """Decorate a Triton launcher whose first argument is a tensor so that its kernels run on that tensor's GPU.
+
+    Triton launches on the current device and its current stream, whatever device the arguments are on: with
+    tensors on ``cuda:1`` while ``cuda:0`` is current, a launch fails ("cannot be accessed from Triton") or, where
+    the GPUs are peers, runs on the wrong one. ATen's ops guard their device themselves. The guard is entered only
+    when the tensor's GPU is not the current one (capture, and the usual one-GPU-per-process setup, skip it)."""
+
+    @functools.wraps(launch)
+    def on_tensor_device(tensor: torch.Tensor, *args, **kwargs):
+        if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
+            with torch.cuda.device(tensor.device):
+                return launch(tensor, *args, **kwargs)
+        return launch(tensor, *args, **kwargs)
+
+    return on_tensor_device

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph import products
-from hwgraph.attention.varlen_inputs import eager_or_op
+from hwgraph.attention.varlen_inputs import eager_or_op, launches_on_tensor_device
 
 FUSED_ENV = "HWGRAPH_FUSED"
 
@@ -62,6 +62,7 @@ def rotary_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return out[:, 0], out[:, 1]
 
 
+@launches_on_tensor_device
 def rotary_qk_launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      num_warps: int | None = None) -> torch.Tensor:
     """The Triton path: returns ``[2, T, H, D]`` (rotated q, then k), contiguous. One program per token (more tokens
@@ -114,6 +115,7 @@ def add_layer_norm_reference(x: torch.Tensor, delta: torch.Tensor, norm: torch.n
     return total, F.layer_norm(total, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
+@launches_on_tensor_device
 def add_layer_norm_launch(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                           eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton path: returns ``[2, rows, N]``: the sum, then its LayerNorm. ``out``: where to write them (a new
@@ -166,6 +168,7 @@ def add_position_embedding_reference(x: torch.Tensor, table: torch.Tensor, indic
     return x + pos.to(x.dtype)
 
 
+@launches_on_tensor_device
 def add_position_embedding_launch(x: torch.Tensor, table: torch.Tensor, indices: torch.Tensor,
                                   weights: torch.Tensor) -> torch.Tensor:
     """The Triton path: one program per row; returns a new ``[R, hidden]``. Floating-point contraction is off, so
