@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
+import re
 import sys
 import types
 
 import pytest
 import torch
-from hwgraph_npu.graphs import NpuGraphBackend
+from hwgraph_npu.graphs import NpuGraphBackend, clone_outputs
 from hwgraph_npu.platform import gate, probe
 
 from hwgraph.graphs import CaptureError, HostSyncError
@@ -135,6 +138,32 @@ def test_chosen_automatically_on_a_simulated_npu(npu):
 def test_the_probe_describes_both_modes():
     spec = probe()
     assert (spec.name, spec.kinds, spec.modes, spec.priority) == ("npu", ("npu",), ("aclgraph", "torchair"), 100)
+    assert spec.load() is NpuGraphBackend and spec.modes == NpuGraphBackend.modes  # the class loads only when chosen
+
+
+def test_without_torch_npu_the_runtime_and_both_modes_say_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu now fails, also on an Ascend machine
+    with pytest.raises(RuntimeError, match="torch.npu is unavailable: torch_npu is not installed or fails to import"):
+        NpuGraphBackend.runtime()
+    for mode in ("aclgraph", "torchair"):
+        assert NpuGraphBackend.mode_capability(mode).describe().startswith(
+            f"npu graph mode {mode!r} needs the torch_npu package (")
+
+
+def test_refused_when_torch_npu_cannot_count_devices_naming_the_error(monkeypatch, npu):
+    def device_count():
+        raise RuntimeError("drvRet 87: the NPU driver is not loaded")
+
+    monkeypatch.setattr(npu, "device_count", device_count)
+    assert gate(detect()).reasons == (
+        "torch_npu imports but no Ascend NPU is usable (torch_npu imports but cannot count devices (drvRet 87: the NPU "
+        "driver is not loaded)); check npu-smi info and ASCEND_RT_VISIBLE_DEVICES",)
+
+
+def test_capability_refuses_a_device_that_is_not_a_visible_npu(npu):
+    assert NpuGraphBackend.capability("npu:0").ok
+    assert NpuGraphBackend.capability("npu:1").reasons == ("npu:1 does not exist: 1 device(s) are visible",)
+    assert NpuGraphBackend.capability("cpu").reasons == ("the npu graph backend captures on npu devices, got cpu",)
 
 
 CAPTURE_VARIABLE = "HWGRAPH_TEST_CAPTURE_VARIABLE"
@@ -279,6 +308,7 @@ def test_torchair_mode_is_refused_with_a_reason_without_torchair(npu, monkeypatc
     monkeypatch.setitem(sys.modules, "torchair", None)
     (reason,) = NpuGraphBackend.mode_capability("torchair").reasons
     assert "npu graph mode 'torchair' needs the torchair package" in reason
+    assert reason.endswith("; install the torchair release matching torch_npu")
     with pytest.raises(SelectionError, match="npu graph mode 'torchair' is unavailable: .*torchair package"):
         NpuGraphBackend(mode="torchair")
     assert NpuGraphBackend.mode_capability("aclgraph").ok
@@ -292,12 +322,23 @@ def test_an_unknown_mode_is_refused(npu):
 
 def test_aclgraph_mode_needs_the_graph_api(npu, monkeypatch):
     monkeypatch.delattr(FakeNpu, "NPUGraph")
-    assert "needs torch.npu.NPUGraph" in NpuGraphBackend.mode_capability("aclgraph").describe()
+    monkeypatch.delattr(FakeNpu, "graph_pool_handle")
+    reason = ("npu graph mode 'aclgraph' needs torch.npu.NPUGraph, torch.npu.graph_pool_handle, which this torch_npu "
+              "lacks; upgrade torch_npu")
+    assert NpuGraphBackend.mode_capability("aclgraph").reasons == (reason,)
+    with pytest.raises(SelectionError, match=re.escape(f"npu graph mode 'aclgraph' is unavailable: {reason}")):
+        NpuGraphBackend()  # the default mode
 
 
-def fake_torchair(monkeypatch) -> list[str]:
-    """A ``torchair`` whose NPU backend records the config's mode and runs the traced graph as is."""
+def fake_torchair(monkeypatch, events: list[str] | None = None, shared_outputs: bool = False,
+                  run_error: Exception | None = None) -> list[str]:
+    """A ``torchair`` whose NPU backend records the config's mode and runs the traced graph as is; each compilation
+    and each run of a compiled graph is appended to ``events``. With ``shared_outputs`` every compiled graph returns
+    its results in one set of output buffers, overwritten by the next run of any of them (reduce-overhead's graphs
+    reuse their memory pool's output blocks); with ``run_error`` every run raises it."""
     modes: list[str] = []
+    events = [] if events is None else events
+    buffers: list[torch.Tensor] = []
 
     class CompilerConfig:
         mode = "max-autotune"
@@ -305,7 +346,19 @@ def fake_torchair(monkeypatch) -> list[str]:
     def get_npu_backend(compiler_config):
         def backend(graph_module, example_inputs):
             modes.append(compiler_config.mode)
-            return graph_module.forward
+            events.append("torchair compiles")
+
+            def run(*args):
+                events.append("compiled run")
+                if run_error is not None:
+                    raise run_error
+                results = graph_module.forward(*args)
+                if not shared_outputs:
+                    return results
+                buffers.extend(torch.empty_like(t) for t in results[len(buffers):])
+                return tuple(buffer.copy_(t) for buffer, t in zip(buffers, results, strict=False))
+
+            return run
 
         return backend
 
@@ -328,7 +381,85 @@ def test_torchair_mode_compiles_in_reduce_overhead_mode_and_replays_into_static_
     assert graph.outputs[0] is static
     torch.testing.assert_close(static, torch.tensor([3.0, 5.0, 7.0]))
     graph.release()
+    assert graph.outputs is None  # the static outputs are freed with the graph
     with pytest.raises(RuntimeError, match="released"):
+        graph.replay()
+
+
+def test_torchair_compiles_and_warms_up_on_the_backend_device_within_capture(npu, monkeypatch):
+    """reduce-overhead records its graph on a run after the first: the warm-up runs inside ``capture()`` keep the
+    compilation and the recording out of the first replay, and all of it runs on the backend's device."""
+    fake_torchair(monkeypatch, events=npu.events)
+
+    @contextlib.contextmanager
+    def device(device):
+        npu.events.append(f"on {device}")
+        yield
+        npu.events.append(f"off {device}")
+
+    monkeypatch.setattr(npu, "device", device)
+    backend = NpuGraphBackend(device="npu:0", mode="torchair")
+    x = torch.zeros(3)
+    torch._dynamo.reset()
+    graph = backend.capture(lambda: (x + 1,))
+    runs = ["compiled run"] * (NpuGraphBackend.warmup_runs + 1)  # the warm-ups, then the run whose outputs are kept
+    assert npu.events == ["on npu:0", "torchair compiles", *runs, "off npu:0"]
+    del npu.events[:]
+    graph.replay()
+    assert [e for e in npu.events if "compile" in e] == ["compiled run"]  # one run, no compilation
+
+
+def test_torchair_graphs_keep_their_outputs_when_torchair_reuses_its_output_memory(npu, monkeypatch):
+    fake_torchair(monkeypatch, shared_outputs=True)
+    backend = NpuGraphBackend(mode="torchair")
+    x = torch.zeros(3)
+    torch._dynamo.reset()
+    plus_one = backend.capture(lambda: (x + 1,))
+    times_ten = backend.capture(lambda: (x * 10 + 2,))
+    torch.testing.assert_close(plus_one.outputs[0], torch.ones(3))  # the second capture's runs left it alone
+    x.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    plus_one.replay()
+    torch.testing.assert_close(plus_one.outputs[0], torch.tensor([2.0, 3.0, 4.0]))
+    torch.testing.assert_close(times_ten.outputs[0], torch.full((3,), 2.0))  # not replayed: its capture's values
+
+
+def test_clone_outputs_copies_every_tensor_and_keeps_the_nesting():
+    a, b = torch.ones(2), torch.arange(3.0)
+    copied = clone_outputs([a, (b,)])
+    assert type(copied) is list and type(copied[1]) is tuple
+    assert copied[0].data_ptr() != a.data_ptr() and copied[1][0].data_ptr() != b.data_ptr()
+    assert torch.equal(copied[0], a) and torch.equal(copied[1][0], b)
+    assert clone_outputs(a).data_ptr() != a.data_ptr()
+    with pytest.raises(CaptureError, match="must return tensors or tuples of tensors, got int"):
+        clone_outputs((a, 3))
+
+
+def test_torchair_mode_refuses_a_callable_that_reads_back_to_the_host(npu, monkeypatch):
+    """Compiled as one graph (fullgraph): a graph break would run part of the callable outside the graph, on every
+    replay, here with a device-to-host read."""
+    fake_torchair(monkeypatch)
+    x = torch.ones(3)
+    torch._dynamo.reset()
+    with pytest.raises(CaptureError, match=r"torchair compilation failed: Unsupported: .*tolist"):
+        NpuGraphBackend(mode="torchair").capture(lambda: (x * x.tolist()[0],))
+
+
+def test_torchair_mode_turns_a_failure_of_any_type_into_a_capture_error(npu, monkeypatch):
+    fake_torchair(monkeypatch, run_error=ValueError("GE graph execution failed"))
+    x = torch.ones(3)
+    torch._dynamo.reset()
+    with pytest.raises(CaptureError, match="torchair compilation failed: ValueError: GE graph execution failed"):
+        NpuGraphBackend(mode="torchair").capture(lambda: (x + 1,))
+
+
+def test_a_torchair_replay_that_returns_another_number_of_outputs_is_refused(npu, monkeypatch):
+    fake_torchair(monkeypatch)
+    x = torch.zeros(3)
+    inputs = [x]
+    torch._dynamo.reset()
+    graph = NpuGraphBackend(mode="torchair").capture(lambda: tuple(t + 1 for t in inputs))
+    inputs.append(x * 2)  # a guard fails: the callable is compiled again and now returns two outputs
+    with pytest.raises(CaptureError, match="the compiled callable returned a different number of outputs on replay"):
         graph.replay()
 
 
@@ -373,6 +504,45 @@ def test_npu_attention_is_refused_when_torch_npu_lacks_the_fused_kernel(monkeypa
     assert npu_gate(ASCEND).ok
 
 
+def test_npu_attention_is_refused_off_an_npu_even_where_torch_npu_imports(monkeypatch):
+    from hwgraph_npu.attention import npu_gate
+
+    fake = types.ModuleType("torch_npu")
+    fake.npu_fused_infer_attention_score = lambda *args, **kwargs: None
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)  # installed on a GPU machine, say
+    for kind in ("cuda", "rocm", "cpu"):
+        elsewhere = dataclasses.replace(ASCEND, kind=kind)
+        assert npu_gate(elsewhere).reasons == (f"NPU attention runs on Ascend NPUs, this platform is {kind}",)
+
+
+@pytest.mark.parametrize("arguments,keyword", [
+    ("float scale=1.0", "scale"), ("float scale_value=1.0", "scale_value"), ("float softmax_scale=1.0", "scale"),
+    (None, "scale"),
+], ids=["renamed", "older torch_npu", "names neither", "schema unreadable"])
+def test_npu_scale_goes_under_the_keyword_the_installed_kernel_names(monkeypatch, arguments, keyword):
+    from hwgraph_npu.attention import scale_keyword
+
+    ops = types.SimpleNamespace()
+    if arguments is not None:
+        schema = torch._C.parse_schema(f"npu::npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, "
+                                       f"*, int num_heads=1, {arguments}) -> (Tensor, Tensor)")
+        ops.npu_fused_infer_attention_score = types.SimpleNamespace(default=types.SimpleNamespace(_schema=schema))
+    monkeypatch.setattr(torch.ops, "npu", ops, raising=False)
+    assert scale_keyword.__wrapped__() == keyword  # uncached: the schema changes
+
+
+def test_npu_attention_takes_half_precision_only(monkeypatch):
+    from hwgraph_npu.attention import NPU
+
+    fake = types.ModuleType("torch_npu")
+    fake.npu_fused_infer_attention_score = lambda *args, **kwargs: None
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert NPU.capability(ASCEND, dtype=dtype, head_dim=72).ok
+    assert NPU.capability(ASCEND, dtype=torch.float32, head_dim=72).reasons == (
+        "NPU supports dtypes float16, bfloat16, got float32",)
+
+
 @pytest.fixture
 def fused_attention_calls(monkeypatch):
     """A ``torch_npu`` whose fused kernel records the sequence ends it is given and returns garbage rows."""
@@ -411,6 +581,40 @@ def test_npu_refuses_host_boundaries_that_do_not_describe_the_tokens(fused_atten
     q = torch.randn(13, 2, 64, dtype=torch.float16)
     cu_seqlens = torch.tensor([0, 9, 13], dtype=torch.int32)
     with host_cu_seqlens(values), pytest.raises(ValueError, match=r"must start at 0, not decrease and end at most "
-                                                                  r"at 13 tokens"):
+                                                                  r"at 13 tokens, got " + re.escape(str(values))):
         npu_varlen(q, q, q, cu_seqlens, 9, 0.125)
     assert fused_attention_calls == []
+
+
+def test_npu_refuses_bad_inputs_naming_the_kernel_before_calling_it(fused_attention_calls):
+    from hwgraph_npu.attention import host_cu_seqlens, npu_varlen
+
+    q = torch.randn(13, 2, 64, dtype=torch.float16)
+    with host_cu_seqlens([0, 9, 13]):
+        with pytest.raises(ValueError, match=r"^NPU: cu_seqlens must be int32, got torch.int64"):
+            npu_varlen(q, q, q, torch.tensor([0, 9, 13]), 9, 0.125)
+        with pytest.raises(ValueError, match=r"^NPU: q, k, v must have one shape, .* k \(13, 2, 72\)"):
+            npu_varlen(q, torch.randn(13, 2, 72, dtype=torch.float16), q, torch.tensor([0, 9, 13], dtype=torch.int32),
+                       9, 0.125)
+    assert fused_attention_calls == []
+
+
+def test_npu_host_read_of_cu_seqlens_is_logged_once_with_the_remedy(fused_attention_calls, caplog):
+    from hwgraph_npu.attention import host_cu_seqlens, npu_varlen, warn_host_read
+
+    q = torch.randn(13, 2, 64, dtype=torch.float16)
+    cu_seqlens = torch.tensor([0, 9, 13], dtype=torch.int32)
+    warn_host_read.cache_clear()  # it warns once per process: start as a process that has not warned yet
+    try:
+        with caplog.at_level(logging.WARNING, logger="hwgraph_npu.attention"):
+            with host_cu_seqlens([0, 9, 13]):
+                npu_varlen(q, q, q, cu_seqlens, 9, 0.125)
+            assert caplog.records == []  # the host values were given: no read, nothing to say
+            npu_varlen(q, q, q, cu_seqlens, 9, 0.125)
+            npu_varlen(q, q, q, cu_seqlens, 9, 0.125)
+    finally:
+        warn_host_read.cache_clear()
+    (record,) = caplog.records
+    assert "read cu_seqlens back to the host (a device sync)" in record.getMessage()
+    assert "hwgraph_npu.attention.host_cu_seqlens(...)" in record.getMessage()
+    assert fused_attention_calls == [[9, 13]] * 3

@@ -51,6 +51,20 @@ def test_refused_on_a_rocm_build_without_a_visible_gpu(monkeypatch):
     assert "ROCm (HIP 6.2.41133) build but no AMD GPU is visible" in reason and "HIP_VISIBLE_DEVICES" in reason
 
 
+def test_refused_when_hip_cannot_count_devices_naming_the_error(monkeypatch):
+    simulate_rocm(monkeypatch)
+
+    def device_count():
+        raise RuntimeError("hipErrorNoBinaryForGpu: Unable to find code object for all current devices!")
+
+    monkeypatch.setattr(torch.cuda, "device_count", device_count)
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # a real torch_npu would answer npu
+    assert gate(detect()).reasons == (
+        "torch is a ROCm (HIP 6.2.41133) build but no AMD GPU is visible (torch.cuda failed to count devices "
+        "(hipErrorNoBinaryForGpu: Unable to find code object for all current devices!)); check rocm-smi and "
+        "HIP_VISIBLE_DEVICES",)
+
+
 @pytest.mark.parametrize("arch", ["gfx942:sramecc+:xnack-", "gfx90a:sramecc+:xnack-", "gfx950", "gfx1100"])
 def test_chosen_automatically_on_a_simulated_supported_gpu(monkeypatch, arch):
     simulate_rocm(monkeypatch, arch)
@@ -80,10 +94,24 @@ def test_the_architecture_of_the_requested_device_is_checked(monkeypatch):
     assert RocmGraphBackend.capability("cuda:1").reasons[0].endswith("this GPU is gfx906")
 
 
+def test_a_device_that_is_not_visible_is_refused_without_reading_its_properties(monkeypatch):
+    simulate_rocm(monkeypatch)
+
+    def get_device_properties(index=0):
+        if index >= torch.cuda.device_count():
+            raise AssertionError("Invalid device id")  # what torch raises
+        return DeviceProperties("AMD Instinct MI300X", 9, 4, "gfx942:sramecc+:xnack-")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", get_device_properties)
+    assert RocmGraphBackend.capability("cuda:0").ok
+    assert RocmGraphBackend.capability("cuda:1").reasons == ("cuda:1 does not exist: 1 device(s) are visible",)
+
+
 def test_the_probe_describes_the_backend():
     spec = probe()
     assert (spec.name, spec.kinds, spec.priority, spec.class_path) == (
         "rocm", ("rocm",), 100, "hwgraph_rocm.graphs:RocmGraphBackend")
+    assert spec.modes == RocmGraphBackend.modes  # what selection offers is what the class accepts
     expected = ["ROCM_AITER_FA"] if importlib.util.find_spec("hwgraph_rocm.attention") else []
     assert [kernel.name for kernel in spec.attention] == expected
 
@@ -149,3 +177,43 @@ def test_aiter_adapter_gives_an_all_padding_batch_a_valid_grid_and_zero_rows(mon
     out = aiter_varlen(q, q, q, torch.zeros(3, dtype=torch.int32), 0, 72 ** -0.5)  # two empty sequences, 5 padding rows
     assert (calls[0]["max_seqlen_q"], calls[0]["max_seqlen_k"]) == (1, 1)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+MI300X = PlatformInfo("rocm", "AMD Instinct MI300X", "gfx942:sramecc+:xnack-", torch.__version__, "HIP", "6.2", 1)
+
+
+@pytest.fixture
+def fake_aiter(monkeypatch):
+    module = types.ModuleType("aiter")
+    module.flash_attn_varlen_func = lambda **kwargs: None
+    monkeypatch.setitem(sys.modules, "aiter", module)
+    return module
+
+
+def test_aiter_attention_is_refused_off_rocm_naming_the_platform(fake_aiter):
+    from hwgraph_rocm.attention import ROCM_AITER_FA
+
+    assert ROCM_AITER_FA.capability(MI300X).ok
+    for kind, arch in (("cuda", "sm_90"), ("npu", "Ascend910B3"), ("cpu", None)):
+        elsewhere = dataclasses.replace(MI300X, kind=kind, arch=arch)
+        assert ROCM_AITER_FA.capability(elsewhere).reasons == (
+            f"ROCM_AITER_FA runs on AMD ROCm, this platform is {kind}",)
+
+
+def test_aiter_attention_names_every_missing_piece_at_once(monkeypatch):
+    from hwgraph_rocm.attention import ROCM_AITER_FA
+
+    monkeypatch.setitem(sys.modules, "aiter", None)  # import aiter now fails
+    mi250x = dataclasses.replace(MI300X, device_name="AMD Instinct MI250X", arch="gfx90a:sramecc+:xnack-")
+    arch, package = ROCM_AITER_FA.capability(mi250x).reasons
+    assert arch == "ROCM_AITER_FA needs gfx942 or gfx950, found gfx90a"
+    assert package.startswith("ROCM_AITER_FA needs the aiter package (")
+
+
+def test_aiter_attention_takes_half_precision_only(fake_aiter):
+    from hwgraph_rocm.attention import ROCM_AITER_FA
+
+    for dtype in (torch.float16, torch.bfloat16):
+        assert ROCM_AITER_FA.capability(MI300X, dtype=dtype, head_dim=72).ok
+    assert ROCM_AITER_FA.capability(MI300X, dtype=torch.float32, head_dim=72).reasons == (
+        "ROCM_AITER_FA supports dtypes float16, bfloat16, got float32",)
