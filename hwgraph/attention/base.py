@@ -10,7 +10,9 @@ their output is zero.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,10 @@ class KernelSpec:
     # A priority that depends on the platform (a kernel with a faster path on some architectures), or None for
     # ``priority`` everywhere. Automatic choice orders kernels by ``rank(platform)``.
     priority_on: Callable[[PlatformInfo], int] | None = None
+    # The kernel needs the sequence boundaries as host values (NPU's fused attention takes host lists): it reads
+    # ``given_host_cu_seqlens()``, which the tower sets from its host metadata, and only without it reads
+    # ``cu_seqlens`` back from the device.
+    reads_host_boundaries: bool = False
 
     def rank(self, platform: PlatformInfo) -> int:
         """The kernel's priority on ``platform``: ``priority_on(platform)`` where given, else ``priority``."""
@@ -65,3 +71,24 @@ class KernelSpec:
         from hwgraph.registry import load_object
 
         return load_object(self.impl_path)
+
+
+_host_cu_seqlens: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
+    "hwgraph_host_cu_seqlens", default=None)
+
+
+@contextlib.contextmanager
+def host_cu_seqlens(values: Sequence[int]) -> Iterator[None]:
+    """Within this block, kernels that read their boundaries on the host (``KernelSpec.reads_host_boundaries``)
+    take them from ``values`` (host ints equal to the ``cu_seqlens`` they are given) instead of reading the device
+    tensor back."""
+    token = _host_cu_seqlens.set(tuple(int(x) for x in values))
+    try:
+        yield
+    finally:
+        _host_cu_seqlens.reset(token)
+
+
+def given_host_cu_seqlens() -> tuple[int, ...] | None:
+    """The values of the innermost ``host_cu_seqlens`` block, or None outside one."""
+    return _host_cu_seqlens.get()

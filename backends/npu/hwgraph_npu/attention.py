@@ -2,7 +2,8 @@
 
 The Ascend kernel takes the sequence boundaries as HOST lists (``actual_seq_lengths``: cumulative ends, the last
 equal to the token count), while the common signature passes ``cu_seqlens`` on the device. Callers that have the
-host boundaries (the tower's metadata does) hand them over with ``host_cu_seqlens(...)``; only without them does
+host boundaries hand them over with ``hwgraph.attention.base.host_cu_seqlens(...)`` (the tower does, from its host
+metadata: ``NPU.reads_host_boundaries``); only without them does
 the kernel read ``cu_seqlens`` back to the host, a device sync that is logged once. Rows past ``cu_seqlens[-1]``
 are zeroed on the device (except through ``npu_varlen.padding_unspecified``, which the tower uses).
 
@@ -15,17 +16,15 @@ graph-safe kernel (TORCH_SDPA), and a manager given ``attention="NPU"`` runs eve
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 
-from hwgraph.attention.base import KernelSpec
+from hwgraph.attention.base import KernelSpec, given_host_cu_seqlens, host_cu_seqlens  # noqa: F401 (re-exported)
 from hwgraph.attention.varlen_inputs import check_varlen_inputs, eager_or_op, zero_padding_rows
 from hwgraph.capability import Capability, require_module
 from hwgraph.platform import PlatformInfo
@@ -33,21 +32,6 @@ from hwgraph.platform import PlatformInfo
 log = logging.getLogger(__name__)
 
 PADDED_HEAD_DIM = 128
-
-_host_cu_seqlens: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
-    "hwgraph_npu_host_cu_seqlens", default=None)
-
-
-@contextlib.contextmanager
-def host_cu_seqlens(values: Sequence[int]) -> Iterator[None]:
-    """Within this block, NPU attention takes its boundaries from ``values`` (host ints equal to ``cu_seqlens``)
-    instead of reading the device tensor back."""
-    token = _host_cu_seqlens.set(tuple(int(x) for x in values))
-    try:
-        yield
-    finally:
-        _host_cu_seqlens.reset(token)
-
 
 def sequence_ends(cu_seqlens: Sequence[int], tokens: int) -> list[int]:
     """``actual_seq_lengths`` for TND: cumulative ends without zero-length sequences, closed at ``tokens``.
@@ -101,7 +85,7 @@ def npu_gate(platform: PlatformInfo) -> Capability:
 @functools.lru_cache(maxsize=1)
 def warn_host_read() -> None:
     log.warning("NPU attention read cu_seqlens back to the host (a device sync); pass the host values "
-                "with hwgraph_npu.attention.host_cu_seqlens(...) to avoid it")
+                "with hwgraph.attention.base.host_cu_seqlens(...) to avoid it")
 
 
 def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -148,7 +132,7 @@ def npu_varlen_padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     ones; the same split as ``hwgraph.attention.varlen_inputs.register_varlen_kernel``'s)."""
     check_varlen_inputs("NPU", q, k, v, cu_seqlens, max_seqlen, scale)
     tokens = q.shape[0]
-    host = _host_cu_seqlens.get()
+    host = given_host_cu_seqlens()
     if host is None:
         # Last resort: a device-to-host read (a sync, and not capturable). Supply host_cu_seqlens to avoid it.
         warn_host_read()
@@ -168,6 +152,7 @@ NPU = KernelSpec(
     dtypes=(torch.float16, torch.bfloat16),
     head_dims=(1, 256),
     graph_safe=False,  # see the module docstring: the per-replay update of its host lists is not built
+    reads_host_boundaries=True,
     gate=npu_gate,
     priority=30,
     description="torch_npu.npu_fused_infer_attention_score (TND, host sequence lengths; head dims 65..127 "

@@ -616,5 +616,28 @@ def test_npu_host_read_of_cu_seqlens_is_logged_once_with_the_remedy(fused_attent
         warn_host_read.cache_clear()
     (record,) = caplog.records
     assert "read cu_seqlens back to the host (a device sync)" in record.getMessage()
-    assert "hwgraph_npu.attention.host_cu_seqlens(...)" in record.getMessage()
+    assert "hwgraph.attention.base.host_cu_seqlens(...)" in record.getMessage()
     assert fused_attention_calls == [[9, 13]] * 3
+
+
+def test_the_tower_hands_npu_attention_its_host_boundaries_instead_of_a_read_per_block(fused_attention_calls,
+                                                                                         caplog):
+    """The tower's host metadata holds ``cu_seqlens``: NPU attention takes it from there in every block, so an eager
+    forward reads nothing back (27 device syncs a forward on the real tower otherwise)."""
+    from hwgraph_npu.attention import warn_host_read
+
+    from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+
+    tower = Qwen3OmniVisionTower.from_preset("tiny").to(torch.float16)
+    assert tower.set_attention("NPU", platform=ASCEND).spec.reads_host_boundaries
+    grid = [(1, 4, 4), (2, 2, 4)]
+    metadata = tower.prepare_metadata(grid)
+    pixels = torch.randn(metadata.num_rows, tower.patch_row_width, dtype=torch.float16)
+    warn_host_read.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hwgraph_npu.attention"):
+            tower.forward_with_metadata(pixels, metadata)
+    finally:
+        warn_host_read.cache_clear()
+    assert caplog.records == []
+    assert fused_attention_calls == [[16, 24, 32]] * len(tower.blocks)  # one image, then a video's two frames

@@ -8,12 +8,13 @@ shapes depend on the metadata's shapes alone (no ``.item()``, ``.tolist()``, ``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 from torch import nn
 
-from hwgraph.attention.base import KernelSpec, VarlenAttention
+from hwgraph.attention.base import KernelSpec, VarlenAttention, host_cu_seqlens
 from hwgraph.capability import Capability
 from hwgraph.models.qwen3_omni.config import VisionConfig, check_config, preset_config, resolve_config
 from hwgraph.models.qwen3_omni.fused import add_position_embedding
@@ -204,13 +205,18 @@ class Qwen3OmniVisionTower(nn.Module):
         default), e.g. that function compiled once and shared by every block (``EncoderGraphManager(compile=True)``).
         """
         self.check_pixels(pixel_values, metadata)
-        run_block = self.block_forward() if block_forward is None else block_forward
-        metadata = metadata.to(pixel_values.device)
         if self._attention is None:
             self.set_attention()
+        spec, kernel = self._attention
+        # A kernel taking host boundaries (NPU) gets them from host metadata, instead of a read in every block.
+        boundaries = (host_cu_seqlens(metadata.cu_seqlens.tolist())
+                      if spec.reads_host_boundaries and metadata.cu_seqlens.device.type == "cpu"
+                      else contextlib.nullcontext())
+        run_block = self.block_forward() if block_forward is None else block_forward
+        metadata = metadata.to(pixel_values.device)
         # Padding rows never mix into real ones (attention keeps sequences apart, every other step works per row or
         # per aligned merge group), so the kernel may leave them unspecified and skip zeroing them in every block.
-        attend = getattr(self._attention[1], "padding_unspecified", self._attention[1])
+        attend = getattr(kernel, "padding_unspecified", kernel)
         x = add_position_embedding(self.patch_embed(pixel_values), self.pos_embed.weight, metadata.pos_indices,
                                    metadata.pos_weights)
         cos, sin = self.rotary_pos_emb(metadata.rotary_positions)
@@ -219,20 +225,21 @@ class Qwen3OmniVisionTower(nn.Module):
         merged_from = []  # the DeepStack mergers' inputs stay referenced until the side stream is joined
         blocks = list(self.blocks)
         normed = blocks[0].norm1(x) if blocks else None
-        for layer, block in enumerate(blocks):
-            next_norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else None
-            x, normed = run_block(block, x, normed, next_norm, cos, sin, metadata.cu_seqlens, metadata.max_seqlen,
-                                  attend)
-            merger = self.deepstack_after.get(layer)
-            if merger is None:
-                continue
-            if side is None:
-                deepstack.append(self.merger_list[merger](x))
-                continue
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):
-                deepstack.append(self.merger_list[merger](x))
-            merged_from.append(x)
+        with boundaries:
+            for layer, block in enumerate(blocks):
+                next_norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else None
+                x, normed = run_block(block, x, normed, next_norm, cos, sin, metadata.cu_seqlens,
+                                      metadata.max_seqlen, attend)
+                merger = self.deepstack_after.get(layer)
+                if merger is None:
+                    continue
+                if side is None:
+                    deepstack.append(self.merger_list[merger](x))
+                    continue
+                side.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(side):
+                    deepstack.append(self.merger_list[merger](x))
+                merged_from.append(x)
         embeds = self.merger(x)
         if side is not None:
             main = torch.cuda.current_stream(x.device)
