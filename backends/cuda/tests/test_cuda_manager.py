@@ -115,6 +115,25 @@ def test_replay_path_reads_nothing_back_from_the_device(tower):
         assert m.stats()["hits"] == 5
 
 
+def test_encode_on_a_callers_stream_waits_for_its_inputs_there(tower):
+    """A caller (vLLM's model runner, say) may encode on its own stream, whose pixels are still being written when
+    ``encode`` is called: the copy into the graph's buffers, the replay, the eager fallback and the copy out all
+    queue on that stream, after the pixels."""
+    caller = torch.cuda.Stream()
+    with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, attention="auto") as m:
+        m.capture()
+        for i, grid in enumerate([[(1, 14, 14)], [(1, 64, 64)]]):  # a replay, then a group over budget (eager)
+            source = pixels(grid, 40 + i)
+            caller.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(caller):
+                torch.cuda._sleep(50_000_000)  # about 25 ms on the H200: the pixels below are written late
+                pix = source * 1
+                got = m.encode(pix, grid)
+            caller.synchronize()
+            check(tower, got, source, grid)
+        assert (m.stats()["hits"], m.stats()["misses"]) == (1, 1)
+
+
 def test_thousand_replays_do_not_grow_memory_and_close_frees_it(tower, monkeypatch):
     cleared = []
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(True))

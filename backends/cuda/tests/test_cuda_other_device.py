@@ -33,16 +33,18 @@ def graph_safe_kernels() -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def first_gpu_current():
-    """``cuda:0`` current throughout; nothing the test runs may allocate there or leave another GPU current."""
+def first_gpu_current(request):
+    """``cuda:0`` current throughout; nothing the test runs may leave another GPU current, nor allocate on
+    ``cuda:0`` unless it has a tower there (``first_gpu_tower``)."""
     torch.cuda.set_device(0)
     torch.cuda.synchronize(0)
     before = torch.cuda.memory_allocated(0)
     yield
     assert torch.cuda.current_device() == 0, "a launch left another GPU current"
     torch.cuda.synchronize(0)
-    # at most what an earlier test's garbage, freed meanwhile, gave back
-    assert torch.cuda.memory_allocated(0) <= before, "memory was allocated on cuda:0, not on the tensors' GPU"
+    if "first_gpu_tower" not in request.fixturenames:
+        # at most what an earlier test's garbage, freed meanwhile, gave back
+        assert torch.cuda.memory_allocated(0) <= before, "memory was allocated on cuda:0, not on the tensors' GPU"
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +55,22 @@ def tower():
         OTHER, torch.bfloat16).eval()
 
 
-def pixels(grid, seed: int) -> torch.Tensor:
-    g = torch.Generator(device=OTHER).manual_seed(seed)
+@pytest.fixture
+def first_gpu_tower():
+    torch.manual_seed(1)
+    return Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=2, deepstack_visual_indexes=[0, 1]).to(
+        "cuda:0", torch.bfloat16).eval()
+
+
+def pixels(grid, seed: int, device: torch.device = OTHER) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
     rows = sum(t * h * w for t, h, w in grid)
-    return torch.randn(rows, 1536, device=OTHER, dtype=torch.bfloat16, generator=g)
+    return torch.randn(rows, 1536, device=device, dtype=torch.bfloat16, generator=g)
 
 
 def forward_on_other(tower, pix, grid) -> tuple[torch.Tensor, ...]:
-    """The eager forward with ``cuda:1`` current: what each run with ``cuda:0`` current must equal."""
-    with torch.cuda.device(OTHER), torch.inference_mode():
+    """The eager forward with ``pix``'s GPU current: what each run with ``cuda:0`` current must equal."""
+    with torch.cuda.device(pix.device), torch.inference_mode():
         return tuple(t.clone() for t in tower.forward(pix, grid).tensors())
 
 
@@ -122,6 +131,28 @@ def test_manager_captures_replays_and_falls_back_on_its_gpu(tower, kernel, compi
         assert (stats["hits"], stats["misses"]) == (5, 1) and stats["eager_reasons"] == {"over budget": 1}
         if measured:
             assert stats["products"].startswith("measured cuBLASLt algorithms"), stats["products"]
+
+
+def test_managers_on_two_gpus_in_one_process_replay_side_by_side(tower, first_gpu_tower):
+    """Each GPU has its own shared capture stream, graphs and pool: replays alternating between the two managers
+    each equal their own tower's eager forward."""
+    grid = [(1, 14, 14)]
+    with EncoderGraphManager(first_gpu_tower, budgets=[64], max_images_per_graph=1, attention="auto") as first, \
+            EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, attention="auto") as second:
+        first.capture()
+        second.capture()
+        assert (first.device, second.device) == (torch.device("cuda", 0), OTHER)
+        assert first.backend.capture_stream().device == torch.device("cuda", 0)
+        assert second.backend.capture_stream().device == OTHER
+        for i in range(3):
+            for m in (first, second):
+                pix = pixels(grid, i, m.device)
+                want = forward_on_other(m.tower, pix, grid)
+                for g, w in zip(m.encode(pix, grid)[0].tensors(), want, strict=True):
+                    assert g.device == m.device
+                    torch.testing.assert_close(g, w, **BF16)
+                    assert relative_error(g, w) < 1e-2
+        assert first.stats()["hits"] == second.stats()["hits"] == 3
 
 
 def split(tensors: tuple[torch.Tensor, ...], grid) -> list[tuple[torch.Tensor, ...]]:
