@@ -22,6 +22,7 @@ from hwgraph.attention.registry import choose_attention, kernel_named, list_kern
 from hwgraph.capability import Capability
 from hwgraph.platform import PlatformInfo
 from hwgraph.registry import BackendSpec, SelectionError
+from hwgraph.testing.simulate import simulate_aiter
 
 
 def platform(kind: str, arch: str | None, count: int = 1) -> PlatformInfo:
@@ -52,10 +53,7 @@ def plugin_kernels(monkeypatch):
 
 @pytest.fixture
 def fake_aiter(monkeypatch):
-    module = types.ModuleType("aiter")
-    module.flash_attn_varlen_func = lambda **kwargs: None
-    monkeypatch.setitem(sys.modules, "aiter", module)
-    return module
+    return simulate_aiter(monkeypatch)
 
 
 @pytest.fixture

@@ -4,6 +4,8 @@ and plugin tests)."""
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 
 import torch
 
@@ -24,6 +26,15 @@ def simulate_gpu(monkeypatch, *, cuda: str | None = None, hip: str | None = None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+
+
+def simulate_aiter(monkeypatch) -> types.ModuleType:
+    """Install an ``aiter`` module with a ``flash_attn_varlen_func`` that computes nothing, for the duration of a
+    test: what the ROCm gates look for. Tests that call the kernel replace the function."""
+    module = types.ModuleType("aiter")
+    module.flash_attn_varlen_func = lambda **kwargs: None
+    monkeypatch.setitem(sys.modules, "aiter", module)
+    return module
 
 
 class FakeStream:

@@ -16,7 +16,7 @@ from hwgraph.graphs import CaptureError
 from hwgraph.graphs.torch_cuda import TorchCudaCapturedGraph
 from hwgraph.platform import PlatformInfo, detect
 from hwgraph.registry import SelectionError, choose_backend, create_backend
-from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
+from hwgraph.testing.simulate import DeviceProperties, simulate_aiter, simulate_gpu
 
 
 def simulate_rocm(monkeypatch, arch="gfx942:sramecc+:xnack-", count=1):
@@ -184,10 +184,7 @@ MI300X = PlatformInfo("rocm", "AMD Instinct MI300X", "gfx942:sramecc+:xnack-", t
 
 @pytest.fixture
 def fake_aiter(monkeypatch):
-    module = types.ModuleType("aiter")
-    module.flash_attn_varlen_func = lambda **kwargs: None
-    monkeypatch.setitem(sys.modules, "aiter", module)
-    return module
+    return simulate_aiter(monkeypatch)
 
 
 def test_aiter_attention_is_refused_off_rocm_naming_the_platform(fake_aiter):
