@@ -43,6 +43,9 @@ def check_arguments(args) -> None:
 
     for tokens in args.tokens or ():
         at_least("--tokens", tokens, 1)
+    repeated = sorted({t for t in args.tokens or () if args.tokens.count(t) > 1})
+    if repeated:  # each size is one row of the latency table, as ``hwgraph bench --groups`` insists
+        raise ValueError(f"--tokens {' '.join(map(str, args.tokens))}: {repeated[0]} repeats; give each size once")
     at_least("--samples", args.samples, 1)
     at_least("--warmup", args.warmup, 0)
     if args.dtype is not None:

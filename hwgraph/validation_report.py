@@ -14,7 +14,7 @@ def yes(flag: bool) -> str:
 def platform_section(report: dict) -> str:
     p = report["info"]["platform"]
     rows = [[k, v] for k, v in p.items() if k != "notes"]
-    rows += [["note", n] for n in p.get("notes") or ()]
+    rows += [["note", cell(n)] for n in p.get("notes") or ()]
     env = report["environment"]
     versions = md_table(["package", "version"], [[k, v or "not installed"] for k, v in
                                                  (env.get("packages") or {}).items()])
@@ -26,18 +26,18 @@ def choices_section(report: dict) -> str:
     info = report["info"]
     backends = md_table(["graph backend", "available", "modes", "validated", "reasons"],
                         [[b["name"], yes(b["available"]), ", ".join(b["modes"]),
-                          "**yes**" if b["name"] == report["backend"] else "", "; ".join(b["reasons"]) or "-"]
+                          "**yes**" if b["name"] == report["backend"] else "", cell("; ".join(b["reasons"]))]
                          for b in info["graph_backends"]])
     kernels = md_table(["attention kernel", "available on this platform", "graph-safe", "platforms", "reasons"],
                        [[k["name"], yes(k["available"]), yes(k["graph_safe"]), "/".join(k["kinds"]),
-                         "; ".join(k["reasons"]) or "-"] for k in info["attention_kernels"]])
+                         cell("; ".join(k["reasons"]))] for k in info["attention_kernels"]])
     out = [f"## Graph backends\n\nValidated: **{report['backend']}** ({report['backend_reason']}).\n\n{backends}",
            f"## Attention kernels\n\n{kernels}"]
     bench = report.get("bench")
     if bench:
         out.append(f"For the benchmark's tower ({bench['preset']}, {bench['dtype']}, {bench['device']}):\n\n"
                    + md_table(["attention kernel", "available", "reasons"],
-                              [[k["name"], yes(k["available"]), "; ".join(k["reasons"]) or "-"]
+                              [[k["name"], yes(k["available"]), cell("; ".join(k["reasons"]))]
                                for k in bench["kernels"]]))
     for problem in info.get("problems") or ():
         out.append(f"Plugin problem: {problem}")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -129,6 +130,7 @@ def test_bench_accepts_good_options_and_creates_the_json_folder(tmp_path):
     (["--preset", "huge"], ["--preset", "'huge'", "tiny"]),
     (["--attention", "SDPA"], ["--attention", "'SDPA'", "TORCH_SDPA"]),
     (["--backend", "bogus"], ["--backend: unknown graph backend 'bogus'", "known: cpu"]),
+    (["--tokens", "16", "4", "16"], ["--tokens 16 4 16: 16 repeats; give each size once"]),
 ])
 def test_validate_refuses_a_bad_option_before_anything_runs(argv, expected, tmp_path, capsys):
     report = tmp_path / "report"
@@ -161,6 +163,77 @@ def test_info_explains_a_forced_backend_that_cannot_be_selected_and_exits_1(monk
     data = json.loads(capsys.readouterr().out)
     assert data["selected_backend"] is None and "'bogus'" in data["selection_reason"]
     assert not any(b["selected"] for b in data["graph_backends"])
+
+
+def backend_rows(text: str) -> dict[str, list[str]]:
+    """The rows of the graph-backend table of ``hwgraph info``: backend name -> [marker, available, modes]."""
+    table = text.split("Graph backends\n", 1)[1].split("\nselected: ", 1)[0].splitlines()[2:]
+    return {line[2:].split()[0]: [line[:2].strip(), *line[2:].split()[1:3]] for line in table}
+
+
+def test_info_marks_the_selected_backend_on_a_gpu_machine_where_the_cpu_backend_is_available_too(monkeypatch,
+                                                                                                  capsys):
+    from hwgraph.registry import backend_specs
+    from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
+
+    if "cuda" not in {s.name for s in backend_specs()}:
+        pytest.skip("the cuda graph backend comes with hwgraph-backend-cuda, which is not installed")
+    simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("NVIDIA H200", 9, 0))
+    assert cli.main(["info"]) == 0
+    rows = backend_rows(capsys.readouterr().out)
+    assert rows["cuda"] == ["*", "yes", "full"] and rows["cpu"] == ["", "yes", "emulated"]
+    assert rows["rocm"][:2] == ["", "no"]
+    assert cli.main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [b["name"] for b in data["graph_backends"] if b["selected"]] == ["cuda"] == [data["selected_backend"]]
+    assert {b["name"]: b["available"] for b in data["graph_backends"]}["cpu"] is True
+
+
+def test_info_prints_the_platforms_notes_and_the_plugins_problems(monkeypatch, capsys):
+    import dataclasses
+
+    from hwgraph import platform, registry
+
+    note = "torch.cuda failed to count devices (driver too old)"
+    problem = "entry point 'broken' (broken:probe) failed to load: ImportError: no module named broken"
+    real_detect, real_discovered = platform.detect, registry.discovered
+    monkeypatch.setattr(platform, "detect", lambda: dataclasses.replace(real_detect(), notes=(note,)))
+    monkeypatch.setattr(registry, "discovered", lambda: (real_discovered()[0], (problem,)))
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {note}" in out.splitlines() and f"problem: {problem}" in out.splitlines()
+    assert cli.main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["platform"]["notes"] == [note] and data["problems"] == [problem]
+
+
+def test_no_command_is_a_usage_error_naming_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "the following arguments are required: command" in err and "{info,bench,validate}" in err
+
+
+@pytest.mark.parametrize("argv, level", [(["-v", "info"], logging.INFO), (["info"], logging.WARNING)])
+def test_verbose_logs_at_info_level(monkeypatch, capsys, argv, level):
+    # under pytest the root logger has handlers already, so basicConfig would not show its level: record it
+    seen = []
+    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: seen.append(kwargs["level"]))
+    assert cli.main(argv) == 0
+    assert seen == [level]
+
+
+def test_the_report_environment_names_installed_versions_and_none_for_missing_packages(monkeypatch):
+    import platform as host
+    from importlib.metadata import version
+
+    from hwgraph import versions
+
+    monkeypatch.setattr(versions, "PACKAGES", ("torch", "hwgraph-no-such-distribution"))
+    env = versions.environment()
+    assert env["packages"] == {"torch": version("torch"), "hwgraph-no-such-distribution": None}
+    assert env["python"] == host.python_version() and env["platform"]["kind"] in {"cpu", "cuda", "rocm", "npu"}
 
 
 def test_info_exits_0_when_a_backend_is_selected(capsys):

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from hwgraph import budgets as budget_rules
 from hwgraph import manager as manager_module
 from hwgraph.attention.sdpa import sdpa_varlen
 from hwgraph.graphs.base import CaptureError
@@ -404,6 +405,39 @@ def test_budgets_may_be_any_iterable_of_integers(tower):
     assert EncoderGraphManager(tower, graph_backend="cpu", budgets=(b for b in [32, 16])).budgets == [16, 32]
     m = EncoderGraphManager(tower, graph_backend="cpu", budgets=numpy.array([16, 32]), slot_counts=range(1, 3))
     assert m.budgets == [16, 32] and all(type(b) is int for b in m.budgets)
+
+
+def test_budget_edges_are_accepted_and_a_bool_is_not_a_budget(tower):
+    # the smallest auto budget is a valid cap; as many images as the smallest budget has tokens fit a graph
+    assert EncoderGraphManager(tower, graph_backend="cpu", max_budget=64).budgets == [64]
+    m = EncoderGraphManager(tower, graph_backend="cpu", budgets=[32, 16], max_images_per_graph=16, slot_counts=[16])
+    assert (m.budgets, m.slot_counts) == ([16, 32], [16])
+    with pytest.raises(ValueError, match=r"budgets must be ints \(merged-token counts\), got \[True\]"):
+        EncoderGraphManager(tower, graph_backend="cpu", budgets=[16, True])
+
+
+@pytest.mark.parametrize("max_images, counts", [(1, [1]), (4, [1, 2, 4]), (6, [1, 2, 4, 6]), (8, [1, 2, 4, 8])])
+def test_default_slot_counts_double_up_to_the_max_without_repeating_it(max_images, counts):
+    assert budget_rules.default_slot_counts(max_images) == counts
+
+
+@pytest.mark.parametrize("tokens, grid", [(16, (1, 8, 8)), (49, (1, 14, 14)), (12, (1, 6, 8)), (7, (1, 2, 14)),
+                                          (1, (1, 2, 2))])
+def test_filling_grid_is_the_squarest_single_frame_grid_of_exactly_the_tokens(tokens, grid):
+    assert budget_rules.filling_grid(tokens, 2) == grid
+
+
+@pytest.mark.parametrize("budgets, images, tokens, video, expected", [
+    ({256: "g", 64: "g", 128: "g"}, 1, 64, False, (64, "replay")),  # captured largest first: the smallest that fits
+    ({256: "g", 64: "g", 128: "g"}, 4, 65, False, (128, "replay")),  # exactly max_images images
+    ({256: "g", 64: "g"}, 5, 20, False, (None, "too many images")),
+    ({256: "g", 64: "g"}, 1, 20, True, (None, "video")),
+    ({}, 1, 20, False, (None, "no graphs")),
+    ({256: "g", 64: "g"}, 1, 257, False, (None, "over budget")),
+])
+def test_single_replay_budget_is_the_smallest_that_holds_the_group_or_says_why_not(budgets, images, tokens, video,
+                                                                                   expected):
+    assert budget_rules.single_replay_budget(budgets, images, tokens, 4, video) == expected
 
 
 def test_pixels_that_are_not_a_floating_point_tensor_raise_value_errors(tower, manager):

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from hwgraph.report import INTERLEAVED
 from hwgraph.testing.results import ResultCollector, failing_checks, run_conformance, suite_module
 from hwgraph.validate import verdict
 
@@ -188,3 +190,275 @@ def test_the_progress_bar_draws_only_on_a_terminal():
             bar.advance(note="TestCapture")
         assert ("conformance [#######" in stream.text and "1/4" in stream.text) is tty
         assert (stream.text == "") is not tty
+
+
+def test_the_progress_bar_stays_one_bounded_line_and_is_cleared_on_exit():
+    from hwgraph.progress import Progress
+
+    stream = FakeTerminal(True)
+    with Progress("conformance", stream=stream, width=8) as bar:
+        bar.set_total(4)
+        assert "0/4" in stream.text.split("\r")[-1]  # a new total is drawn at once
+        bar.advance(note="TestCapture")
+        bar.advance(note="TestReplay" * 20)
+        assert "[####....] 2/4" in stream.text.split("\r")[-1]
+        bar.advance(3)  # more checks reported than collected: the bar stays full, not longer
+        assert "[########] 5/4" in stream.text.split("\r")[-1]
+    lines = stream.text.split("\r")[1:]
+    assert all(len(line) <= 110 for line in lines)  # a long note must not wrap the terminal line
+    assert stream.text.endswith("\r" + " " * 110 + "\r")  # later output starts on a clean line
+
+
+@pytest.mark.parametrize("exit_code, counts, failed, ok, summary", [
+    (1, {"passed": 3, "failed": 1, "error": 1, "skipped": 0}, ["failed", "error"], False,
+     "FAIL: 2 conformance check(s) failed"),
+    (3, {"passed": 3, "failed": 0, "error": 0, "skipped": 0}, [], False,
+     "FAIL: pytest exited with status 3 (see conformance.log)"),
+    (0, {"passed": 3, "failed": 0, "error": 0, "skipped": 2}, [], True, "PASS: 3 checks passed, 2 skipped"),
+], ids=["failures and errors", "pytest internal error", "pass"])
+def test_the_verdict_counts_failed_and_errored_checks_and_distrusts_an_abnormal_pytest_exit(exit_code, counts, failed,
+                                                                                          ok, summary):
+    results = [{"check": f"T::{i}", "outcome": o, "message": "x"} for i, o in enumerate(failed)]
+    results += [{"check": "T::ok", "outcome": "passed", "message": ""}] * counts["passed"]
+    assert verdict({"exit_code": exit_code, "counts": counts, "results": results}) == (ok, summary)
+
+
+def validate_args(*argv):
+    from hwgraph import cli
+
+    return cli.build_parser().parse_args(["validate", *argv])
+
+
+def test_the_benchmark_defaults_depend_on_the_device_and_explicit_options_win(monkeypatch):
+    from hwgraph import bench
+    from hwgraph.progress import Progress
+    from hwgraph.validate import ACCELERATOR_TOKENS, CPU_TOKENS, run_benchmark
+
+    configs = []
+    monkeypatch.setattr(bench, "run_bench", lambda cfg, progress: configs.append(cfg) or {})
+    for device in ("cpu", "cuda"):
+        run_benchmark(validate_args(), "cpu", torch.device(device), Progress)
+    cpu, gpu = configs
+    assert (cpu.warmup, cpu.samples, cpu.dtype, [g.tokens for g in cpu.groups]) == (3, 10, torch.float32,
+                                                                                   list(CPU_TOKENS))
+    assert (gpu.warmup, gpu.samples, gpu.dtype, [g.tokens for g in gpu.groups]) == (10, 30, torch.bfloat16,
+                                                                                   list(ACCELERATOR_TOKENS))
+    assert cpu.reference and cpu.kernels is None and cpu.graph_backend == "cpu"
+    args = validate_args("--warmup", "0", "--samples", "2", "--dtype", "bfloat16", "--tokens", "8",
+                         "--attention", "TORCH_SDPA", "--no-transformers")
+    run_benchmark(args, "cpu", torch.device("cpu"), Progress)
+    cfg = configs[-1]
+    assert (cfg.warmup, cfg.samples, cfg.dtype, [g.label for g in cfg.groups]) == (0, 2, torch.bfloat16, ["1x8"])
+    assert not cfg.reference and cfg.kernels == ["TORCH_SDPA"]
+
+
+def test_validate_runs_the_suite_on_the_accelerator_its_backend_serves(monkeypatch):
+    from hwgraph.registry import backend_specs
+    from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
+    from hwgraph.validate import device_for_backend
+
+    if "cuda" not in {s.name for s in backend_specs()}:
+        pytest.skip("the cuda graph backend comes with hwgraph-backend-cuda, which is not installed")
+    simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("NVIDIA H200", 9, 0))
+    assert device_for_backend("cuda") == torch.device("cuda")
+    assert device_for_backend("cpu") == torch.device("cpu")  # the CPU reference backend, on a GPU machine
+    assert device_for_backend("rocm") == torch.device("cpu")  # not this machine's accelerator: the report says why
+
+
+def lat(median: float) -> dict:
+    return {"median_ms": median, "p95_ms": median * 1.25}
+
+
+def bench_row(kernel, tokens, eager, replay=None, transformers=None, images=1) -> dict:
+    return {"group": f"{images}x{tokens // images}", "images": images, "tokens": tokens, "kernel": kernel,
+            "transformers": transformers and lat(transformers), "eager": lat(eager), "replay": replay and lat(replay),
+            "budget": 64 if replay else None, "replay_note": "replay" if replay else "eager: over budget",
+            "speedup": {"eager_vs_transformers": None, "replay_vs_transformers": None, "replay_vs_eager": None}}
+
+
+def bench_result(rows, accelerates=False) -> dict:
+    """What ``run_bench`` returns, reduced to what the validation report and the plot read."""
+    stats = {"calls": 1, "hits": 1, "misses": 0, "eager_groups": 0, "padding_tokens": 0, "replays_per_budget": {64: 1},
+             "capture_failures": {}}
+    return {"preset": "tiny", "dtype": "float32", "device": "cpu", "timer": "wall clock", "warmup": 0, "samples": 1,
+            "interleaved": True, "graph_backend": "cpu", "graph_backend_accelerates": accelerates, "budgets": [64],
+            "kernels": [{"name": "TORCH_SDPA", "available": True, "reasons": []},
+                        {"name": "FLASH_ATTN", "available": False, "reasons": ["FLASH_ATTN runs on NVIDIA CUDA"]}],
+            "rows": rows, "per_kernel": {k: {"graph_memory_bytes": {"64": 2**20}, "stats": stats}
+                                         for k in dict.fromkeys(r["kernel"] for r in rows)}}
+
+
+def drawn_lines(monkeypatch, result, path):
+    """``latency_plot``'s answer and the lines it drew, by label: (tokens, medians, colour)."""
+    matplotlib = pytest.importorskip("matplotlib", reason="the plot needs matplotlib")
+    from matplotlib.figure import Figure
+
+    from hwgraph.plot import latency_plot
+
+    figures, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: figures.append(fig) or savefig(fig, *a, **kw))
+    note = latency_plot(result, path)
+    assert matplotlib.pyplot.get_fignums() == []  # every figure closed: validate may run in a long process
+    if not figures:
+        return note, None, {}
+    (ax,) = figures[0].axes
+    return note, [int(t) for t in ax.get_xticks()], {
+        line.get_label(): ([int(v) for v in line.get_xdata()], list(line.get_ydata()), line.get_color())
+        for line in ax.get_lines()}
+
+
+def test_the_latency_plot_draws_each_kernels_eager_and_replay_over_single_images_sorted_by_tokens(monkeypatch,
+                                                                                                  tmp_path):
+    rows = [bench_row("K", 64, 8.0, None, 20.0), bench_row("K", 16, 4.0, 1.0, 10.0),
+            bench_row("L", 16, 5.0, 2.0, 10.0), bench_row("L", 64, 9.0, 3.0, 20.0),
+            bench_row("K", 32, 6.0, 1.5, 15.0, images=2)]
+    note, ticks, lines = drawn_lines(monkeypatch, bench_result(rows), tmp_path / "latency.png")
+    assert note is None and (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ticks == [16, 64]  # the two-image group is not a point of this plot
+    assert lines == {"K eager": ([16, 64], [4.0, 8.0], "C0"), "K replay": ([16], [1.0], "C0"),
+                     "L eager": ([16, 64], [5.0, 9.0], "C1"), "L replay": ([16, 64], [2.0, 3.0], "C1"),
+                     "transformers eager": ([16, 64], [10.0, 20.0], "black")}
+    # without the transformers reference (--no-transformers) there is no line for it
+    note, _, lines = drawn_lines(monkeypatch, bench_result([bench_row("K", 16, 4.0, 1.0)]), tmp_path / "b.png")
+    assert note is None and set(lines) == {"K eager", "K replay"}
+
+
+def test_the_latency_plot_says_why_it_was_not_drawn(monkeypatch, tmp_path):
+    rows = [bench_row("K", 32, 6.0, 1.5, images=2)]
+    note, _, lines = drawn_lines(monkeypatch, bench_result(rows), tmp_path / "latency.png")
+    assert lines == {} and note == "no single-image groups were measured" and not (tmp_path / "latency.png").exists()
+    from hwgraph.plot import latency_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
+    note = latency_plot(bench_result([bench_row("K", 16, 4.0, 1.0)]), tmp_path / "latency.png")
+    assert note.startswith("matplotlib is not installed (") and "pip install 'hwgraph[plot]'" in note
+    assert not (tmp_path / "latency.png").exists()
+
+
+def passing_conformance(*args, **kwargs) -> dict:
+    return {"exit_code": 0, "counts": {"passed": 1, "failed": 0, "error": 0, "skipped": 0}, "log": "",
+            "results": [{"check": "TestCapture::test_x[cpu]", "outcome": "passed", "message": "", "seconds": 0.1}]}
+
+
+@pytest.fixture
+def validate_in_process(monkeypatch):
+    """``hwgraph validate argv`` in this process with a passing suite and ``run_bench`` answering ``bench``: a result
+    dict, or an exception to raise. Returns (exit status, stdout)."""
+    from hwgraph import bench as bench_module
+    from hwgraph import cli
+    from hwgraph.testing import results
+
+    monkeypatch.delenv("HWGRAPH_GRAPH_BACKEND", raising=False)
+    monkeypatch.setattr(results, "run_conformance", passing_conformance)
+
+    def run(argv, bench, capsys):
+        def run_bench(cfg, progress):
+            if isinstance(bench, Exception):
+                raise bench
+            return bench
+
+        monkeypatch.setattr(bench_module, "run_bench", run_bench)
+        code = cli.main(["validate", *argv])
+        return code, capsys.readouterr().out
+
+    return run
+
+
+def test_validate_reports_the_benchmark_its_kernels_and_the_emulation_and_lists_the_plot(validate_in_process,
+                                                                                          tmp_path, capsys):
+    out = tmp_path / "ci" / "h200" / "report"  # made with its parents
+    bench = bench_result([bench_row("TORCH_SDPA", 16, 4.0, 1.0, 10.0)])
+    code, stdout = validate_in_process(["--backend", "cpu", "--report", str(out), *FAST], bench, capsys)
+    assert code == 0
+    assert f"report: {out / 'report.md'} (also report.json, latency.png, conformance.log)" in stdout
+    assert "latency.png not written" not in stdout and (out / "latency.png").exists()
+    md = (out / "report.md").read_text()
+    assert ("For the benchmark's tower (tiny, float32, cpu):\n\n| attention kernel | available | reasons |\n"
+            "|---|---|---|\n| TORCH_SDPA | yes | - |\n| FLASH_ATTN | no | FLASH_ATTN runs on NVIDIA CUDA |") in md
+    assert (f"wall clock, 0 warm-ups, 1 samples per cell; ms as median / p95; speedups are ratios of medians from "
+            f"this run{INTERLEAVED}. The cpu backend emulates replay eagerly: no speed-up is expected from it.") in md
+    assert "![latency against image tokens](latency.png)" in md
+    bench["graph_backend_accelerates"] = True
+    validate_in_process(["--backend", "cpu", "--report", str(out), *FAST], bench, capsys)
+    assert "emulates replay" not in (out / "report.md").read_text()
+
+
+def test_a_benchmark_that_crashes_is_reported_with_its_error_and_the_suites_verdict_stands(validate_in_process,
+                                                                                            tmp_path, capsys):
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "latency.png").write_bytes(b"an earlier run's plot")
+    code, stdout = validate_in_process(["--backend", "cpu", "--report", str(out), *FAST],
+                                       RuntimeError("out of memory"), capsys)
+    assert code == 0  # the conformance suite passed; the report says why it has no latency table
+    assert f"report: {out / 'report.md'} (also report.json, conformance.log)" in stdout
+    assert "latency.png not written: RuntimeError: out of memory" in stdout and not (out / "latency.png").exists()
+    report = json.loads((out / "report.json").read_text())
+    assert report["bench_error"] == "RuntimeError: out of memory" and report["plot"] == {
+        "skipped": "RuntimeError: out of memory"}
+    assert "No benchmark: RuntimeError: out of memory. latency.png not written." in (out / "report.md").read_text()
+
+
+def test_the_validation_report_tabulates_platform_versions_choices_and_checks_failures_first():
+    from hwgraph.validation_report import validation_markdown
+
+    results = [{"check": "T::ok", "outcome": "passed", "message": ""},
+               {"check": "T::wrong", "outcome": "failed", "message": "expected 1 | got 2\nat line 3"},
+               {"check": "T::broken", "outcome": "error", "message": "RuntimeError: capture failed"},
+               {"check": "T::wrong2", "outcome": "failed", "message": "not close"}]
+    results += [{"check": f"T::skip{i}", "outcome": "skipped", "message": m}
+                for i, m in enumerate(["needs CUDA", "needs CUDA", "needs ROCm"])]
+    # a gate that raised a CUDA error carries its multi-line message into the reasons
+    cuda_error = "the cuda gate failed: RuntimeError: CUDA error: no kernel image | sm_120\nCUDA kernel errors ..."
+    report = {
+        "verdict": "FAIL: 3 conformance check(s) failed", "ok": False, "backend": "cpu",
+        "backend_reason": "explicit (--backend)", "preset": "tiny", "seconds": 1.5,
+        "environment": {"python": "3.12.1", "host": "Linux 6.1 x86_64",
+                        "packages": {"torch": "2.13.0", "aiter": None}},
+        "info": {"platform": {"kind": "cpu", "arch": None, "notes": ["torch.cuda failed to count devices (a\nb)"]},
+                 "graph_backends": [{"name": "cpu", "available": True, "modes": ["emulated"], "reasons": []},
+                                    {"name": "cuda", "available": False, "modes": ["full"], "reasons": [cuda_error]}],
+                 "attention_kernels": [
+                     {"name": "TORCH_SDPA", "available": True, "graph_safe": True, "kinds": ["cpu", "cuda"],
+                      "reasons": []},
+                     {"name": "EAGER_ONLY", "available": True, "graph_safe": False, "kinds": ["cpu"], "reasons": []},
+                     {"name": "FLASH_ATTN", "available": False, "graph_safe": True, "kinds": ["cuda"],
+                      "reasons": [cuda_error]}],
+                 "problems": ["entry point 'broken' (broken:probe) failed to load: ImportError: x"]},
+        "conformance": {"exit_code": 1, "counts": {"passed": 1, "failed": 2, "error": 1, "skipped": 3},
+                        "results": results},
+        "bench": None, "bench_error": None, "plot": {"skipped": "benchmark skipped"}}
+    md = validation_markdown(report)
+    assert ("Failing checks:\n\n- `T::wrong`: expected 1 | got 2\nat line 3\n- `T::broken`: RuntimeError: capture "
+            "failed\n- `T::wrong2`: not close\n\n## Platform") in md
+    assert "| arch | - |\n| note | torch.cuda failed to count devices (a b) |" in md
+    assert "Python 3.12.1 on Linux 6.1 x86_64\n\n| package | version |\n|---|---|\n| torch | 2.13.0 |\n" \
+           "| aiter | not installed |" in md
+    escaped = "the cuda gate failed: RuntimeError: CUDA error: no kernel image \\| sm_120 CUDA kernel errors ..."
+    assert f"| cuda | no | full |  | {escaped} |" in md
+    assert "| EAGER_ONLY | yes | no | cpu | - |" in md and f"| FLASH_ATTN | no | yes | cuda | {escaped} |" in md
+    assert "Plugin problem: entry point 'broken' (broken:probe) failed to load: ImportError: x" in md
+    assert "1 passed, 2 failed, 1 errors, 3 skipped (pytest exit status 1; full output in conformance.log)" in md
+    assert ("| `T::wrong` | **FAILED** | expected 1 \\| got 2 at line 3 |\n| `T::broken` | **ERROR** | RuntimeError: "
+            "capture failed |\n| `T::wrong2` | **FAILED** | not close |\n| `T::ok` | passed | - |\n") in md
+    assert "| checks | reason |\n|---|---|\n| 2 | needs CUDA |\n| 1 | needs ROCm |" in md
+    assert "No benchmark: skipped (--no-bench). latency.png not written." in md
+    for line in md.splitlines():  # every table row keeps its cells: no reason breaks it
+        if line.startswith("| "):
+            assert line.endswith(" |"), line
+
+
+def test_the_benchmark_builds_nothing_for_a_backend_unavailable_here(validate_in_process, tmp_path, capsys):
+    from hwgraph.platform import detect
+    from hwgraph.registry import list_backends
+
+    unavailable = [(spec.name, cap.reasons) for spec, cap in list_backends(detect()) if not cap.ok]
+    if not unavailable:
+        pytest.skip("every installed graph backend is available here")
+    name, reasons = unavailable[0]
+    out = tmp_path / "report"
+    never = AssertionError("the benchmark ran for a backend that is unavailable here")
+    _, stdout = validate_in_process(["--backend", name, "--report", str(out), *FAST], never, capsys)
+    reason = f"graph backend '{name}' is unavailable: {'; '.join(reasons)}"
+    assert f"latency.png not written: {reason}" in stdout
+    assert json.loads((out / "report.json").read_text())["bench_error"] == reason
