@@ -7,8 +7,11 @@ MIB = 2**20
 
 
 def md_table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table; None cells show "-", and a cell's ``|`` and line breaks (an error message's) are escaped
+    so that it stays in its row and column."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join("-" if c is None else str(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join("-" if c is None else str(c).replace("|", "\\|").replace("\n", " ") for c in row)
+              + " |" for row in rows]
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ def yes(flag: bool) -> str:
 def platform_section(report: dict) -> str:
     p = report["info"]["platform"]
     rows = [[k, v] for k, v in p.items() if k != "notes"]
-    rows += [["note", cell(n)] for n in p.get("notes") or ()]
+    rows += [["note", n] for n in p.get("notes") or ()]
     env = report["environment"]
     versions = md_table(["package", "version"], [[k, v or "not installed"] for k, v in
                                                  (env.get("packages") or {}).items()])
@@ -26,18 +26,18 @@ def choices_section(report: dict) -> str:
     info = report["info"]
     backends = md_table(["graph backend", "available", "modes", "validated", "reasons"],
                         [[b["name"], yes(b["available"]), ", ".join(b["modes"]),
-                          "**yes**" if b["name"] == report["backend"] else "", cell("; ".join(b["reasons"]))]
+                          "**yes**" if b["name"] == report["backend"] else "", "; ".join(b["reasons"]) or "-"]
                          for b in info["graph_backends"]])
     kernels = md_table(["attention kernel", "available on this platform", "graph-safe", "platforms", "reasons"],
                        [[k["name"], yes(k["available"]), yes(k["graph_safe"]), "/".join(k["kinds"]),
-                         cell("; ".join(k["reasons"]))] for k in info["attention_kernels"]])
+                         "; ".join(k["reasons"]) or "-"] for k in info["attention_kernels"]])
     out = [f"## Graph backends\n\nValidated: **{report['backend']}** ({report['backend_reason']}).\n\n{backends}",
            f"## Attention kernels\n\n{kernels}"]
     bench = report.get("bench")
     if bench:
         out.append(f"For the benchmark's tower ({bench['preset']}, {bench['dtype']}, {bench['device']}):\n\n"
                    + md_table(["attention kernel", "available", "reasons"],
-                              [[k["name"], yes(k["available"]), cell("; ".join(k["reasons"]))]
+                              [[k["name"], yes(k["available"]), "; ".join(k["reasons"]) or "-"]
                                for k in bench["kernels"]]))
     for problem in info.get("problems") or ():
         out.append(f"Plugin problem: {problem}")
@@ -52,7 +52,7 @@ def conformance_section(report: dict) -> str:
     ran = [r for r in conf["results"] if r["outcome"] != "skipped"]
     ran.sort(key=lambda r: r["outcome"] == "passed")  # failures first
     rows = [[f"`{r['check']}`", r["outcome"] if r["outcome"] == "passed" else f"**{r['outcome'].upper()}**",
-             cell(r["message"])] for r in ran]
+             r["message"] or "-"] for r in ran]
     parts = [f"## Conformance ({report['preset']} preset)", counts, md_table(["check", "outcome", "detail"], rows)]
     skips: dict[str, int] = {}
     for r in conf["results"]:
@@ -60,12 +60,8 @@ def conformance_section(report: dict) -> str:
             skips[r["message"]] = skips.get(r["message"], 0) + 1
     if skips:
         parts.append("Skipped, by the reason the gates gave:\n\n" + md_table(
-            ["checks", "reason"], [[n, cell(reason)] for reason, n in skips.items()]))
+            ["checks", "reason"], [[n, reason or "-"] for reason, n in skips.items()]))
     return "\n\n".join(parts)
-
-
-def cell(text: str) -> str:
-    return (text or "-").replace("|", "\\|").replace("\n", " ")
 
 
 def bench_section(report: dict) -> str:

@@ -127,6 +127,17 @@ def test_dispatch_table_says_why_budgets_were_captured_uncompiled():
     assert lines[4].endswith("| - |")
 
 
+def test_a_multi_line_capture_failure_stays_in_its_row_and_column_of_the_dispatch_table():
+    from hwgraph.report import dispatch_table
+
+    stats = {"calls": 1, "hits": 0, "misses": 1, "eager_groups": 1, "padding_tokens": 0, "replays_per_budget": {},
+             "capture_failures": {64: "CaptureError: CUDA error: out of memory\nCUDA kernel errors | reported late"},
+             "compile_skipped": None, "compile_failures": {}}
+    lines = dispatch_table({"per_kernel": {"A": {"stats": stats}}}).splitlines()
+    assert len(lines) == 3
+    assert "| 64: CaptureError: CUDA error: out of memory CUDA kernel errors \\| reported late | - |" in lines[2]
+
+
 def test_startup_table_gives_compile_capture_and_plain_seconds_per_budget():
     from hwgraph.report import startup_table
 
