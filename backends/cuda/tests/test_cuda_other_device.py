@@ -68,7 +68,7 @@ def pixels(grid, seed: int, device: torch.device = OTHER) -> torch.Tensor:
     return torch.randn(rows, 1536, device=device, dtype=torch.bfloat16, generator=g)
 
 
-def forward_on_other(tower, pix, grid) -> tuple[torch.Tensor, ...]:
+def forward_with_its_gpu_current(tower, pix, grid) -> tuple[torch.Tensor, ...]:
     """The eager forward with ``pix``'s GPU current: what each run with ``cuda:0`` current must equal."""
     with torch.cuda.device(pix.device), torch.inference_mode():
         return tuple(t.clone() for t in tower.forward(pix, grid).tensors())
@@ -93,7 +93,7 @@ def test_eager_tower_runs_on_its_gpu_with_every_kernel(tower, kernel):
     tower.set_attention(kernel)
     grid = [(1, 14, 14), (1, 8, 16)]
     pix = pixels(grid, 1)
-    want = forward_on_other(tower, pix, grid)
+    want = forward_with_its_gpu_current(tower, pix, grid)
     with torch.inference_mode():
         got = tower.forward(pix, grid).tensors()
     for g, w in zip(got, want, strict=True):
@@ -111,7 +111,7 @@ def test_manager_captures_replays_and_falls_back_on_its_gpu(tower, kernel, compi
         pytest.skip(f"{kernel} is not available here")
     groups = [[(1, 14, 14)], [(1, 14, 14), (1, 8, 8)], [(1, 32, 32)], [(1, 64, 64)]]  # the last is over budget
     tower.set_attention(kernel)
-    wants = [forward_on_other(tower, pixels(g, i), g) for i, g in enumerate(groups)]
+    wants = [forward_with_its_gpu_current(tower, pixels(g, i), g) for i, g in enumerate(groups)]
     with EncoderGraphManager(tower, budgets=[64, 256], max_images_per_graph=2, attention=kernel, compile=compiled,
                              measure_products=measured, device=OTHER) as m:
         m.capture()
@@ -147,7 +147,7 @@ def test_managers_on_two_gpus_in_one_process_replay_side_by_side(tower, first_gp
         for i in range(3):
             for m in (first, second):
                 pix = pixels(grid, i, m.device)
-                want = forward_on_other(m.tower, pix, grid)
+                want = forward_with_its_gpu_current(m.tower, pix, grid)
                 for g, w in zip(m.encode(pix, grid)[0].tensors(), want, strict=True):
                     assert g.device == m.device
                     torch.testing.assert_close(g, w, **BF16)
