@@ -14,7 +14,13 @@ PIP="$VPY -m pip --disable-pip-version-check -q"
 installed() { $VPY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1" 2>/dev/null || true; }
 if [ "$(installed vllm)" != "$VLLM_PIN" ]; then
   start=$SECONDS
-  $PIP install "vllm==$VLLM_PIN"
+  if ! $PIP install "vllm==$VLLM_PIN"; then
+    # The usual cause on a CI machine is a full disk (pip's "[Errno 28] No space left on device"): say how much
+    # the venv needs and what is free where it is being built.
+    echo "ci/vllm.sh: installing vllm==$VLLM_PIN into $VENV failed; it needs about 9.4 GB there," \
+      "and its disk has $(df -Ph "$VENV" | awk 'NR == 2 {print $4}') free" >&2
+    exit 1
+  fi
   echo "ci/vllm.sh: installed vllm==$VLLM_PIN in $((SECONDS - start)) s" >&2
 fi
 # hwgraph's own dependencies (torch, transformers, numpy, packaging, safetensors) come with vllm; --no-deps keeps
