@@ -10,12 +10,16 @@ import sys
 
 
 def table(rows: list[list[str]], headers: list[str]) -> str:
-    """A plain-text table; the last column may be long (reasons) and is not padded."""
+    """A plain-text table; the last column may be long (reasons) and is not padded. A line break in it (a crashed
+    gate's error) continues under that column, so the rows below keep their place."""
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers) - 1)]
+    indent = " " * sum(w + 2 for w in widths)
     lines = []
     for row in [headers, ["-" * w for w in widths] + ["-" * len(headers[-1])], *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)] + [str(row[-1])]
+        first, *more = str(row[-1]).splitlines() or [""]
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)] + [first]
         lines.append("  ".join(cells).rstrip())
+        lines += [(indent + line).rstrip() for line in more]
     return "\n".join(lines)
 
 

@@ -207,6 +207,30 @@ def test_info_prints_the_platforms_notes_and_the_plugins_problems(monkeypatch, c
     assert data["platform"]["notes"] == [note] and data["problems"] == [problem]
 
 
+def test_a_multi_line_reason_continues_under_the_reasons_column_of_info(monkeypatch, capsys):
+    """A crashed gate's reason can hold line breaks: its further lines start under the reasons column, and the rows
+    below it stay whole."""
+    from hwgraph.attention import registry as attention_registry
+    from hwgraph.capability import Capability
+
+    reason = "TRITON_ATTN's gate raised RuntimeError: CUDA error: unknown error\nCompile with TORCH_USE_CUDA_DSA"
+    real = attention_registry.list_kernels
+
+    def crashed(platform=None):
+        return [(spec, Capability.unavailable(reason) if spec.name == "TRITON_ATTN" else cap)
+                for spec, cap in real(platform)]
+
+    monkeypatch.setattr(attention_registry, "list_kernels", crashed)
+    assert cli.main(["info"]) == 0
+    lines = capsys.readouterr().out.split("Attention kernels\n", 1)[1].splitlines()
+    column = lines[0].index("reasons")
+    at = next(i for i, line in enumerate(lines) if line.startswith("TRITON_ATTN "))
+    assert lines[at][column:] == "TRITON_ATTN's gate raised RuntimeError: CUDA error: unknown error"
+    assert lines[at + 1] == " " * column + "Compile with TORCH_USE_CUDA_DSA"
+    names = {line.split()[0] for line in lines[2:] if line and not line.startswith(" ")}
+    assert names == {spec.name for spec, _ in real(None)}
+
+
 def test_no_command_is_a_usage_error_naming_the_commands(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main([])
