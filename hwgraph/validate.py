@@ -76,14 +76,18 @@ def choose_backend_name(name: str | None) -> tuple[str, str]:
 
 def bench_refusal(backend: str, device: torch.device) -> str | None:
     """Why the benchmark cannot run ``backend`` on ``device`` (it is unavailable here), or None. The report says so
-    instead of building a tower only to have the manager refuse the backend."""
-    from hwgraph.platform import platform_for
+    instead of building a tower only to have the manager refuse the backend. The backend is judged on this machine's
+    platform first, as the conformance suite and ``hwgraph info`` judge it (on a CUDA machine, 'npu' is refused
+    because the accelerator is CUDA, not for want of torch_npu as a CPU-only machine would say), then on the
+    platform serving ``device``, as the manager will."""
+    from hwgraph.platform import detect, platform_for
     from hwgraph.registry import SelectionError, choose_backend
 
-    try:
-        choose_backend(backend, platform_for(device))
-    except SelectionError as exc:
-        return str(exc)
+    for platform in (detect(), platform_for(device)):
+        try:
+            choose_backend(backend, platform)
+        except SelectionError as exc:
+            return str(exc)
     return None
 
 

@@ -462,3 +462,24 @@ def test_the_benchmark_builds_nothing_for_a_backend_unavailable_here(validate_in
     reason = f"graph backend '{name}' is unavailable: {'; '.join(reasons)}"
     assert f"latency.png not written: {reason}" in stdout
     assert json.loads((out / "report.json").read_text())["bench_error"] == reason
+
+
+def test_on_a_gpu_machine_the_benchmark_refuses_another_vendors_backend_for_the_machines_reason(
+        validate_in_process, monkeypatch, tmp_path, capsys):
+    """On a CUDA machine, 'npu' is unavailable because the accelerator is CUDA, as the suite and ``hwgraph info``
+    say; the benchmark, which would run it on the CPU, once gave the CPU-only machine's reason (install torch_npu)."""
+    from hwgraph.registry import SelectionError, spec_named
+    from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
+
+    try:
+        spec_named("npu")
+    except SelectionError:
+        pytest.skip("the npu graph backend comes with hwgraph-backend-npu, which is not installed")
+    simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("NVIDIA H200", 9, 0))
+    out = tmp_path / "report"
+    never = AssertionError("the benchmark ran for a backend that is unavailable here")
+    _, stdout = validate_in_process(["--backend", "npu", "--report", str(out), *FAST], never, capsys)
+    reason = ("graph backend 'npu' is unavailable: this machine's accelerator is cuda, not an Ascend NPU: use the "
+              "cuda backend")
+    assert f"latency.png not written: {reason}" in stdout
+    assert json.loads((out / "report.json").read_text())["bench_error"] == reason
