@@ -3,6 +3,7 @@
 Usage: python benchmarks/eager_host.py [TOKENS ...]   (default 49 and 1024)
        python benchmarks/eager_host.py --parts
        python benchmarks/eager_host.py --layouts [TOKENS ...]
+       python benchmarks/eager_host.py --device-guard [TOKENS ...]
 For TRITON_ATTN and FLASH_ATTN, one image of TOKENS tokens (random weights of the qwen3-omni-30b-a3b preset, bf16):
 - host ms: from the call to its return, no synchronisation (the time to issue the forward's work), and the call's
   latency to the end of its device work; medians of 10 after 3 warm-ups. Issue time close to the latency, with the
@@ -14,6 +15,8 @@ of TRITON_ATTN's launcher.
 ``--layouts``: TRITON_ATTN's eager forward (host ms to issue, ms to the end) with the Gluon descriptors' shared
 layouts cached (``gluon_kernel.shared_layout``, as shipped) against built anew for every descriptor, alternating,
 three rounds.
+``--device-guard``: the same for the launchers' device check (``varlen_inputs.launches_on_tensor_device``, as
+shipped) against the undecorated launchers, alternating, five rounds, with the number of guarded launches per forward.
 """
 
 from __future__ import annotations
@@ -129,7 +132,78 @@ def layouts_ab(token_counts: list[int], rounds: int = 3) -> None:
             print(f"1x{tokens} round {r}, layouts {' | '.join(cells)} ms (host to issue / to the end)", flush=True)
 
 
+GUARDED_LAUNCHERS = (
+    ("hwgraph.attention.triton_kernel", "launch_varlen_attention"),
+    ("hwgraph.attention.triton_kernel", "launch_overflow_fixup"),
+    ("hwgraph.attention.gluon_kernel", "launch_overflow_fixup"),  # gluon_kernel imports it by name
+    ("hwgraph.attention.gluon_kernel", "launch_gluon_attention"),
+    ("hwgraph.models.qwen3_omni.fused", "rotary_qk_launch"),
+    ("hwgraph.models.qwen3_omni.fused", "add_layer_norm_launch"),
+    ("hwgraph.models.qwen3_omni.fused", "add_position_embedding_launch"),
+)
+
+
+def set_launchers(replace) -> list:
+    """Set each guarded launcher to ``replace(shipped)``; returns what restores them."""
+    import importlib
+
+    saved = []
+    for module_name, name in GUARDED_LAUNCHERS:
+        module = importlib.import_module(module_name)
+        shipped = getattr(module, name)
+        saved.append((module, name, shipped))
+        setattr(module, name, replace(shipped))
+    return saved
+
+
+def restore(saved: list) -> None:
+    for module, name, shipped in saved:
+        setattr(module, name, shipped)
+
+
+def device_guard_ab(token_counts: list[int], rounds: int = 5) -> None:
+    dev = torch.device("cuda")
+    warm_device(dev)
+    view = kernel_view(preset_tower(dev), "TRITON_ATTN")
+    calls = []
+
+    def counted(shipped):
+        def count(*args, **kwargs):
+            calls.append(shipped.__name__)
+            return shipped(*args, **kwargs)
+        return count
+
+    for tokens in token_counts:
+        grid = [filling_grid(tokens, 2)]
+        pixels = torch.randn(tokens * 4, view.patch_row_width, device=dev, dtype=torch.bfloat16)
+        saved = set_launchers(counted)
+        try:
+            calls.clear()
+            eager_call(view, pixels, grid)
+            torch.cuda.synchronize()
+        finally:
+            restore(saved)
+        print(f"1x{tokens}: {len(calls)} guarded launches per eager forward "
+              f"({', '.join(f'{calls.count(n)} {n}' for n in sorted(set(calls)))})", flush=True)
+        for r in range(rounds):
+            cells = []
+            for name, replace in (("guarded", lambda f: f), ("unguarded", lambda f: f.__wrapped__)):
+                saved = set_launchers(replace)
+                try:
+                    host, total = host_and_latency(view, pixels, grid)
+                finally:
+                    restore(saved)
+                cells.append(f"{name} {host:.3f} / {total:.3f}")
+            print(f"1x{tokens} round {r}, launchers {' | '.join(cells)} ms (host to issue / to the end)", flush=True)
+    check = torch.empty(1, device=dev)
+    print(f"the check alone: {host_us(lambda: check.is_cuda and check.device.index != torch.cuda.current_device()):.2f}"
+          " us per call", flush=True)
+
+
 def main():
+    if "--device-guard" in sys.argv:
+        device_guard_ab([int(a) for a in sys.argv[1:] if a != "--device-guard"] or [49, 1024])
+        return
     if "--layouts" in sys.argv:
         layouts_ab([int(a) for a in sys.argv[1:] if a != "--layouts"] or [49, 1024])
         return
