@@ -134,6 +134,20 @@ def test_a_misspelt_kernel_in_the_environment_fails_the_run_instead_of_skipping_
     assert run.returncode != 0 and "unknown attention kernel 'TORCH_SPDA'" in run.stdout, run.stdout + run.stderr
 
 
+def test_a_failed_check_of_the_suite_shows_its_values_in_a_vendors_run(tmp_path):
+    """The suite's asserts live in ``hwgraph.testing.suite``, not in the vendor's test module: without the plugin's
+    rewriting they failed as a bare ``AssertionError`` in an editable install."""
+    module = VENDOR_MODULE.replace('''    def test_every_budget_captures_and_reports_its_memory(self, manager):
+        pytest.skip("overridden by the vendor")''', '''    @pytest.fixture
+    def manager(self):
+        import types
+        return types.SimpleNamespace(graphs={1: None}, stats=lambda: {"capture_failures": {}})''')
+    assert module != VENDOR_MODULE
+    run = run_pytest(tmp_path, {}, module)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "assert [1] == [" in run.stdout, run.stdout
+
+
 # ---------------------------------------------------------------- the pytest plugin's markers
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import pytest
 
@@ -26,6 +27,22 @@ OTHER_MARKERS = {
 }
 
 
+SUITE_MODULE = "hwgraph.testing.suite"
+
+
+def rewrite_suite_asserts() -> None:
+    """Have pytest rewrite the shipped suite's asserts, so that a failed check shows its values (``assert [1] ==
+    [64, 256]``) and not a bare ``AssertionError``. pytest rewrites test modules, and a plugin's package only when
+    installed from a wheel; the suite's checks live in ``hwgraph.testing.suite``, which vendors star-import. This must
+    happen before the suite is imported: here, at the plugin's import (before conftests load), and again at each
+    configure (a later ``pytest.main`` in the same process, as ``hwgraph validate`` runs it)."""
+    if SUITE_MODULE not in sys.modules:
+        pytest.register_assert_rewrite(SUITE_MODULE)
+
+
+rewrite_suite_asserts()
+
+
 @functools.lru_cache(maxsize=1)
 def detected_kind() -> str:
     from hwgraph.platform import detect
@@ -36,6 +53,7 @@ def detected_kind() -> str:
 def pytest_configure(config):
     for name, text in {**ACCELERATOR_MARKERS, **OTHER_MARKERS}.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    rewrite_suite_asserts()
     share_cpu_threads()
 
 
