@@ -75,6 +75,31 @@ def test_an_unavailable_backend_is_one_skip_with_its_reasons():
         skip_reason(param)
 
 
+def test_a_backend_refusing_a_machine_of_its_own_kind_errs_in_every_check_with_its_reasons(tmp_path):
+    """A vendor's CI on its own hardware must not pass with nothing checked when its gate refuses (a broken driver or
+    install): on a CPU machine, a cpu-kind backend whose gate refuses errs in each check; the cuda backend, which
+    serves another kind, is still one skip (above)."""
+    module = VENDOR_MODULE.replace("import pytest\n", '''import dataclasses
+
+import pytest
+
+from hwgraph import registry
+from hwgraph.capability import Capability
+
+real_spec_named = registry.spec_named
+registry.spec_named = lambda name: dataclasses.replace(
+    real_spec_named(name), gate=lambda platform: Capability.unavailable("the driver handle is NULL"))
+''', 1)
+    assert module != VENDOR_MODULE
+    run = run_pytest(tmp_path, {}, module)
+    assert run.returncode == 1, run.stdout + run.stderr
+    reason = "graph backend 'cpu' is unavailable: the driver handle is NULL (on this cpu machine, which it serves)"
+    # the check fails at setup, before the vendor's override (a skip) or anything else runs
+    assert "ERROR at setup of TestCapture.test_every_budget_captures_and_reports_its_memory[cpu-unavailable]" \
+           f" _\n{reason}\n" in run.stdout, run.stdout
+    assert "1 error" in run.stdout and "passed" not in run.stdout and "skipped" not in run.stdout, run.stdout
+
+
 def test_kernel_narrowing_skips_the_others_and_dtype_can_be_chosen():
     params = {p.id: p for p in conformance_params(settings(kernels=("TRITON_ATTN",), dtype="bfloat16"))}
     assert "not selected" in skip_reason(params["cpu-TORCH_SDPA-bfloat16"])

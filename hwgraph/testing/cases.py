@@ -1,7 +1,10 @@
 """What the conformance suite runs: one case per (graph backend, attention kernel, dtype), gated on capabilities.
 
 A case is skipped, with the gate's own reasons, when the backend or the kernel reports itself unavailable here; the
-suite never looks at device names. Settings come from, in order: the test class, the test module, the environment.
+suite never looks at device names. The one exception: a backend that refuses a machine of the kind it serves (the
+cuda backend on a CUDA machine) errs in every check, at setup, with its reasons, since a vendor's CI on its own
+hardware would otherwise pass with nothing checked. Settings come from, in order: the test class, the test module,
+the environment.
 
 =========================  ==============================  =============================================
 setting                    class/module attribute          environment
@@ -80,6 +83,14 @@ def settings_for(cls, module) -> SuiteSettings:
                          allowed_backends=split_names(os.environ.get(BACKENDS_ENV)))
 
 
+@dataclass(frozen=True)
+class UnservedCase:
+    """The case of a backend that refuses to run on a machine of the kind it serves: every check errs with
+    ``reason`` (``ConformanceSuite`` fails it before building anything)."""
+
+    reason: str
+
+
 def skipped(case_id: str, reason: str):
     return pytest.param(None, id=case_id, marks=pytest.mark.skip(reason=reason))
 
@@ -104,7 +115,13 @@ def conformance_params(settings: SuiteSettings) -> list:
         return [skipped(f"{name}-not-installed", str(exc))]
     cap = spec.capability(platform)
     if not cap.ok:
-        return [skipped(f"{name}-unavailable", f"graph backend {name!r} is unavailable: {cap.describe()}")]
+        reason = f"graph backend {name!r} is unavailable: {cap.describe()}"
+        if platform.kind in spec.kinds:
+            # on a machine of the kind it serves, a refusing gate is a broken install, not a reason to skip: a
+            # vendor's CI would otherwise pass with nothing checked
+            return [pytest.param(UnservedCase(f"{reason} (on this {platform.kind} machine, which it serves)"),
+                                 id=f"{name}-unavailable")]
+        return [skipped(f"{name}-unavailable", reason)]
     kind = platform.kind if platform.kind in spec.kinds else "cpu"
     device = DEVICE_TYPE[kind]
     dtype = parse_dtype(settings.dtype) if settings.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)

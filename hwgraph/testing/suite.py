@@ -25,7 +25,7 @@ import torch
 
 from hwgraph.graphs.base import HostSyncError
 from hwgraph.manager import EncoderGraphManager
-from hwgraph.testing.cases import conformance_params, settings_for
+from hwgraph.testing.cases import UnservedCase, conformance_params, settings_for
 from hwgraph.testing.towers import eager_per_image, grid_of, image_tokens, pixels_for, suite_tower
 
 __all__ = ["ConformanceSuite", "TestBudgetChanges", "TestCapture", "TestDeepStack", "TestEagerFallback",
@@ -50,6 +50,11 @@ class ConformanceSuite:
         if "case" in metafunc.fixturenames:
             params = conformance_params(settings_for(metafunc.cls, metafunc.module))
             metafunc.parametrize("case", params)
+
+    @pytest.fixture(autouse=True)
+    def backend_serves_this_machine(self, case):
+        if isinstance(case, UnservedCase):
+            pytest.fail(case.reason, pytrace=False)
 
     @pytest.fixture
     def tower(self, case):
