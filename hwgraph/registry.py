@@ -7,6 +7,7 @@ and the attention kernels the plugin brings.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -102,6 +103,8 @@ def discovered() -> tuple[tuple[BackendSpec, ...], tuple[str, ...]]:
         if any(s.name == spec.name for s in specs):
             problems.append(f"entry point {ep.name!r} repeats the backend name {spec.name!r}; ignored")
             continue
+        if spec.distribution is None and getattr(ep, "dist", None) is not None:
+            spec = dataclasses.replace(spec, distribution=ep.dist.name)  # reports name its version
         specs.append(spec)
     for problem in problems:
         log.warning(problem)

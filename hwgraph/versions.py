@@ -16,10 +16,19 @@ def installed(name: str) -> str | None:
         return None
 
 
+def report_packages() -> tuple[str, ...]:
+    """``PACKAGES``, then the distribution of every other graph backend plugin installed here (a vendor's own, whose
+    report must say which version it validated)."""
+    from hwgraph.registry import backend_specs
+
+    plugins = [spec.distribution for spec in backend_specs() if spec.distribution]
+    return tuple(dict.fromkeys([*PACKAGES, *plugins]))
+
+
 def environment() -> dict:
     """``{"platform": detect().as_dict(), "python": ..., "host": ..., "packages": {name: version or None}}``."""
     from hwgraph.platform import detect
 
     return {"platform": detect().as_dict(), "python": host.python_version(),
             "host": f"{host.system()} {host.release()} {host.machine()}",
-            "packages": {name: installed(name) for name in PACKAGES}}
+            "packages": {name: installed(name) for name in report_packages()}}

@@ -253,10 +253,12 @@ def test_the_report_environment_names_installed_versions_and_none_for_missing_pa
     from importlib.metadata import version
 
     from hwgraph import versions
+    from hwgraph.registry import backend_specs
 
     monkeypatch.setattr(versions, "PACKAGES", ("torch", "hwgraph-no-such-distribution"))
     env = versions.environment()
-    assert env["packages"] == {"torch": version("torch"), "hwgraph-no-such-distribution": None}
+    plugins = {s.distribution: version(s.distribution) for s in backend_specs() if s.distribution}
+    assert env["packages"] == {"torch": version("torch"), "hwgraph-no-such-distribution": None, **plugins}
     assert env["python"] == host.python_version() and env["platform"]["kind"] in {"cpu", "cuda", "rocm", "npu"}
 
 

@@ -26,6 +26,8 @@ report = {
 backend = registry.create_backend("dummy")
 report["loaded_after_choice"] = "hwgraph_dummy.graphs" in sys.modules
 report["created"] = [type(backend).__module__, type(backend).__name__, backend.name, backend.mode]
+from hwgraph.versions import environment
+report["packages"] = environment()["packages"]
 print(json.dumps(report))
 """
 
@@ -37,6 +39,10 @@ def test_an_installed_plugin_is_discovered_and_loaded_only_when_chosen(tmp_path,
     without_dummy = choose_backend().spec.name  # cpu here; the GPU's backend on a GPU machine
     source = tmp_path / "src"
     shutil.copytree(DUMMY, source)  # build outside the repository, so no build/ or egg-info lands in it
+    probe = source / "hwgraph_dummy" / "platform.py"
+    without_distribution = probe.read_text().replace('        distribution="hwgraph-backend-dummy",\n', "")
+    assert without_distribution != probe.read_text()
+    probe.write_text(without_distribution)  # the registry takes it from the entry point's distribution
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
                     "--quiet", "--target", str(target), str(source)], check=True, capture_output=True, timeout=300)
@@ -55,3 +61,5 @@ def test_an_installed_plugin_is_discovered_and_loaded_only_when_chosen(tmp_path,
     assert report["auto"] == without_dummy, "a lower-priority plugin does not displace the automatic choice"
     assert report["loaded_after_choice"] is True
     assert report["created"] == ["hwgraph_dummy.graphs", "DummyGraphBackend", "dummy", "emulated"]
+    assert report["packages"]["hwgraph-backend-dummy"] == "0.1.0", "reports name the plugins' versions"
+    assert report["packages"]["torch"] is not None
