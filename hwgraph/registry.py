@@ -57,10 +57,17 @@ class BackendSpec:
         try:
             return self.gate(platform)
         except Exception as exc:  # a gate that crashes is a reason, not a crash
+            log.debug("the %s gate failed", self.name, exc_info=True)  # its traceback, for the plugin's author
             return Capability.unavailable(f"the {self.name} gate failed: {type(exc).__name__}: {exc}")
 
     def load(self):
-        return load_object(self.class_path)
+        """The backend's class. A ``class_path`` that does not import is named, with the plugin that declared it."""
+        try:
+            return load_object(self.class_path)
+        except (ImportError, AttributeError) as exc:
+            source = f" (distribution {self.distribution})" if self.distribution else ""
+            raise ImportError(f"graph backend {self.name!r}{source} declares class_path {self.class_path!r}, which "
+                              f"does not load: {type(exc).__name__}: {exc}") from exc
 
 
 def plugin_attention(module: str, *names: str) -> tuple:

@@ -167,6 +167,26 @@ def test_a_gate_that_crashes_is_a_reason(monkeypatch):
     assert "the crashy gate failed: KeyError" in selected.reason
 
 
+def test_a_crashed_gates_traceback_is_logged_at_debug_level(monkeypatch, caplog):
+    def crashing_gate(platform):
+        raise KeyError("arch")
+
+    spec = BackendSpec("crashy", "x:Y", ("cuda",), crashing_gate)
+    with caplog.at_level(logging.DEBUG, logger="hwgraph.registry"):
+        assert "the crashy gate failed: KeyError: 'arch'" in spec.capability(platform_of("cuda")).reasons[0]
+    [record] = [r for r in caplog.records if r.getMessage() == "the crashy gate failed"]
+    assert record.levelno == logging.DEBUG and record.exc_info[0] is KeyError
+
+
+@pytest.mark.parametrize("class_path", ["hwgraph_no_such_module.graphs:Backend", "hwgraph.graphs.cpu:NoSuchClass"])
+def test_a_class_path_that_does_not_load_is_named_with_its_plugin(monkeypatch, class_path):
+    install_probes(monkeypatch, toy=lambda: BackendSpec("toy", class_path, ("cpu",), lambda p: Capability.available(),
+                                                        distribution="hwgraph-backend-toy"))
+    with pytest.raises(ImportError, match=rf"graph backend 'toy' \(distribution hwgraph-backend-toy\) declares "
+                                          rf"class_path '{class_path}', which does not load: "):
+        create_backend("toy", platform=platform_of("cpu"))
+
+
 def test_create_backend_constructs_the_cpu_backend_on_cpu():
     backend = create_backend(platform=platform_of("cpu"))
     assert backend.name == "cpu" and backend.mode == "emulated"
