@@ -87,6 +87,7 @@ class BenchConfig:
     dtype: torch.dtype
     kernels: list[str] | None = None  # None: every kernel available here, best first
     graph_backend: str | None = None
+    graph_mode: str | None = None  # None: the backend's first mode
     warmup: int = 10
     samples: int = 30
     calibrate: bool = False
@@ -216,7 +217,7 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
     def new_manager(kernel: str, compile: bool, measure_products: bool):
         return EncoderGraphManager(views[kernel], device=cfg.device, dtype=cfg.dtype, budgets=budgets,
                                    max_images_per_graph=max_images, graph_backend=cfg.graph_backend,
-                                   attention=kernel, calibrate=calibrate, compile=compile,
+                                   graph_mode=cfg.graph_mode, attention=kernel, calibrate=calibrate, compile=compile,
                                    measure_products=measure_products)
 
     managers, plains = {}, {}
@@ -262,7 +263,7 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
         for kernel in kernels:
             manager = managers[kernel]
             stats = manager.stats()
-            results.append({"kernel": kernel, "backend": manager.backend.name,
+            results.append({"kernel": kernel, "backend": manager.backend.name, "mode": manager.backend.mode,
                             "accelerates": manager.backend.accelerates, "budgets": sorted(manager.graphs),
                             "rows": rows[kernel], "stats": stats,
                             "graph_memory_bytes": dict(sorted(stats["capture_bytes_per_budget"].items())),
@@ -345,6 +346,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         "measure_products": cfg.measure_products,
         "budgets": cfg.budgets or covering_budgets(groups),
         "graph_backend": per_kernel[0]["backend"] if per_kernel else cfg.graph_backend,
+        "graph_mode": per_kernel[0]["mode"] if per_kernel else cfg.graph_mode,
         "graph_backend_accelerates": per_kernel[0]["accelerates"] if per_kernel else None,
         "kernels": kernel_table, "rows": flatten_rows(groups, per_kernel),
         "interleaved": True,
@@ -432,6 +434,19 @@ def check_backend(name: str | None, device: torch.device) -> None:
         raise ValueError(f"{'--backend' if name else '$' + GRAPH_BACKEND_ENV}: {exc}") from None
 
 
+def check_graph_mode(backend: str | None, mode: str | None, device: torch.device, option: str = "--graph-mode") -> None:
+    """``ValueError`` when ``mode`` is not a mode of the graph backend ``backend`` names (else the one chosen for
+    ``device``); checked before a tower is built. Whether the mode can run here, the backend says when it is made."""
+    from hwgraph.platform import platform_for
+    from hwgraph.registry import choose_backend
+
+    if mode is None:
+        return
+    spec = choose_backend(backend, platform_for(device)).spec  # check_backend has refused a name that cannot be
+    if mode not in spec.modes:
+        raise ValueError(f"{option} {mode!r}: graph backend {spec.name!r} has modes {', '.join(spec.modes)}")
+
+
 def writable_path(option: str, spec: str) -> Path:
     """``spec`` as a path whose folder exists (created now) and can be written, so a finished run's results are not
     lost to a bad path; ``ValueError`` naming the option and the path otherwise."""
@@ -470,9 +485,11 @@ def config_from_args(args) -> BenchConfig:
         (torch.float32 if on_cpu else torch.bfloat16)
     check_kernels(args.attention)
     check_backend(args.backend, device)
+    check_graph_mode(args.backend, args.graph_mode, device)
     return BenchConfig(
         preset=preset, groups=groups, device=device, dtype=dtype,
-        kernels=args.attention, graph_backend=args.backend, warmup=args.warmup, samples=args.samples,
+        kernels=args.attention, graph_backend=args.backend, graph_mode=args.graph_mode, warmup=args.warmup,
+        samples=args.samples,
         calibrate=args.calibrate, profile=args.profile, reference=not args.no_transformers, compile=args.compile,
         measure_products=args.measure_products, budgets=sorted(args.budgets) if args.budgets else [])
 
@@ -505,6 +522,8 @@ def add_bench_arguments(parser) -> None:
                                          f"on CPU {CPU_GROUPS})")
     parser.add_argument("--attention", nargs="+", metavar="NAME", help="attention kernels (default: every available)")
     parser.add_argument("--backend", help="graph backend (default: the best available here)")
+    parser.add_argument("--graph-mode", help="the graph backend's mode (default: its first; npu: aclgraph or "
+                                             "torchair; hwgraph info lists each backend's modes)")
     parser.add_argument("--device", help="torch device (default: the detected accelerator, else cpu)")
     parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16; float32 on CPU)")
     parser.add_argument("--warmup", type=int, default=10, help="warm-up calls per cell (default 10)")

@@ -110,6 +110,11 @@ class EncoderGraphManager:
     cannot compile (``compile_support()``, e.g. NPU) or a budget's compiled capture fails,
     that capture is plain, and ``stats()`` says why (``compile_skipped``, ``compile_failures``).
 
+    ``graph_backend``: a backend name (default ``$HWGRAPH_GRAPH_BACKEND``, else the best available for ``device``);
+    ``graph_mode``: one of that backend's ``modes`` (default its first; e.g. npu: ``aclgraph``, or ``torchair``,
+    which compiles every capture with torchair). A mode the backend lacks raises ``ValueError`` naming its modes; one
+    it cannot run here raises ``SelectionError`` with the reasons.
+
     ``attention``: a kernel name, ``"auto"`` or a callable, set on the tower for good (``tower.set_attention``), since
     its eager calls must run what its graphs run; None keeps the tower's current request, which a manager built
     earlier on the same tower may have set. Automatic choice takes the best graph-safe kernel (on NPU, TORCH_SDPA:
@@ -136,7 +141,7 @@ class EncoderGraphManager:
 
     def __init__(self, tower, device=None, dtype=None, budgets=None, max_images_per_graph=None,
                  graph_backend=None, attention=None, calibrate=None, max_budget=None, verify=True,
-                 log_every=1000, compile=False, slot_counts=None, measure_products=False):
+                 log_every=1000, compile=False, slot_counts=None, measure_products=False, graph_mode=None):
         first = next(tower.parameters())
         self.tower = tower
         self.device = torch.device(device) if device is not None else first.device
@@ -145,7 +150,8 @@ class EncoderGraphManager:
             tower.to(device=self.device, dtype=self.dtype)
         tower.eval()
         self.platform = platform_for(self.device)
-        self.backend: GraphBackend = create_backend(graph_backend, device=self.device, platform=self.platform)
+        self.backend: GraphBackend = create_backend(graph_backend, device=self.device, mode=graph_mode,
+                                                    platform=self.platform)
         tower.set_attention(attention, platform=self.platform, graph_safe=True)
         self._weights = tower.weights_key()  # where the weights the graphs read live (see _check_tower)
         if calibrate is None:
@@ -490,7 +496,7 @@ class EncoderGraphManager:
     def stats(self) -> dict:
         out = self._stats.as_dict()
         out.update(budgets=sorted(self.graphs), slot_counts=list(self.slot_counts), graph_backend=self.backend.name,
-                   attention=self.tower.attention_kernel, calls=self._calls,
+                   graph_mode=self.backend.mode, attention=self.tower.attention_kernel, calls=self._calls,
                    images=self._stats.hits + self._stats.misses)
         return out
 

@@ -172,7 +172,7 @@ def heading(result: dict) -> str:
     p = result["environment"]["platform"]
     where = p["device_name"] if result["device"] != "cpu" else "cpu"
     return (f"## hwgraph bench: {result['preset']}, {result['dtype']}, {result['device']} ({where}), "
-            f"graph backend {result['graph_backend']}\n\n"
+            f"graph backend {result['graph_backend']}{mode_note(result)}\n\n"
             f"{result['timer']}, {result['warmup']} warm-ups, {result['samples']} samples per cell; latency in ms "
             f"as median / p95; speedups are ratios of medians measured in this run"
             f"{interleaved_note(result)}. Budgets: "
@@ -183,6 +183,11 @@ def heading(result: dict) -> str:
             + ("" if result.get("graph_backend_accelerates") is not False else
                f" The {result['graph_backend']} graph backend emulates replay eagerly (exact graph semantics, no "
                f"speed-up): its replay columns show the emulation's cost, not a device graph's."))
+
+
+def mode_note(result: dict) -> str:
+    """The backend's graph mode (reports from before modes were recorded have none)."""
+    return f" (mode {result['graph_mode']})" if result.get("graph_mode") else ""
 
 
 def compile_heading(result: dict) -> str:

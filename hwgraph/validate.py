@@ -74,6 +74,16 @@ def choose_backend_name(name: str | None) -> tuple[str, str]:
     return selected.spec.name, selected.reason
 
 
+def check_mode(backend: str, mode: str | None) -> None:
+    """``ValueError`` naming ``--graph-mode`` when ``backend`` (installed: ``choose_backend_name`` checked) has no such
+    mode. Whether the mode can run here is the suite's and the benchmark's to say."""
+    from hwgraph.registry import spec_named
+
+    modes = spec_named(backend).modes
+    if mode is not None and mode not in modes:
+        raise ValueError(f"--graph-mode {mode!r}: graph backend {backend!r} has modes {', '.join(modes)}")
+
+
 def bench_refusal(backend: str, device: torch.device) -> str | None:
     """Why the benchmark cannot run ``backend`` on ``device`` (it is unavailable here), or None. The report says so
     instead of building a tower only to have the manager refuse the backend. The backend is judged on this machine's
@@ -130,7 +140,8 @@ def run_benchmark(args, backend: str, device: torch.device, progress_cls) -> dic
     cfg = BenchConfig(preset=args.preset, groups=[Group(1, t) for t in tokens], device=device,
                       dtype=parse_dtype(args.dtype) if args.dtype else
                       (torch.float32 if device.type == "cpu" else torch.bfloat16),
-                      kernels=args.attention, graph_backend=backend, warmup=warmup, samples=samples,
+                      kernels=args.attention, graph_backend=backend, graph_mode=args.graph_mode, warmup=warmup,
+                      samples=samples,
                       reference=not args.no_transformers)
     return run_bench(cfg, progress=progress_cls("benchmark"))
 
@@ -152,6 +163,7 @@ def cmd_validate(args) -> int:
     try:
         check_arguments(args)
         backend, why = choose_backend_name(args.backend)
+        check_mode(backend, args.graph_mode)
         out.mkdir(parents=True, exist_ok=True)
     except (ValueError, SelectionError) as exc:
         print(f"hwgraph validate: {exc}", file=sys.stderr)
@@ -165,7 +177,7 @@ def cmd_validate(args) -> int:
     args.preset = args.preset or (CPU_PRESET if device.type == "cpu" else ACCELERATOR_PRESET)
     with tempfile.TemporaryDirectory(prefix="hwgraph-validate-") as tmp, Progress("conformance") as bar:
         conformance = run_conformance(Path(tmp), backend, args.preset, args.attention, args.dtype, progress=bar,
-                                      log_path=out / "conformance.log")
+                                      log_path=out / "conformance.log", graph_mode=args.graph_mode)
     ok, summary = verdict(conformance)
     bench, bench_error = None, None
     if not args.no_bench:
@@ -182,7 +194,8 @@ def cmd_validate(args) -> int:
     if plot_note is not None:  # an earlier run's plot must not sit beside a report that says none was drawn
         with contextlib.suppress(OSError):
             (out / "latency.png").unlink(missing_ok=True)
-    report = {"verdict": summary, "ok": ok, "backend": backend, "backend_reason": why, "preset": args.preset,
+    report = {"verdict": summary, "ok": ok, "backend": backend, "backend_reason": why,
+              "graph_mode": args.graph_mode, "preset": args.preset,
               "attention": args.attention, "environment": environment(), "info": info_data(),
               "conformance": conformance, "bench": bench, "bench_error": bench_error,
               "plot": {"path": "latency.png"} if plot_note is None else {"skipped": plot_note},
@@ -205,6 +218,7 @@ def register_cli(sub) -> None:
                               "a graph backend that cannot be chosen.")
     p.add_argument("--report", default="hwgraph-report", metavar="DIR", help="output folder (default hwgraph-report)")
     p.add_argument("--backend", help="graph backend to validate (default: the one hwgraph chooses here)")
+    p.add_argument("--graph-mode", help="its graph mode (default: its first; npu: aclgraph or torchair)")
     p.add_argument("--attention", nargs="+", metavar="NAME", help="attention kernels (default: every available)")
     p.add_argument("--preset", help="tower preset for the suite and the benchmark (default: tiny on CPU, "
                                     "qwen3-omni-30b-a3b on accelerators)")

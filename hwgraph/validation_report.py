@@ -84,7 +84,8 @@ def bench_section(report: dict) -> str:
 
 
 def validation_markdown(report: dict) -> str:
-    head = (f"# hwgraph validation report\n\n**{report['verdict']}** - graph backend {report['backend']}, preset "
+    mode = f" (mode {report['graph_mode']})" if report.get("graph_mode") else ""
+    head = (f"# hwgraph validation report\n\n**{report['verdict']}** - graph backend {report['backend']}{mode}, preset "
             f"{report['preset']}, {report['seconds']} s.")
     failing = failing_checks(report["conformance"])
     if failing:

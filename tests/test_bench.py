@@ -200,6 +200,20 @@ def test_a_compiled_bench_on_a_backend_that_cannot_compile_says_nothing_was_comp
     assert "hwgraph replay (compile asked, captured uncompiled)" in text and "all: no inductor here" in text
 
 
+def test_the_graph_mode_reaches_every_manager_and_the_report_names_it():
+    result = run_bench(BenchConfig(
+        preset="tiny", groups=parse_groups("1x4"), device=torch.device("cpu"), dtype=torch.float32,
+        graph_backend="cpu", graph_mode="emulated", warmup=0, samples=1, kernels=["TORCH_SDPA"], budgets=[8],
+        reference=False))
+    assert result["graph_mode"] == "emulated" and result["per_kernel"]["TORCH_SDPA"]["stats"]["graph_mode"] == \
+        "emulated"
+    assert "graph backend cpu (mode emulated)\n" in bench_markdown(result)
+    with pytest.raises(ValueError, match=r"graph backend 'cpu' has modes \['emulated'\], got mode='full'"):
+        run_bench(BenchConfig(preset="tiny", groups=parse_groups("1x4"), device=torch.device("cpu"),
+                              dtype=torch.float32, graph_backend="cpu", graph_mode="full", warmup=0, samples=1,
+                              kernels=["TORCH_SDPA"], budgets=[8], reference=False))
+
+
 def test_interleaved_timing_takes_one_call_of_each_callable_per_round_in_shuffled_orders():
     from hwgraph.timing import measure_interleaved
 

@@ -59,6 +59,7 @@ def test_any_other_dtype_is_refused_naming_it_and_the_accepted_names(name):
     (["--preset", "qwen3-omni-7b"], ["--preset", "'qwen3-omni-7b'", "tiny"]),
     (["--attention", "TORCH_SDPA", "FLASH_ATTENTION"], ["--attention", "'FLASH_ATTENTION'", "TORCH_SDPA"]),
     (["--backend", "cudagraph"], ["--backend", "'cudagraph'", "known: cpu"]),
+    (["--backend", "cpu", "--graph-mode", "full"], ["--graph-mode 'full': graph backend 'cpu' has modes emulated"]),
     (["--budgets", "64", "0"], ["--budgets 0 is out of range: expected an integer >= 1"]),
     (["--budgets", "-64"], ["--budgets -64", ">= 1"]),
     (["--budgets", "64", "128", "64"], ["--budgets: budgets must not repeat, got duplicates [64]"]),
@@ -130,6 +131,8 @@ def test_bench_accepts_good_options_and_creates_the_json_folder(tmp_path):
     (["--preset", "huge"], ["--preset", "'huge'", "tiny"]),
     (["--attention", "SDPA"], ["--attention", "'SDPA'", "TORCH_SDPA"]),
     (["--backend", "bogus"], ["--backend: unknown graph backend 'bogus'", "known: cpu"]),
+    (["--backend", "cpu", "--graph-mode", "torchair"],
+     ["--graph-mode 'torchair': graph backend 'cpu' has modes emulated"]),
     (["--tokens", "16", "4", "16"], ["--tokens 16 4 16: 16 repeats; give each size once"]),
 ])
 def test_validate_refuses_a_bad_option_before_anything_runs(argv, expected, tmp_path, capsys):

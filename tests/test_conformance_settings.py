@@ -100,6 +100,23 @@ registry.spec_named = lambda name: dataclasses.replace(
     assert "1 error" in run.stdout and "passed" not in run.stdout and "skipped" not in run.stdout, run.stdout
 
 
+def test_a_probe_whose_modes_differ_from_its_classs_fails_the_declaration_check(tmp_path):
+    module = VENDOR_MODULE.replace("import pytest\n", '''import dataclasses
+
+import pytest
+
+from hwgraph import registry
+
+real_spec_named = registry.spec_named
+registry.spec_named = lambda name: dataclasses.replace(real_spec_named(name), modes=("full",))
+''', 1)
+    run = run_pytest(tmp_path, {}, module, select="TestDeclaration")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert ("the probe of 'cpu' declares modes ['full'], while its class hwgraph.graphs.cpu:CpuGraphBackend is named "
+            "'cpu' with modes ['emulated']") in run.stdout, run.stdout
+    assert "1 failed" in run.stdout and "passed" not in run.stdout.splitlines()[-1], run.stdout
+
+
 def test_kernel_narrowing_skips_the_others_and_dtype_can_be_chosen():
     params = {p.id: p for p in conformance_params(settings(kernels=("TRITON_ATTN",), dtype="bfloat16"))}
     assert "not selected" in skip_reason(params["cpu-TORCH_SDPA-bfloat16"])
@@ -109,6 +126,24 @@ def test_an_unknown_kernel_name_is_an_error_naming_it_and_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown attention kernel 'TORCH_SPDA' in HWGRAPH_ATTENTION or "
                                          r"HWGRAPH_TEST_ATTENTION; known: TORCH_SDPA, TRITON_ATTN"):
         conformance_params(settings(kernels=("TRITON_ATTN", "TORCH_SPDA")))
+
+
+def test_a_graph_mode_reaches_the_cases_and_their_ids_and_one_the_backend_lacks_is_an_error(monkeypatch):
+    params = {p.id: p for p in conformance_params(settings(mode="emulated"))}
+    case = params["cpu-emulated-TORCH_SDPA-float32"].values[0]
+    assert case.mode == "emulated" and skip_reason(params["cpu-emulated-TORCH_SDPA-float32"]) is None
+    from hwgraph.testing.towers import suite_tower
+
+    tower = suite_tower(case.preset, case.device, case.dtype)
+    assert ConformanceSuite().make_manager(tower, case).backend.mode == "emulated"
+    with pytest.raises(ValueError, match=r"has modes \['emulated'\], got mode='full'"):  # the suite's managers take it
+        ConformanceSuite().make_manager(tower, dataclasses.replace(case, mode="full"))
+    with pytest.raises(ValueError, match=r"unknown graph mode 'torchair' in HWGRAPH_GRAPH_MODE or "
+                                         r"HWGRAPH_TEST_GRAPH_MODE: graph backend 'cpu' has modes emulated"):
+        conformance_params(settings(mode="torchair"))
+    monkeypatch.setenv("HWGRAPH_TEST_GRAPH_MODE", "emulated")
+    assert settings_for(type("C", (), {}), types.SimpleNamespace()).mode == "emulated"
+    assert settings_for(type("C", (), {"HWGRAPH_GRAPH_MODE": "other"}), types.SimpleNamespace()).mode == "other"
 
 
 def test_settings_come_from_the_class_then_the_module_then_the_environment(monkeypatch):
@@ -134,12 +169,12 @@ class TestCapture(TestCapture):
 '''
 
 
-def run_pytest(tmp_path, env_extra, module=VENDOR_MODULE):
+def run_pytest(tmp_path, env_extra, module=VENDOR_MODULE, select="TestCapture"):
     (tmp_path / "test_vendor_conformance.py").write_text(textwrap.dedent(module))
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = {**os.environ, **env_extra}
     env.pop("PYTEST_XDIST_WORKER", None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", "TestCapture",
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", select,
                            str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 

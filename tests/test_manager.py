@@ -12,6 +12,7 @@ from hwgraph import budgets as budget_rules
 from hwgraph import manager as manager_module
 from hwgraph.attention.sdpa import sdpa_varlen
 from hwgraph.graphs.base import CaptureError
+from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.models.qwen3_omni.metadata import VisionMetadata
@@ -625,3 +626,32 @@ def test_outputs_of_replays_and_eager_fallbacks_track_no_gradients(tower):
         assert not any(t.requires_grad or t.grad_fn is not None for t in tensors)
     assert m.stats()["replays"] == 1 and m.stats()["eager_groups"] == 1
     m.close()
+
+
+class TwoModeBackend(CpuGraphBackend):
+    """The CPU reference backend with a second mode, to see which one the manager asks for."""
+
+    name = "twomode"
+    modes = ("emulated", "other")
+
+
+def test_graph_mode_reaches_the_backend_and_its_stats_and_a_mode_it_lacks_is_refused(monkeypatch, tower):
+    from hwgraph import registry
+    from hwgraph.capability import Capability
+
+    spec = registry.BackendSpec("twomode", f"{__name__}:TwoModeBackend", ("cpu",), lambda p: Capability.available(),
+                                modes=TwoModeBackend.modes, priority=-5)
+    specs, problems = registry.discovered()
+    monkeypatch.setattr(registry, "discovered", lambda: ((*specs, spec), problems))
+
+    def manager(**kw):
+        return EncoderGraphManager(tower, budgets=[16], max_images_per_graph=1, graph_backend="twomode",
+                                   attention="TORCH_SDPA", **kw)
+
+    other = manager(graph_mode="other")
+    assert type(other.backend) is TwoModeBackend and other.backend.mode == "other"
+    assert other.stats()["graph_mode"] == "other"
+    assert manager().backend.mode == "emulated", "the backend's first mode by default"
+    with pytest.raises(ValueError, match=r"graph backend 'twomode' has modes \['emulated', 'other'\], got "
+                                         r"mode='full'"):
+        manager(graph_mode="full")

@@ -383,6 +383,33 @@ def test_validate_reports_the_benchmark_its_kernels_and_the_emulation_and_lists_
     assert "emulates replay" not in (out / "report.md").read_text()
 
 
+def test_validate_hands_its_graph_mode_to_the_suite_and_the_benchmark_and_reports_it(validate_in_process,
+                                                                                     monkeypatch, tmp_path, capsys):
+    from hwgraph import bench as bench_module
+    from hwgraph.testing import results
+
+    seen = {}
+
+    def conformance(*args, **kwargs):
+        seen["suite"] = kwargs.get("graph_mode")
+        return passing_conformance()
+
+    def run_bench(cfg, progress):
+        seen["bench"] = cfg.graph_mode
+        return bench_result([bench_row("TORCH_SDPA", 16, 4.0, 1.0, 10.0)])
+
+    from hwgraph import cli
+
+    out = tmp_path / "report"
+    monkeypatch.setattr(results, "run_conformance", conformance)  # after the fixture's own
+    monkeypatch.setattr(bench_module, "run_bench", run_bench)
+    assert cli.main(["validate", "--backend", "cpu", "--graph-mode", "emulated", "--report", str(out), *FAST]) == 0
+    assert seen == {"suite": "emulated", "bench": "emulated"}
+    assert "- graph backend cpu (mode emulated), preset" in (out / "report.md").read_text()
+    assert json.loads((out / "report.json").read_text())["graph_mode"] == "emulated"
+    assert 'HWGRAPH_GRAPH_MODE = \'emulated\'' in suite_module("cpu", "tiny", None, None, "emulated")
+
+
 def test_a_benchmark_that_crashes_is_reported_with_its_error_and_the_suites_verdict_stands(validate_in_process,
                                                                                             tmp_path, capsys):
     out = tmp_path / "report"

@@ -10,6 +10,7 @@ the environment.
 setting                    class/module attribute          environment
 =========================  ==============================  =============================================
 graph backend under test   ``HWGRAPH_BACKEND``             (none: the backend hwgraph would choose here)
+its graph mode             ``HWGRAPH_GRAPH_MODE``          ``HWGRAPH_TEST_GRAPH_MODE`` (default: its first)
 backends allowed to run    -                               ``HWGRAPH_TEST_BACKENDS=rocm,cuda``
 attention kernels          ``HWGRAPH_ATTENTION`` (tuple)   ``HWGRAPH_TEST_ATTENTION=TRITON_ATTN,...``
 tower preset               ``HWGRAPH_PRESET``              ``HWGRAPH_TEST_PRESET`` (default ``tiny``)
@@ -31,6 +32,7 @@ BACKENDS_ENV = "HWGRAPH_TEST_BACKENDS"
 ATTENTION_ENV = "HWGRAPH_TEST_ATTENTION"
 PRESET_ENV = "HWGRAPH_TEST_PRESET"
 DTYPE_ENV = "HWGRAPH_TEST_DTYPE"
+GRAPH_MODE_ENV = "HWGRAPH_TEST_GRAPH_MODE"
 DEFAULT_PRESET = "tiny"
 DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "npu": "npu", "cpu": "cpu"}  # ROCm builds answer to "cuda"
 
@@ -44,10 +46,12 @@ class ConformanceCase:
     dtype: torch.dtype
     device: str
     preset: str
+    mode: str | None = None  # the backend's graph mode; None: its first
 
     @property
     def id(self) -> str:
-        return f"{self.backend}-{self.kernel}-{str(self.dtype).removeprefix('torch.')}"
+        backend = f"{self.backend}-{self.mode}" if self.mode else self.backend
+        return f"{backend}-{self.kernel}-{str(self.dtype).removeprefix('torch.')}"
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class SuiteSettings:
     preset: str
     dtype: str | None
     allowed_backends: tuple[str, ...] | None
+    mode: str | None = None
 
 
 def split_names(text: str | None) -> tuple[str, ...] | None:
@@ -80,7 +85,8 @@ def settings_for(cls, module) -> SuiteSettings:
     return SuiteSettings(backend=pick("HWGRAPH_BACKEND"), kernels=tuple(k.upper() for k in kernels or ()) or None,
                          preset=pick("HWGRAPH_PRESET", PRESET_ENV) or DEFAULT_PRESET,
                          dtype=pick("HWGRAPH_DTYPE", DTYPE_ENV),
-                         allowed_backends=split_names(os.environ.get(BACKENDS_ENV)))
+                         allowed_backends=split_names(os.environ.get(BACKENDS_ENV)),
+                         mode=pick("HWGRAPH_GRAPH_MODE", GRAPH_MODE_ENV) or None)
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,8 @@ def skipped(case_id: str, reason: str):
 def conformance_params(settings: SuiteSettings) -> list:
     """``pytest.param`` per case: runnable ones carry a ``ConformanceCase``; the others are skips with reasons.
 
-    Raises ValueError for a selected kernel name no installed kernel has: a typo would otherwise skip every case."""
+    Raises ValueError for a selected kernel name no installed kernel has, and for a graph mode the backend does not
+    have: a typo would otherwise skip, or fail, every case."""
     from hwgraph.attention.registry import kernel_specs
     from hwgraph.models.qwen3_omni import preset_config
     from hwgraph.platform import detect, platform_for
@@ -113,6 +120,9 @@ def conformance_params(settings: SuiteSettings) -> list:
         spec = spec_named(name)
     except SelectionError as exc:
         return [skipped(f"{name}-not-installed", str(exc))]
+    if settings.mode is not None and settings.mode not in spec.modes:
+        raise ValueError(f"unknown graph mode {settings.mode!r} in HWGRAPH_GRAPH_MODE or {GRAPH_MODE_ENV}: graph "
+                         f"backend {name!r} has modes {', '.join(spec.modes)}")
     cap = spec.capability(platform)
     if not cap.ok:
         reason = f"graph backend {name!r} is unavailable: {cap.describe()}"
@@ -138,7 +148,7 @@ def conformance_params(settings: SuiteSettings) -> list:
     for kernel in kernels:
         if kernel_platform.kind not in kernel.kinds:
             continue  # a kernel for another accelerator is no concern of this backend's conformance
-        case = ConformanceCase(name, kernel.name, dtype, device, settings.preset)
+        case = ConformanceCase(name, kernel.name, dtype, device, settings.preset, settings.mode)
         if settings.kernels and kernel.name not in settings.kernels:
             params.append(skipped(case.id, f"attention kernel {kernel.name} not selected "
                                            f"(selected: {', '.join(settings.kernels)})"))

@@ -76,7 +76,8 @@ def failing_checks(conformance: dict) -> list[dict]:
     return [r for r in conformance["results"] if r["outcome"] in ("failed", "error")]
 
 
-def suite_module(backend: str, preset: str, kernels: list[str] | None, dtype: str | None) -> str:
+def suite_module(backend: str, preset: str, kernels: list[str] | None, dtype: str | None,
+                 graph_mode: str | None = None) -> str:
     lines = ['"""Written by hwgraph validate: the shipped conformance suite against one backend."""', "",
              "from hwgraph.testing.suite import *  # noqa: F401,F403", "",
              f"HWGRAPH_BACKEND = {backend!r}", f"HWGRAPH_PRESET = {preset!r}"]
@@ -84,17 +85,20 @@ def suite_module(backend: str, preset: str, kernels: list[str] | None, dtype: st
         lines.append(f"HWGRAPH_ATTENTION = {tuple(k.upper() for k in kernels)!r}")
     if dtype:
         lines.append(f"HWGRAPH_DTYPE = {dtype!r}")
+    if graph_mode:
+        lines.append(f"HWGRAPH_GRAPH_MODE = {graph_mode!r}")
     return "\n".join(lines) + "\n"
 
 
 def run_conformance(workdir: Path, backend: str, preset: str, kernels: list[str] | None = None,
-                    dtype: str | None = None, progress=None, log_path: Path | None = None) -> dict:
+                    dtype: str | None = None, progress=None, log_path: Path | None = None,
+                    graph_mode: str | None = None) -> dict:
     """Run the suite; returns ``{"exit_code", "counts", "results": [CheckResult dicts], "log"}``."""
     import pytest
 
     workdir.mkdir(parents=True, exist_ok=True)
     module = workdir / f"test_hwgraph_conformance_{backend}.py"
-    module.write_text(suite_module(backend, preset, kernels, dtype))
+    module.write_text(suite_module(backend, preset, kernels, dtype, graph_mode))
     ini = workdir / "pytest.ini"
     ini.write_text(textwrap.dedent("""\
         [pytest]

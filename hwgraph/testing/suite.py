@@ -28,8 +28,8 @@ from hwgraph.manager import EncoderGraphManager
 from hwgraph.testing.cases import UnservedCase, conformance_params, settings_for
 from hwgraph.testing.towers import eager_per_image, grid_of, image_tokens, pixels_for, suite_tower
 
-__all__ = ["ConformanceSuite", "TestBudgetChanges", "TestCapture", "TestDeepStack", "TestEagerFallback",
-           "TestMultiImageGroups", "TestNoHostSync", "TestPoolRelease", "TestReplayEqualsEager",
+__all__ = ["ConformanceSuite", "TestBudgetChanges", "TestCapture", "TestDeclaration", "TestDeepStack",
+           "TestEagerFallback", "TestMultiImageGroups", "TestNoHostSync", "TestPoolRelease", "TestReplayEqualsEager",
            "TestRetainedOutputs"]
 
 
@@ -70,7 +70,7 @@ class ConformanceSuite:
     def make_manager(self, tower, case) -> EncoderGraphManager:
         return EncoderGraphManager(tower, device=case.device, dtype=case.dtype, budgets=list(self.budgets),
                                    max_images_per_graph=self.max_images, graph_backend=case.backend,
-                                   attention=case.kernel)
+                                   graph_mode=case.mode, attention=case.kernel)
 
     # ---------------------------------------------------------------- helpers
     def budget_for(self, tokens: int) -> int | None:
@@ -109,6 +109,19 @@ class ConformanceSuite:
         out = manager.encode(pixels, grid)
         self.assert_matches_eager(out, tower, pixels, grid, what)
         return out
+
+
+class TestDeclaration(ConformanceSuite):
+    def test_the_probe_and_the_backend_class_agree_on_name_and_modes(self, case):
+        """``hwgraph info`` and option checks read the probe's ``BackendSpec``; the manager constructs its class.
+        A mode the probe lists that the class lacks would pass every check and then fail at construction."""
+        from hwgraph.registry import spec_named
+
+        spec = spec_named(case.backend)
+        cls = spec.load()
+        assert (cls.name, tuple(cls.modes)) == (spec.name, tuple(spec.modes)), (
+            f"the probe of {spec.name!r} declares modes {list(spec.modes)}, while its class {spec.class_path} is "
+            f"named {cls.name!r} with modes {list(cls.modes)}")
 
 
 class TestCapture(ConformanceSuite):

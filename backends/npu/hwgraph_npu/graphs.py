@@ -118,7 +118,8 @@ class NpuGraphBackend(TorchCudaGraphBackend):
             return Capability.unavailable("npu graph mode 'torchair' already compiles every capture with torchair's "
                                           "NPU backend; no inductor pass is added")
         torchair = self.mode_capability("torchair")
-        hint = ("use npu graph mode 'torchair' to compile with it" if torchair.ok
+        hint = ("use npu graph mode 'torchair' to compile with it (EncoderGraphManager(..., graph_mode='torchair'), "
+                "hwgraph bench --graph-mode torchair)" if torchair.ok
                 else f"graph mode 'torchair' would compile with it, but {torchair.describe()}")
         return Capability.unavailable(f"torch.compile's inductor generates no NPU code; torchair is the NPU compiler: "
                                       f"{hint}")
