@@ -173,8 +173,23 @@ def choose_backend(name: str | None = None, platform: PlatformInfo | None = None
 
 
 def create_backend(name: str | None = None, device=None, mode: str | None = None, platform=None):
-    """Instantiate the chosen graph backend (importing its class only now)."""
+    """Instantiate the chosen graph backend (importing its class only now).
+
+    The probe's gate judges the platform; the class then judges ``device`` itself (``GraphBackend.capability``: that
+    it exists, that it is a device of its runtime, its architecture). A device it refuses raises ``SelectionError``
+    with the reasons for an explicit choice; an automatic choice falls back to the CPU reference backend, as when no
+    gate accepts the platform, and says why."""
     selected = choose_backend(name, platform)
     cls = selected.spec.load()
+    if device is not None:
+        cap = cls.capability(device)
+        if not cap.ok:
+            refusal = f"graph backend {selected.spec.name!r} cannot capture on {device}: {cap.describe()}"
+            if name or os.environ.get(GRAPH_BACKEND_ENV):
+                raise SelectionError(refusal)
+            selected = Selected(spec_named("cpu"), f"falling back to the cpu reference backend (eager-equivalent, "
+                                                   f"no speed-up): {refusal}")
+            log.warning(selected.reason)
+            cls = selected.spec.load()
     log.info("graph backend %s (%s)", selected.spec.name, selected.reason)
     return cls(device=device, mode=mode)

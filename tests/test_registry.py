@@ -12,6 +12,7 @@ import torch
 
 from hwgraph import registry
 from hwgraph.capability import Capability
+from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.platform import PlatformInfo
 from hwgraph.registry import GRAPH_BACKEND_ENV, BackendSpec, SelectionError, choose_backend, create_backend
 
@@ -185,6 +186,38 @@ def test_a_class_path_that_does_not_load_is_named_with_its_plugin(monkeypatch, c
     with pytest.raises(ImportError, match=rf"graph backend 'toy' \(distribution hwgraph-backend-toy\) declares "
                                           rf"class_path '{class_path}', which does not load: "):
         create_backend("toy", platform=platform_of("cpu"))
+
+
+class OneDeviceBackend(CpuGraphBackend):
+    """The CPU reference backend under another name, refusing every device but the first of its kind."""
+
+    name = "onedevice"
+
+    @classmethod
+    def capability(cls, device=None):
+        if device is not None and torch.device(device).index not in (None, 0):
+            return Capability.unavailable(f"{device} is an unsupported architecture")
+        return Capability.available()
+
+
+def test_the_backend_class_judges_the_device_an_explicit_choice_raises_and_an_automatic_one_falls_back(
+        monkeypatch, caplog):
+    install_probes(monkeypatch, onedevice=lambda: BackendSpec(
+        "onedevice", f"{__name__}:OneDeviceBackend", ("cpu",), lambda p: Capability.available(), modes=("emulated",),
+        priority=10))
+    cpu = platform_of("cpu")
+    assert type(create_backend(device="cpu:0", platform=cpu)) is OneDeviceBackend
+    with pytest.raises(SelectionError, match=r"graph backend 'onedevice' cannot capture on cpu:1: cpu:1 is an "
+                                             r"unsupported architecture"):
+        create_backend("onedevice", device="cpu:1", platform=cpu)
+    with caplog.at_level(logging.WARNING, logger="hwgraph.registry"):
+        fallback = create_backend(device="cpu:1", platform=cpu)
+    assert type(fallback) is CpuGraphBackend
+    assert ("falling back to the cpu reference backend (eager-equivalent, no speed-up): graph backend 'onedevice' "
+            "cannot capture on cpu:1: cpu:1 is an unsupported architecture") in caplog.messages
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "onedevice")
+    with pytest.raises(SelectionError, match="cannot capture on cpu:1"):
+        create_backend(device="cpu:1", platform=cpu)
 
 
 def test_create_backend_constructs_the_cpu_backend_on_cpu():
