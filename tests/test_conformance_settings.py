@@ -117,6 +117,25 @@ registry.spec_named = lambda name: dataclasses.replace(real_spec_named(name), mo
     assert "1 failed" in run.stdout and "passed" not in run.stdout.splitlines()[-1], run.stdout
 
 
+def test_a_backend_whose_captures_all_fail_errs_in_each_check_naming_the_capture_failure(tmp_path):
+    """Replays that never refresh their outputs fail the manager's check after capture, so every budget runs
+    eagerly; each check then names that cause, not the symptom it would meet (no graph memory, no replays)."""
+    module = VENDOR_MODULE.replace("import pytest\n", '''import pytest
+
+from hwgraph.graphs.cpu import CpuCapturedGraph
+
+CpuCapturedGraph.replay = lambda self: None  # outputs keep what capture left
+''', 1)
+    run = run_pytest(tmp_path, {}, module, select="TestReplayEqualsEager or TestPoolRelease")
+    assert run.returncode == 1, run.stdout + run.stderr
+    # two checks through the manager fixture (errors at setup) and the pool-release check, which captures its own
+    summary = run.stdout.strip().splitlines()[-1]
+    assert "1 failed" in summary and "2 errors" in summary and "passed" not in summary, run.stdout
+    assert run.stdout.count("the cpu graph backend failed to capture budgets [16, 32, 64], so the manager runs them "
+                            "eagerly: {") == 3, run.stdout
+    assert "replay differs from eager after capture" in run.stdout and "held no memory" not in run.stdout
+
+
 def test_kernel_narrowing_skips_the_others_and_dtype_can_be_chosen():
     params = {p.id: p for p in conformance_params(settings(kernels=("TRITON_ATTN",), dtype="bfloat16"))}
     assert "not selected" in skip_reason(params["cpu-TORCH_SDPA-bfloat16"])

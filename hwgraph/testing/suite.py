@@ -62,10 +62,21 @@ class ConformanceSuite:
 
     @pytest.fixture
     def manager(self, tower, case):
-        m = self.make_manager(tower, case)
-        m.capture()
+        m = self.captured(self.make_manager(tower, case))
         yield m
         m.close()
+
+    @staticmethod
+    def captured(manager: EncoderGraphManager) -> EncoderGraphManager:
+        """``manager`` after ``capture()``; a failed budget fails the check here, naming why, since every check would
+        otherwise report a symptom of running eagerly (no graph memory, no replays)."""
+        manager.capture()
+        failures = manager.stats()["capture_failures"]
+        if failures:
+            manager.close()
+            pytest.fail(f"the {manager.backend.name} graph backend failed to capture budgets {sorted(failures)}, so "
+                        f"the manager runs them eagerly: {failures}", pytrace=False)
+        return manager
 
     def make_manager(self, tower, case) -> EncoderGraphManager:
         return EncoderGraphManager(tower, device=case.device, dtype=case.dtype, budgets=list(self.budgets),
@@ -265,13 +276,11 @@ class TestPoolRelease(ConformanceSuite):
     def test_close_returns_the_graph_memory(self, tower, case):
         # A first capture on the device makes the shared capture stream and its math-library workspaces, which
         # outlive every manager (freeing them could break other live graphs): measure from after one.
-        first = self.make_manager(tower, case)
-        first.capture()
-        first.close()
+        self.captured(self.make_manager(tower, case)).close()
         m = self.make_manager(tower, case)
         m.backend.synchronize()
         before = m.backend.memory_in_use()
-        m.capture()
+        self.captured(m)
         held = m.backend.memory_in_use()
         assert held > before, f"capture held no memory: memory_in_use {before} -> {held} bytes"
         self.encode_and_check(m, tower, self.grid(tower, 8), seed=800, what="before close")
