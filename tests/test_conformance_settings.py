@@ -75,6 +75,7 @@ def test_an_unavailable_backend_is_one_skip_with_its_reasons():
         skip_reason(param)
 
 
+@pytest.mark.cpu_machine  # the cpu backend serves only CPU machines: on a GPU machine its refusal is a skip
 def test_a_backend_refusing_a_machine_of_its_own_kind_errs_in_every_check_with_its_reasons(tmp_path):
     """A vendor's CI on its own hardware must not pass with nothing checked when its gate refuses (a broken driver or
     install): on a CPU machine, a cpu-kind backend whose gate refuses errs in each check; the cuda backend, which
