@@ -101,6 +101,23 @@ registry.spec_named = lambda name: dataclasses.replace(
     assert "1 error" in run.stdout and "passed" not in run.stdout and "skipped" not in run.stdout, run.stdout
 
 
+def test_on_a_gpu_machine_the_gpus_backend_refusing_is_an_unserved_case_and_another_vendors_a_skip(monkeypatch):
+    from hwgraph import registry
+    from hwgraph.capability import Capability
+    from hwgraph.testing.cases import UnservedCase
+    from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
+
+    simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("NVIDIA H200", 9, 0))
+    refusing = {name: registry.BackendSpec(name, "x:Y", (name,), lambda p: Capability.unavailable("broken install"))
+                for name in ("cuda", "npu")}
+    monkeypatch.setattr(registry, "spec_named", refusing.__getitem__)
+    [param] = conformance_params(settings(backend="cuda"))
+    assert param.values == (UnservedCase("graph backend 'cuda' is unavailable: broken install (on this cuda "
+                                         "machine, which it serves)"),) and skip_reason(param) is None
+    [param] = conformance_params(settings(backend="npu"))
+    assert skip_reason(param) == "graph backend 'npu' is unavailable: broken install"
+
+
 def test_a_probe_whose_modes_differ_from_its_classs_fails_the_declaration_check(tmp_path):
     module = VENDOR_MODULE.replace("import pytest\n", '''import dataclasses
 
