@@ -200,7 +200,9 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         # Fresh tensors per call (prepare_metadata and padded allocate): vLLM keeps these exact objects as the
         # graph's inputs and copies each replay's values into them.
         metadata = self.tower.prepare_metadata(grid).padded(num_patches, num_seqs).to(device)
-        pixels = torch.zeros(num_patches, self.tower.patch_row_width, device=device, dtype=dtype)
+        # In the tower's dtype, as the eager forward casts them (encoder_eager_forward), not in vLLM's ``dtype``:
+        # a bf16 buffer in front of a float32 tower would round every replay's pixels, and eager's not.
+        pixels = torch.zeros(num_patches, self.tower.patch_row_width, device=device, dtype=self.tower.dtype)
         return EncoderCudaGraphCaptureInputs(values={PIXELS: pixels, **metadata.tensors()})
 
     def prepare_encoder_cudagraph_replay_buffers(

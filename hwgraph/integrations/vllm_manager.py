@@ -98,8 +98,9 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
         if graph_pool is None or not self.backend.accelerates:
             graph_pool = self.backend.new_pool()
         super().capture(graph_pool)
-        log.info("encoder graphs captured on %s: budgets %s; failed: %s", self.backend.name,
-                 self.captured_budgets(), self.capture_failures or "none")
+        level = logging.WARNING if self.capture_failures and not self.captured_budgets() else logging.INFO
+        log.log(level, "encoder graphs captured on %s: budgets %s; failed: %s", self.backend.name,
+                self.captured_budgets(), self.capture_failures or "none")
 
     def _capture_budget_graph(self, token_budget: int, path: str = "default", axis_keys: tuple = ()):
         values = self.model.prepare_encoder_cudagraph_capture_inputs(
@@ -227,9 +228,20 @@ def install_single_replay_manager(manager_cls: type = SingleReplayEncoderCudaGra
     """Opt in: make vLLM's model runners in this process build ``manager_cls`` instead of upstream's manager.
 
     Call it before the engine creates its workers (in the worker process, e.g. from a vLLM plugin). Returns a
-    function that restores upstream's class. Nothing is changed unless this is called.
+    function that restores upstream's class. Nothing is changed unless this is called. ``TypeError`` unless
+    ``manager_cls`` subclasses upstream's manager; ``RuntimeError`` when an install is already in place (undo it
+    first: a second one would be ignored by modules the first rewired, and undoing either would undo both).
     """
     original = EncoderCudaGraphManager  # upstream's class, as imported above
+    if not (isinstance(manager_cls, type) and issubclass(manager_cls, original)):
+        raise TypeError(f"install_single_replay_manager needs a subclass of vLLM's EncoderCudaGraphManager, got "
+                        f"{manager_cls!r}")
+    for name in _CONSTRUCTING_MODULES:
+        held = getattr(sys.modules.get(name), "EncoderCudaGraphManager", original)
+        if held is not original:
+            raise RuntimeError(f"{name}.EncoderCudaGraphManager is already {held.__module__}.{held.__qualname__}: "
+                               f"call the undo that install_single_replay_manager returned before installing "
+                               f"{manager_cls.__qualname__}")
     swap(original, manager_cls)
 
     def undo() -> None:

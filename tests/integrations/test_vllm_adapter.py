@@ -9,6 +9,7 @@ vLLM's manager reads only a few config fields (compilation, multimodal, parallel
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import subprocess
 import sys
@@ -258,14 +259,15 @@ def test_capture_inputs_and_forward_have_the_budget_shapes(tower, adapter, budge
     v = inputs.values
     assert list(v) == adapter.get_encoder_cudagraph_config().buffer_keys
     rows = budget * 4
-    assert v["pixel_values"].shape == (rows, tower.patch_row_width) and v["pixel_values"].dtype == torch.bfloat16
+    # in the tower's dtype (float32 here), whatever vLLM's dtype: the eager forward casts pixels to it too
+    assert v["pixel_values"].shape == (rows, tower.patch_row_width) and v["pixel_values"].dtype == torch.float32
     assert v["pos_indices"].shape == (4, rows) and v["pos_indices"].dtype == torch.int64
     assert v["pos_weights"].shape == (4, rows) and v["pos_weights"].dtype == torch.float32
     assert v["rotary_positions"].shape == (rows, 2) and v["rotary_positions"].dtype == torch.int64
     assert v["cu_seqlens"].shape == (MAX_ITEMS + 1,) and v["cu_seqlens"].dtype == torch.int32
     assert v["cu_seqlens"].tolist() == [0] + [rows] * MAX_ITEMS  # one image filling the budget, then empty ones
     with torch.inference_mode():
-        out = adapter.encoder_cudagraph_forward({**v, "pixel_values": v["pixel_values"].float()})
+        out = adapter.encoder_cudagraph_forward(v)
     assert out.shape == (budget, adapter.out_hidden_size) and out.dtype == torch.float32
 
 
@@ -386,6 +388,36 @@ def test_no_captured_graph_means_one_eager_call(tower, adapter):
     assert m.decide(adapter.get_encoder_cudagraph_item_specs(kwargs)).reason == "no graphs"
     assert_matches_eager(adapter, m.execute(kwargs), eager_per_image(tower, kwargs))
     assert m.get_cumulative_stats()["eager_reasons"] == {"no graphs": 1}
+
+
+def test_a_manager_in_another_dtype_than_the_towers_replays_what_eager_computes(tower, adapter):
+    """vLLM builds the manager with its model's dtype, the tower may be in another: the graph's pixel buffer once
+    took vLLM's bfloat16 and rounded every replay's pixels, which the eager forward (cast to the tower's float32)
+    did not."""
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.bfloat16, adapter,
+                                               graph_backend="cpu")
+    m.capture(graph_pool=None)
+    try:
+        kwargs = mm_kwargs(tower, [(1, 8, 8)], seed=11)
+        got = m.execute(kwargs)
+        assert m.get_cumulative_stats()["replays"] == 1
+        assert_matches_eager(adapter, got, eager_per_image(tower, kwargs))
+    finally:
+        m.clear()
+
+
+def test_a_capture_that_leaves_every_budget_eager_is_logged_as_a_warning(adapter, monkeypatch, caplog):
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
+                                               graph_backend="cpu")
+
+    def capture(fn, pool=None):
+        raise RuntimeError("simulated capture failure")
+
+    monkeypatch.setattr(m.backend, "capture", capture)
+    with caplog.at_level(logging.INFO, logger="hwgraph.integrations.vllm_manager"):
+        m.capture(graph_pool=None)
+    [record] = [r for r in caplog.records if r.getMessage().startswith("encoder graphs captured on cpu")]
+    assert record.levelno == logging.WARNING and "budgets []" in record.getMessage()
 
 
 def test_empty_group_returns_no_outputs(tower, manager):
@@ -548,6 +580,31 @@ def test_install_swaps_the_class_vllm_runners_build_and_undoes_it():
     finally:
         undo()
     assert upstream.EncoderCudaGraphManager is hv.SingleReplayEncoderCudaGraphManager.__mro__[1]  # vLLM's own class
+    assert not issubclass(upstream.EncoderCudaGraphManager, hv.SingleReplayEncoderCudaGraphManager)
+
+
+def test_install_refuses_a_class_that_is_not_a_vllm_manager_and_a_second_install_before_undo():
+    with pytest.raises(TypeError, match="needs a subclass of vLLM's EncoderCudaGraphManager, got <class 'object'>"):
+        hv.install_single_replay_manager(object)
+    assert upstream.EncoderCudaGraphManager is hv.SingleReplayEncoderCudaGraphManager.__mro__[1]
+
+    class Mine(hv.SingleReplayEncoderCudaGraphManager):
+        pass
+
+    undo = hv.install_single_replay_manager()
+    try:
+        with pytest.raises(RuntimeError, match=r"vllm.v1.worker.encoder_cudagraph.EncoderCudaGraphManager is already "
+                                               r"hwgraph.integrations.vllm_manager.SingleReplayEncoderCudaGraphManager"
+                                               r": call the undo .* before installing .*Mine"):
+            hv.install_single_replay_manager(Mine)
+        assert upstream.EncoderCudaGraphManager is hv.SingleReplayEncoderCudaGraphManager
+    finally:
+        undo()
+    undo = hv.install_single_replay_manager(Mine)  # after the undo, another class installs
+    try:
+        assert upstream.EncoderCudaGraphManager is Mine
+    finally:
+        undo()
     assert not issubclass(upstream.EncoderCudaGraphManager, hv.SingleReplayEncoderCudaGraphManager)
 
 
