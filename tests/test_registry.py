@@ -236,3 +236,14 @@ def test_plugin_attention_returns_the_named_kernels_or_nothing_with_a_logged_rea
         assert registry.plugin_attention("hwgraph_fake.attention", "KERNEL") == ()
     levels = [r.levelname for r in caplog.records if "hwgraph_fake brings no attention kernels" in r.getMessage()]
     assert levels == ["WARNING", "DEBUG"]
+
+
+def test_every_installed_backends_probe_agrees_with_its_class_on_name_and_modes():
+    """The suite's TestDeclaration runs on each vendor's hardware; here, on any machine, for every plugin installed
+    (importing a backend class imports no vendor SDK)."""
+    registry.discovered.cache_clear()
+    specs = registry.backend_specs()
+    assert "cpu" in {s.name for s in specs}
+    for spec in specs:
+        cls = spec.load()
+        assert (cls.name, tuple(cls.modes)) == (spec.name, tuple(spec.modes)), spec.class_path
