@@ -2,7 +2,8 @@
 
 Each class checks one behaviour of ``EncoderGraphManager`` on the backend under test, for every attention kernel that
 backend's platform offers (see ``hwgraph.testing.cases``: unavailable backends and kernels are skipped with the
-reasons their gates give). A backend distribution declares itself and may override a check by subclassing::
+reasons their gates give, except a backend refusing a machine of the kind it serves, whose checks all err). A backend
+distribution declares itself and may override a check by subclassing::
 
     from hwgraph.testing.suite import *  # noqa: F401,F403
 
