@@ -434,7 +434,7 @@ def check_backend(name: str | None, device: torch.device) -> None:
         raise ValueError(f"{'--backend' if name else '$' + GRAPH_BACKEND_ENV}: {exc}") from None
 
 
-def check_graph_mode(backend: str | None, mode: str | None, device: torch.device, option: str = "--graph-mode") -> None:
+def check_graph_mode(backend: str | None, mode: str | None, device: torch.device) -> None:
     """``ValueError`` when ``mode`` is not a mode of the graph backend ``backend`` names (else the one chosen for
     ``device``); checked before a tower is built. Whether the mode can run here, the backend says when it is made."""
     from hwgraph.platform import platform_for
@@ -442,9 +442,9 @@ def check_graph_mode(backend: str | None, mode: str | None, device: torch.device
 
     if mode is None:
         return
-    spec = choose_backend(backend, platform_for(device)).spec  # check_backend has refused a name that cannot be
-    if mode not in spec.modes:
-        raise ValueError(f"{option} {mode!r}: graph backend {spec.name!r} has modes {', '.join(spec.modes)}")
+    refusal = choose_backend(backend, platform_for(device)).spec.mode_refusal(mode)  # check_backend has refused a
+    if refusal:  # name that cannot be chosen
+        raise ValueError(f"--graph-mode {mode!r}: {refusal}")
 
 
 def writable_path(option: str, spec: str) -> Path:

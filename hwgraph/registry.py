@@ -60,6 +60,12 @@ class BackendSpec:
             log.debug("the %s gate failed", self.name, exc_info=True)  # its traceback, for the plugin's author
             return Capability.unavailable(f"the {self.name} gate failed: {type(exc).__name__}: {exc}")
 
+    def mode_refusal(self, mode: str | None) -> str | None:
+        """Why ``mode`` is not one of this backend's graph modes, or None (also for None: its first mode)."""
+        if mode is None or mode in self.modes:
+            return None
+        return f"graph backend {self.name!r} has modes {', '.join(self.modes)}"
+
     def load(self):
         """The backend's class. A ``class_path`` that does not import is named, with the plugin that declared it."""
         try:
@@ -142,6 +148,17 @@ class Selected:
     spec: BackendSpec
     reason: str  # why this one: "explicit", "best available for cuda", or the fallback's why
 
+    @property
+    def explicit(self) -> bool:
+        """Named by the caller or ``$HWGRAPH_GRAPH_BACKEND``, not chosen automatically."""
+        return self.reason == "explicit"
+
+
+def cpu_fallback(why: str) -> Selected:
+    """The CPU reference backend, chosen because ``why`` rules out the automatic choice."""
+    return Selected(spec_named("cpu"), f"falling back to the cpu reference backend (eager-equivalent, no speed-up): "
+                                       f"{why}")
+
 
 def choose_backend(name: str | None = None, platform: PlatformInfo | None = None) -> Selected:
     """Pick a graph backend: ``name``, else ``$HWGRAPH_GRAPH_BACKEND``, else the best available for the platform.
@@ -166,10 +183,10 @@ def choose_backend(name: str | None = None, platform: PlatformInfo | None = None
             return Selected(spec, f"best available for {platform.kind}")
         refused.append(f"{spec.name}: {cap.describe()}")
     why = "; ".join(refused) or f"no installed backend serves {platform.kind} (pip install 'hwgraph[{platform.kind}]')"
-    reason = f"falling back to the cpu reference backend (eager-equivalent, no speed-up): {why}"
+    fallback = cpu_fallback(why)
     if platform.kind != "cpu":
-        log.warning(reason)
-    return Selected(spec_named("cpu"), reason)
+        log.warning(fallback.reason)
+    return fallback
 
 
 def create_backend(name: str | None = None, device=None, mode: str | None = None, platform=None):
@@ -185,10 +202,9 @@ def create_backend(name: str | None = None, device=None, mode: str | None = None
         cap = cls.capability(device)
         if not cap.ok:
             refusal = f"graph backend {selected.spec.name!r} cannot capture on {device}: {cap.describe()}"
-            if name or os.environ.get(GRAPH_BACKEND_ENV):
+            if selected.explicit:
                 raise SelectionError(refusal)
-            selected = Selected(spec_named("cpu"), f"falling back to the cpu reference backend (eager-equivalent, "
-                                                   f"no speed-up): {refusal}")
+            selected = cpu_fallback(refusal)
             log.warning(selected.reason)
             cls = selected.spec.load()
     log.info("graph backend %s (%s)", selected.spec.name, selected.reason)

@@ -186,7 +186,8 @@ def heading(result: dict) -> str:
 
 
 def mode_note(result: dict) -> str:
-    """The backend's graph mode (reports from before modes were recorded have none)."""
+    """The backend's graph mode, for a bench result or a validation report (reports from before modes were
+    recorded have none)."""
     return f" (mode {result['graph_mode']})" if result.get("graph_mode") else ""
 
 

@@ -79,9 +79,9 @@ def check_mode(backend: str, mode: str | None) -> None:
     mode. Whether the mode can run here is the suite's and the benchmark's to say."""
     from hwgraph.registry import spec_named
 
-    modes = spec_named(backend).modes
-    if mode is not None and mode not in modes:
-        raise ValueError(f"--graph-mode {mode!r}: graph backend {backend!r} has modes {', '.join(modes)}")
+    refusal = spec_named(backend).mode_refusal(mode)
+    if refusal:
+        raise ValueError(f"--graph-mode {mode!r}: {refusal}")
 
 
 def bench_refusal(backend: str, device: torch.device) -> str | None:

@@ -3,7 +3,7 @@ conformance results, the latency table, graph memory per budget and dispatch cou
 
 from __future__ import annotations
 
-from hwgraph.report import INTERLEAVED, dispatch_table, latency_table, md_table, memory_table
+from hwgraph.report import INTERLEAVED, dispatch_table, latency_table, md_table, memory_table, mode_note
 from hwgraph.testing.results import failing_checks
 
 
@@ -84,8 +84,8 @@ def bench_section(report: dict) -> str:
 
 
 def validation_markdown(report: dict) -> str:
-    mode = f" (mode {report['graph_mode']})" if report.get("graph_mode") else ""
-    head = (f"# hwgraph validation report\n\n**{report['verdict']}** - graph backend {report['backend']}{mode}, preset "
+    head = (f"# hwgraph validation report\n\n**{report['verdict']}** - graph backend {report['backend']}"
+            f"{mode_note(report)}, preset "
             f"{report['preset']}, {report['seconds']} s.")
     failing = failing_checks(report["conformance"])
     if failing:

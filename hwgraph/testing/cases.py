@@ -120,9 +120,9 @@ def conformance_params(settings: SuiteSettings) -> list:
         spec = spec_named(name)
     except SelectionError as exc:
         return [skipped(f"{name}-not-installed", str(exc))]
-    if settings.mode is not None and settings.mode not in spec.modes:
-        raise ValueError(f"unknown graph mode {settings.mode!r} in HWGRAPH_GRAPH_MODE or {GRAPH_MODE_ENV}: graph "
-                         f"backend {name!r} has modes {', '.join(spec.modes)}")
+    refusal = spec.mode_refusal(settings.mode)
+    if refusal:
+        raise ValueError(f"unknown graph mode {settings.mode!r} in HWGRAPH_GRAPH_MODE or {GRAPH_MODE_ENV}: {refusal}")
     cap = spec.capability(platform)
     if not cap.ok:
         reason = f"graph backend {name!r} is unavailable: {cap.describe()}"
