@@ -46,7 +46,9 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
     graph holds all its images (count <= ``max_batch_size``, tokens <= the budget; the smallest such budget);
     otherwise the whole group runs as one eager call, since several replays plus their copies were not measured
     to beat a single eager forward. Video (t > 1) goes eager. Graphs come from ``hwgraph.registry.create_backend``
-    (``graph_backend``: a backend name, default ``$HWGRAPH_GRAPH_BACKEND`` or the best for ``device``). Budgets,
+    (``graph_backend``: a backend name, default ``$HWGRAPH_GRAPH_BACKEND`` or the best for ``device``;
+    ``graph_mode``: one of its modes, default its first). vLLM constructs the manager with neither, so a deployment
+    that wants others installs a subclass that passes them (``install_single_replay_manager``). Budgets,
     buffer copies (``_run_budget_graph``), DP sharding and hit/miss counting (images) are upstream's.
 
     For a model with an hwgraph tower (``model.tower``, e.g. ``Qwen3OmniEncoderCudaGraphAdapter``), as
@@ -56,14 +58,15 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
     (``tower.to``, another dtype or device) raises ``RuntimeError`` instead of reading freed memory.
     """
 
-    def __init__(self, vllm_config, device: torch.device, dtype: torch.dtype, model, graph_backend: str | None = None):
+    def __init__(self, vllm_config, device: torch.device, dtype: torch.dtype, model, graph_backend: str | None = None,
+                 graph_mode: str | None = None):
         super().__init__(vllm_config, device, dtype, model)
         if set(self.config.paths) != {"default"} or self._capture_axes:
             raise ValueError(f"{type(self).__name__} serves single-path encoders without capture axes; this model "
                              f"has paths {sorted(self.config.paths)} and capture_axes {self._capture_axes}: use "
                              f"vLLM's EncoderCudaGraphManager for it")
         device = torch.device(device)
-        self.backend = create_backend(graph_backend, device=device, platform=platform_for(device))
+        self.backend = create_backend(graph_backend, device=device, mode=graph_mode, platform=platform_for(device))
         self.capture_failures: dict[int, str] = {}  # budget -> why the last capture() left it eager
         self._captured_tower: tuple | None = None  # (weights_key, dtype, device) of the tower at capture
         tower = self._tower()
@@ -214,7 +217,7 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
         stats.update(replays=self.replays, eager_groups=self.eager_groups, eager_reasons=dict(self.eager_reasons),
                      padding_tokens=self.padding_tokens, replays_per_budget=dict(self.replays_per_budget),
                      captured_budgets=self.captured_budgets(), capture_failures=dict(self.capture_failures),
-                     graph_backend=self.backend.name)
+                     graph_backend=self.backend.name, graph_mode=self.backend.mode)
         return stats
 
 

@@ -34,6 +34,7 @@ from vllm.v1.worker.encoder_cudagraph_defs import (  # noqa: E402
 )
 
 from hwgraph.attention.sdpa import sdpa_varlen  # noqa: E402
+from hwgraph.graphs.cpu import CpuGraphBackend  # noqa: E402
 from hwgraph.integrations import vllm as hv  # noqa: E402
 from hwgraph.manager import relative_error  # noqa: E402
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower  # noqa: E402
@@ -606,6 +607,54 @@ def test_install_refuses_a_class_that_is_not_a_vllm_manager_and_a_second_install
     finally:
         undo()
     assert not issubclass(upstream.EncoderCudaGraphManager, hv.SingleReplayEncoderCudaGraphManager)
+
+
+class TwoModeBackend(CpuGraphBackend):
+    """The CPU reference backend with a second mode, to see which one the manager asks for."""
+
+    name = "twomode"
+    modes = ("emulated", "other")
+
+
+def test_an_installed_subclass_chooses_the_graph_backend_and_mode_vllm_cannot_pass(tower, adapter, monkeypatch):
+    """vLLM constructs the manager with (config, device, dtype, model) only: a subclass is how a deployment picks a
+    graph mode (e.g. torchair on Ascend). The mode reaches the backend and the stats; a mode it lacks is refused."""
+    from hwgraph import registry
+    from hwgraph.capability import Capability
+
+    spec = registry.BackendSpec("twomode", f"{__name__}:TwoModeBackend", ("cpu",), lambda p: Capability.available(),
+                                modes=TwoModeBackend.modes, priority=-5)
+    specs, problems = registry.discovered()
+    monkeypatch.setattr(registry, "discovered", lambda: ((*specs, spec), problems))
+
+    class Other(hv.SingleReplayEncoderCudaGraphManager):
+        mode = "other"
+
+        def __init__(self, vllm_config, device, dtype, model):
+            super().__init__(vllm_config, device, dtype, model, graph_backend="twomode", graph_mode=self.mode)
+
+    undo = hv.install_single_replay_manager(Other)
+    try:
+        m = upstream.EncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter)
+    finally:
+        undo()
+    assert type(m.backend) is TwoModeBackend and m.backend.mode == "other"
+    m.capture(graph_pool=None)
+    try:
+        kwargs = mm_kwargs(tower, [(1, 8, 8)], seed=5)
+        got = m.execute(kwargs)
+        stats = m.get_cumulative_stats()
+        assert (stats["graph_backend"], stats["graph_mode"], stats["replays"]) == ("twomode", "other", 1)
+        assert_matches_eager(adapter, got, eager_per_image(tower, kwargs))
+    finally:
+        m.clear()
+    default = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
+                                                     graph_backend="twomode")
+    assert default.get_cumulative_stats()["graph_mode"] == "emulated", "the backend's first mode by default"
+    Other.mode = "full"
+    with pytest.raises(ValueError, match=r"graph backend 'twomode' has modes \['emulated', 'other'\], got "
+                                         r"mode='full'"):
+        Other(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter)
 
 
 def test_install_also_rewires_vllms_v2_model_state_and_undo_restores_it(monkeypatch):
