@@ -628,6 +628,17 @@ def test_outputs_of_replays_and_eager_fallbacks_track_no_gradients(tower):
     m.close()
 
 
+def install_backend(monkeypatch, cls: type) -> None:
+    """Make ``cls`` (a backend class of this module) a discovered graph backend, chosen only by its name."""
+    from hwgraph import registry
+    from hwgraph.capability import Capability
+
+    spec = registry.BackendSpec(cls.name, f"{__name__}:{cls.__name__}", ("cpu",), lambda p: Capability.available(),
+                                modes=cls.modes, priority=-5)
+    specs, problems = registry.discovered()
+    monkeypatch.setattr(registry, "discovered", lambda: ((*specs, spec), problems))
+
+
 class TwoModeBackend(CpuGraphBackend):
     """The CPU reference backend with a second mode, to see which one the manager asks for."""
 
@@ -636,13 +647,7 @@ class TwoModeBackend(CpuGraphBackend):
 
 
 def test_graph_mode_reaches_the_backend_and_its_stats_and_a_mode_it_lacks_is_refused(monkeypatch, tower):
-    from hwgraph import registry
-    from hwgraph.capability import Capability
-
-    spec = registry.BackendSpec("twomode", f"{__name__}:TwoModeBackend", ("cpu",), lambda p: Capability.available(),
-                                modes=TwoModeBackend.modes, priority=-5)
-    specs, problems = registry.discovered()
-    monkeypatch.setattr(registry, "discovered", lambda: ((*specs, spec), problems))
+    install_backend(monkeypatch, TwoModeBackend)
 
     def manager(**kw):
         return EncoderGraphManager(tower, budgets=[16], max_images_per_graph=1, graph_backend="twomode",
@@ -655,3 +660,42 @@ def test_graph_mode_reaches_the_backend_and_its_stats_and_a_mode_it_lacks_is_ref
     with pytest.raises(ValueError, match=r"graph backend 'twomode' has modes \['emulated', 'other'\], got "
                                          r"mode='full'"):
         manager(graph_mode="full")
+
+
+class WorkspaceBackend(CpuGraphBackend):
+    """The CPU reference backend with what a CUDA capture stream's first use makes for the process (its cuBLAS
+    workspaces, 34 MiB on the H200): made by ``prepare`` or, failing that, by the first capture."""
+
+    name = "workspace"
+    kept_for_the_process = 34 << 20
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kept, self.prepared = 0, []
+
+    def prepare(self, fn):
+        if not self.kept:
+            self.prepared.append(fn())
+            self.kept = self.kept_for_the_process
+
+    def capture(self, fn, pool=None):
+        self.kept = self.kept_for_the_process
+        return super().capture(fn, pool)
+
+    def memory_in_use(self) -> int:
+        return super().memory_in_use() + self.kept
+
+
+def test_what_a_backend_keeps_for_the_process_is_not_counted_in_the_first_budgets_memory(monkeypatch, tower):
+    install_backend(monkeypatch, WorkspaceBackend)
+    first = EncoderGraphManager(tower, budgets=[16, 32], max_images_per_graph=2, graph_backend="workspace",
+                                attention="TORCH_SDPA")
+    first.capture()
+    assert len(first.backend.prepared) == 1, "prepared once, with an eager forward of the tower"
+    embeds, *deepstack = first.backend.prepared[0]
+    assert embeds.shape == (32, tower.out_hidden_size) and len(deepstack) == len(tower.deepstack_visual_indexes)
+    second = EncoderGraphManager(tower, budgets=[16, 32], max_images_per_graph=2, graph_backend="cpu",
+                                 attention="TORCH_SDPA")
+    second.capture()
+    got, want = first.stats()["capture_bytes_per_budget"], second.stats()["capture_bytes_per_budget"]
+    assert got == want and all(0 < n < WorkspaceBackend.kept_for_the_process for n in got.values()), (got, want)

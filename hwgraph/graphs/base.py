@@ -82,6 +82,12 @@ class GraphBackend(ABC):
         """Return cached free memory to the device (after graphs are released). No-op where there is no cache."""
         return None
 
+    def prepare(self, fn: Callable[[], Outputs]) -> None:
+        """Called before the memory a capture of ``fn`` costs is measured: make now what the runtime makes on a
+        capture's first use and keeps for the process (e.g. the math libraries' per-stream workspaces), so that it
+        is not counted as that capture's. No-op by default."""
+        return None
+
     def compile_support(self) -> Capability:
         """Whether ``EncoderGraphManager(compile=True)`` may compile forwards with ``torch.compile`` (inductor)
         before this backend captures them; the reasons say why not (the manager then captures uncompiled)."""

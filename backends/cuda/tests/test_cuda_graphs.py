@@ -322,6 +322,33 @@ def test_each_device_has_its_own_capture_stream_made_on_it_and_shared_by_its_bac
     assert [s.device for s in runtime.streams] == [torch.device("cuda", 0), torch.device("cuda", 1)]
 
 
+def test_prepare_runs_once_on_a_new_capture_stream_the_captures_then_share(runtime):
+    """cuBLAS gives a stream its workspaces on first use and keeps them for the process: ``prepare`` (which the
+    manager calls before measuring a budget's memory) runs the forward on the device's capture stream when that
+    stream is new, so those workspaces are not counted as the capture's; again after a failed capture replaced it."""
+    backend, ran_on = on(runtime)("cuda:0"), []
+
+    def forward():
+        ran_on.append(runtime.current)
+        if runtime.capturing and len(runtime.graphs) == 2:  # the second capture fails
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return torch.ones(2)
+
+    backend.prepare(forward)
+    first = runtime.streams[0]
+    assert ran_on == [first] and runtime.current is runtime.default
+    backend.prepare(forward)
+    on(runtime)("cuda:0").prepare(forward)  # another backend on the device: the stream is shared, and ready
+    assert ran_on == [first]
+    backend.capture(forward)
+    assert ran_on[1:] == [first] * (backend.warmup_runs + 1)  # its warm-up runs and the capture
+    with pytest.raises(CaptureError):
+        backend.capture(forward)
+    del ran_on[:]
+    backend.prepare(forward)
+    assert len(runtime.streams) == 2 and ran_on == [runtime.streams[1]]
+
+
 def test_memory_and_synchronisation_are_the_backends_devices(runtime):
     backend = on(runtime)("cuda:1")
     assert backend.memory_in_use() == 2000  # memory_reserved of cuda:1, not of the current device
