@@ -310,8 +310,8 @@ class EncoderGraphManager:
             return forward
 
         forwards = {slots: slot_forward(slots) for slots in sorted(self.slot_counts, reverse=True)}
-        # What the backend keeps for the process once a capture has run is made now, by an eager forward (compiling
-        # is timed below), so that it is not counted as this budget's memory.
+        # What the backend keeps for the process once a capture's streams have run is made now, by an eager forward
+        # (compiling is timed below), so that it is not counted as this budget's memory.
         eager_meta = static_meta.first_seqs(max(forwards))
         self.backend.prepare(lambda: tower.forward_with_metadata(pixels, eager_meta).tensors())
         self.backend.synchronize()

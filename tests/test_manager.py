@@ -663,8 +663,8 @@ def test_graph_mode_reaches_the_backend_and_its_stats_and_a_mode_it_lacks_is_ref
 
 
 class WorkspaceBackend(CpuGraphBackend):
-    """The CPU reference backend with what a CUDA capture stream's first use makes for the process (its cuBLAS
-    workspaces, 34 MiB on the H200): made by ``prepare`` or, failing that, by the first capture."""
+    """The CPU reference backend with what a CUDA stream's first use makes for the process (its cuBLAS workspaces,
+    34 MiB on the H200): made by ``prepare`` or, failing that, by the first capture."""
 
     name = "workspace"
     kept_for_the_process = 34 << 20
@@ -674,9 +674,8 @@ class WorkspaceBackend(CpuGraphBackend):
         self.kept, self.prepared = 0, []
 
     def prepare(self, fn):
-        if not self.kept:
-            self.prepared.append(fn())
-            self.kept = self.kept_for_the_process
+        self.prepared.append(fn())
+        self.kept = self.kept_for_the_process
 
     def capture(self, fn, pool=None):
         self.kept = self.kept_for_the_process
@@ -691,9 +690,9 @@ def test_what_a_backend_keeps_for_the_process_is_not_counted_in_the_first_budget
     first = EncoderGraphManager(tower, budgets=[16, 32], max_images_per_graph=2, graph_backend="workspace",
                                 attention="TORCH_SDPA")
     first.capture()
-    assert len(first.backend.prepared) == 1, "prepared once, with an eager forward of the tower"
-    embeds, *deepstack = first.backend.prepared[0]
-    assert embeds.shape == (32, tower.out_hidden_size) and len(deepstack) == len(tower.deepstack_visual_indexes)
+    prepared = first.backend.prepared  # before each budget, with an eager forward of its shapes
+    assert [embeds.shape for embeds, *_ in prepared] == [(32, tower.out_hidden_size), (16, tower.out_hidden_size)]
+    assert all(len(deepstack) == len(tower.deepstack_visual_indexes) for _, *deepstack in prepared)
     second = EncoderGraphManager(tower, budgets=[16, 32], max_images_per_graph=2, graph_backend="cpu",
                                  attention="TORCH_SDPA")
     second.capture()

@@ -83,9 +83,9 @@ class GraphBackend(ABC):
         return None
 
     def prepare(self, fn: Callable[[], Outputs]) -> None:
-        """Called before the memory a capture of ``fn`` costs is measured: make now what the runtime makes on a
-        capture's first use and keeps for the process (e.g. the math libraries' per-stream workspaces), so that it
-        is not counted as that capture's. No-op by default."""
+        """Called before the memory a capture of ``fn`` costs is measured: make now what the runtime makes on the
+        first use of a stream the capture runs on and keeps for the process (e.g. the math libraries' per-stream
+        workspaces), so that it is not counted as that capture's. No-op by default."""
         return None
 
     def compile_support(self) -> Capability:

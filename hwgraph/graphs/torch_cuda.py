@@ -175,11 +175,10 @@ class TorchCudaGraphBackend(GraphBackend):
         return streams[self.device]
 
     def prepare(self, fn) -> None:
-        """Run ``fn`` once on the device's capture stream if that stream is new: cuBLAS and cuBLASLt give it its
-        workspaces then (``_capture_streams``), which would otherwise count in the next capture's memory (34 MiB on
-        the H200). ``fn`` should call the math libraries as the capture will (an eager forward does)."""
-        if self.device in TorchCudaGraphBackend._capture_streams.get(self.runtime(), {}):
-            return
+        """Run ``fn`` once on the device's capture stream, as its capture will: cuBLAS gives each stream its
+        workspaces on first use and keeps them for the process (``_capture_streams``), 34 MiB on the H200. Made here,
+        they are not counted in the capture's memory: the capture stream's on its first use, and those of a side
+        stream ``fn`` forks the first time it does (the tower's DeepStack mergers run on one up to 512 rows)."""
         with self.runtime().device(self.device):
             self.warm_up(fn, self.capture_stream(), runs=1)
 

@@ -322,11 +322,12 @@ def test_each_device_has_its_own_capture_stream_made_on_it_and_shared_by_its_bac
     assert [s.device for s in runtime.streams] == [torch.device("cuda", 0), torch.device("cuda", 1)]
 
 
-def test_prepare_runs_once_on_a_new_capture_stream_the_captures_then_share(runtime):
+def test_prepare_runs_the_forward_once_on_the_capture_stream_its_captures_use(runtime):
     """cuBLAS gives a stream its workspaces on first use and keeps them for the process: ``prepare`` (which the
-    manager calls before measuring a budget's memory) runs the forward on the device's capture stream when that
-    stream is new, so those workspaces are not counted as the capture's; again after a failed capture replaced it."""
-    backend, ran_on = on(runtime)("cuda:0"), []
+    manager calls before measuring a budget's memory) runs the forward once on the device's capture stream, where
+    the capture will run it, so that what its streams' first use makes is not counted as the capture's; after a
+    failed capture replaced that stream, on the new one."""
+    backend, ran_on = on(runtime)("cuda:1"), []
 
     def forward():
         ran_on.append(runtime.current)
@@ -336,12 +337,10 @@ def test_prepare_runs_once_on_a_new_capture_stream_the_captures_then_share(runti
 
     backend.prepare(forward)
     first = runtime.streams[0]
-    assert ran_on == [first] and runtime.current is runtime.default
-    backend.prepare(forward)
-    on(runtime)("cuda:0").prepare(forward)  # another backend on the device: the stream is shared, and ready
-    assert ran_on == [first]
+    assert ran_on == [first] and first.device == torch.device("cuda", 1) and runtime.current is runtime.default
+    on(runtime)("cuda:1").prepare(forward)  # another backend on the device shares the stream
     backend.capture(forward)
-    assert ran_on[1:] == [first] * (backend.warmup_runs + 1)  # its warm-up runs and the capture
+    assert ran_on[1:] == [first] * (1 + backend.warmup_runs + 1)  # prepared, then the warm-up runs and the capture
     with pytest.raises(CaptureError):
         backend.capture(forward)
     del ran_on[:]
