@@ -129,6 +129,12 @@ class NpuGraphBackend(TorchCudaGraphBackend):
             return self.compile_torchair(fn)
         return super().capture(fn, pool)
 
+    def prepare(self, fn) -> None:
+        # torchair captures on streams of its own choosing, not on the shared capture stream: an eager run there would
+        # only give that stream workspaces which no torchair graph uses.
+        if self.mode != "torchair":
+            super().prepare(fn)
+
     def compile_torchair(self, fn) -> CompiledGraph:
         import torchair
 
