@@ -117,6 +117,36 @@ def test_the_first_manager_of_a_process_counts_only_its_graphs():
         assert abs(first[budget] - nbytes) <= 4 << 20, (first, second)
 
 
+def test_towers_made_and_dropped_leave_no_merge_stream_workspace_and_copy_after_a_cuda_forward():
+    """Every tower's DeepStack mergers share one stream per device: with a stream per tower, each tower made left
+    that stream's cuBLAS workspace behind (34 MiB on the H200), and a tower that had run on CUDA could not be copied."""
+    import copy
+    import gc
+
+    grid = [(1, 8, 8)]  # 64 rows: the mergers run on the side stream
+
+    def one_tower():
+        made = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=2, deepstack_visual_indexes=[0, 1]).to(
+            "cuda", torch.bfloat16).eval()
+        with torch.inference_mode():
+            made.forward(pixels(grid, 0), grid)
+        return made
+
+    copied = copy.deepcopy(one_tower())
+    assert copied.merge_stream(torch.device("cuda", torch.cuda.current_device()), 64) is not None
+    del copied
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    for _ in range(4):
+        one_tower()
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= base + (4 << 20), (base, torch.cuda.memory_reserved())
+
+
 def test_graph_memory_per_budget_counts_the_graphs_not_the_capture_check(tower):
     found = {}
     for verify in (False, True):  # the check runs eager forwards, whose blocks stay in the allocator's cache

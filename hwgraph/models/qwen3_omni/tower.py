@@ -26,6 +26,11 @@ from hwgraph.platform import KINDS, PlatformInfo, platform_for
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
+#: device -> the stream every tower's DeepStack mergers run on there (``merge_stream``). One per device for the
+#: process, not one per tower: cuBLAS gives a stream its workspaces on first use and keeps them for the process
+#: (34 MiB on the H200), so a stream per tower left that much behind each tower made, and a tower holding a stream
+#: could not be deep-copied.
+MERGE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def callable_spec(fn: VarlenAttention) -> KernelSpec:
@@ -72,7 +77,6 @@ class Qwen3OmniVisionTower(nn.Module):
         self._attention: tuple[KernelSpec, VarlenAttention] | None = None
         # DeepStack mergers on a second stream (CUDA and ROCm), overlapping the blocks after them; see merge_stream.
         self.overlap_deepstack = True
-        self._merge_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     @classmethod
     def from_preset(cls, name: str, attention: str | VarlenAttention | None = None,
@@ -260,13 +264,13 @@ class Qwen3OmniVisionTower(nn.Module):
         0.4-0.5% (session 6); with session 28's kernels, 1.7-1.8% at 1024 rows and 0.2% at 4096
         (``benchmarks/replay_toggle.py merger-overlap``). So mergers overlap up to ``OVERLAP_MAX_ROWS`` rows
         (padding rows counted); in line above that, on other devices, while torch.compile traces, and with
-        ``overlap_deepstack = False``."""
+        ``overlap_deepstack = False``. Every tower on a device uses the same stream (``MERGE_STREAMS``)."""
         if not self.overlap_deepstack or rows > OVERLAP_MAX_ROWS or device.type != "cuda" \
                 or torch.compiler.is_compiling():
             return None
-        stream = self._merge_streams.get(device)
+        stream = MERGE_STREAMS.get(device)
         if stream is None:
-            stream = self._merge_streams[device] = torch.cuda.Stream(device)
+            stream = MERGE_STREAMS[device] = torch.cuda.Stream(device)
         return stream
 
     @staticmethod
