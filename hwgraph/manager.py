@@ -310,8 +310,9 @@ class EncoderGraphManager:
             return forward
 
         forwards = {slots: slot_forward(slots) for slots in sorted(self.slot_counts, reverse=True)}
-        # What the backend keeps for the process once a capture's streams have run is made now, by an eager forward
-        # (compiling is timed below), so that it is not counted as this budget's memory.
+        # What the backend keeps for the process once the streams a capture runs on have been used (the compiled
+        # forward's first call below runs on the current one) is made now, by an eager forward (compiling is timed
+        # below), so that it is not counted as this budget's memory.
         eager_meta = static_meta.first_seqs(max(forwards))
         self.backend.prepare(lambda: tower.forward_with_metadata(pixels, eager_meta).tensors())
         self.backend.synchronize()
@@ -328,9 +329,8 @@ class EncoderGraphManager:
                 if compiled:
                     # The first call traces and compiles (or loads inductor's cached graphs). Made here, before
                     # capturing, it is the budget's compile time, less what a product chooser spent measuring
-                    # shapes it met first. After the baseline above, like a capture's own warm-up: what it
-                    # allocates for good counts as a plain capture's would, and the blocks it leaves cached are
-                    # emptied when capturing begins (torch.cuda.graph does).
+                    # shapes it met first. It runs on the current stream, which ``prepare`` has readied too, and
+                    # the blocks it leaves cached are emptied when capturing begins (torch.cuda.graph does).
                     measuring = measuring_seconds()
                     next(iter(forwards.values()))()
                     self.backend.synchronize()
@@ -340,7 +340,9 @@ class EncoderGraphManager:
             self.backend.synchronize()
             entry.graphs = dict(sorted(entry.graphs.items()))
             entry.capture_seconds = time.perf_counter() - start
-            # before verifying: the eager forwards that checks run leave blocks in the allocator's cache
+            # Emptied first: a backend's own check of the capture (ROCm's eager rerun, check_replay) leaves blocks in
+            # the allocator's cache, which are not the graphs'. Read before verifying, whose forwards do the same.
+            self.backend.empty_cache()
             entry.memory_bytes = self.backend.memory_in_use() - before
             if self.verify:
                 for graph in entry.graphs.values():

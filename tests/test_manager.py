@@ -698,3 +698,38 @@ def test_what_a_backend_keeps_for_the_process_is_not_counted_in_the_first_budget
     second.capture()
     got, want = first.stats()["capture_bytes_per_budget"], second.stats()["capture_bytes_per_budget"]
     assert got == want and all(0 < n < WorkspaceBackend.kept_for_the_process for n in got.values()), (got, want)
+
+
+class CheckingBackend(CpuGraphBackend):
+    """The CPU reference backend whose capture leaves blocks in an allocator's cache, as ROCm's check of each
+    capture (an eager rerun, ``check_replay_after_capture``) does on a GPU; ``empty_cache`` returns them."""
+
+    name = "checking"
+    left_cached = 24 << 20
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cached = 0
+
+    def capture(self, fn, pool=None):
+        captured = super().capture(fn, pool)
+        self.cached = self.left_cached
+        return captured
+
+    def empty_cache(self) -> None:
+        self.cached = 0
+
+    def memory_in_use(self) -> int:
+        return super().memory_in_use() + self.cached
+
+
+def test_blocks_a_capture_leaves_in_the_allocators_cache_are_not_counted_as_graph_memory(monkeypatch, tower):
+    install_backend(monkeypatch, CheckingBackend)
+    found = {}
+    for name in ("checking", "cpu"):
+        m = EncoderGraphManager(tower, budgets=[16, 32], max_images_per_graph=2, graph_backend=name,
+                                attention="TORCH_SDPA")
+        m.capture()
+        found[name] = m.stats()["capture_bytes_per_budget"]
+    assert found["checking"] == found["cpu"] and all(0 < n < CheckingBackend.left_cached
+                                                     for n in found["checking"].values()), found

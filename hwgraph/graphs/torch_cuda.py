@@ -175,12 +175,15 @@ class TorchCudaGraphBackend(GraphBackend):
         return streams[self.device]
 
     def prepare(self, fn) -> None:
-        """Run ``fn`` once on the device's capture stream, as its capture will: cuBLAS gives each stream its
-        workspaces on first use and keeps them for the process (``_capture_streams``), 34 MiB on the H200. Made here,
-        they are not counted in the capture's memory: the capture stream's on its first use, and those of a side
-        stream ``fn`` forks the first time it does (the tower's DeepStack mergers run on one up to 512 rows)."""
-        with self.runtime().device(self.device):
-            self.warm_up(fn, self.capture_stream(), runs=1)
+        """Run ``fn`` once on the device's capture stream, as its capture will, and once on the current stream, where
+        the manager's compiled forward first runs (and compiles): cuBLAS gives each stream its workspaces on first
+        use and keeps them for the process (``_capture_streams``), 34 MiB on the H200. Made here, they are not counted
+        in the capture's memory: those of these two streams, and of a side stream ``fn`` forks (the tower's DeepStack
+        mergers run on one up to 512 rows)."""
+        runtime = self.runtime()
+        with runtime.device(self.device):
+            for stream in (self.capture_stream(), runtime.current_stream()):
+                self.warm_up(fn, stream, runs=1)
 
     def capture(self, fn, pool=None) -> TorchCudaCapturedGraph:
         runtime = self.runtime()

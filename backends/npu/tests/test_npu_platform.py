@@ -409,10 +409,10 @@ def test_torchair_compiles_and_warms_up_on_the_backend_device_within_capture(npu
     assert [e for e in npu.events if "compile" in e] == ["compiled run"]  # one run, no compilation
 
 
-def test_prepare_runs_on_the_capture_stream_in_aclgraph_mode_and_not_at_all_in_torchair_mode(npu, monkeypatch):
+def test_prepare_runs_on_the_capture_and_current_streams_in_aclgraph_mode_and_not_in_torchair_mode(npu, monkeypatch):
     """The manager calls ``prepare`` before measuring a budget's memory. aclgraph captures on the shared capture
-    stream, which ``prepare`` makes ready with one eager run; torchair captures on streams of its own, where an eager
-    run on the capture stream would only make workspaces no graph uses."""
+    stream, which ``prepare`` makes ready with one eager run (and one on the current stream); torchair captures on
+    streams of its own, where an eager run on the capture stream would only make workspaces no graph uses."""
     fake_torchair(monkeypatch)
     ran_on = []
 
@@ -423,7 +423,7 @@ def test_prepare_runs_on_the_capture_stream_in_aclgraph_mode_and_not_at_all_in_t
     NpuGraphBackend(mode="torchair").prepare(forward)
     assert ran_on == [] and npu.streams == []
     NpuGraphBackend(mode="aclgraph").prepare(forward)
-    assert len(npu.streams) == 1 and ran_on == [npu.streams[0]]
+    assert len(npu.streams) == 1 and ran_on == [npu.streams[0], npu.default]
 
 
 def test_torchair_graphs_keep_their_outputs_when_torchair_reuses_its_output_memory(npu, monkeypatch):
