@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from hwgraph.capability import Capability, require_module
+from hwgraph.compile_mode import own_code_copy
 from hwgraph.graphs.base import CapturedGraph, CaptureError, Outputs
 from hwgraph.graphs.cpu import flat_tensors
 from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend
@@ -140,8 +141,11 @@ class NpuGraphBackend(TorchCudaGraphBackend):
 
         config = torchair.CompilerConfig()
         config.mode = TORCHAIR_MODE
-        compiled = torch.compile(fn, backend=torchair.get_npu_backend(compiler_config=config), fullgraph=True,
-                                 dynamic=False)
+        # A code object of its own: dynamo keeps compilations per code object, and a manager's captures (every
+        # budget and slot count, and other managers') share their forward's, so they would fill dynamo's recompile
+        # limit for the whole process and later captures would fail.
+        compiled = torch.compile(own_code_copy(fn), backend=torchair.get_npu_backend(compiler_config=config),
+                                 fullgraph=True, dynamic=False)
         try:
             with self.runtime().device(self.device), torch.inference_mode():
                 for _ in range(self.warmup_runs):  # the first run compiles and captures, the next replays

@@ -426,6 +426,26 @@ def test_prepare_runs_on_the_capture_and_current_streams_in_aclgraph_mode_and_no
     assert len(npu.streams) == 1 and ran_on == [npu.streams[0], npu.default]
 
 
+def test_torchair_captures_of_one_forward_code_do_not_fill_dynamos_recompile_limit(npu, monkeypatch):
+    """A manager's captures share one forward's code (every budget and slot count, and every other manager's), and
+    dynamo counts compilations per code object: compiled as is, the captures after its recompile limit failed for
+    the rest of the process. Each capture compiles a code object of its own."""
+    from hwgraph.compile_mode import compile_limits
+
+    fake_torchair(monkeypatch)
+    backend = NpuGraphBackend(mode="torchair")
+
+    def forward_for(x):
+        def forward():
+            return (x * 2 + 1,)
+        return forward
+
+    torch._dynamo.reset()
+    with compile_limits(1):  # a recompile limit of 8, and a failure when it is hit
+        graphs = [backend.capture(forward_for(torch.full((n,), float(n)))) for n in range(1, 13)]
+    assert [g.outputs[0].tolist() for g in graphs] == [[2.0 * n + 1] * n for n in range(1, 13)]
+
+
 def test_torchair_graphs_keep_their_outputs_when_torchair_reuses_its_output_memory(npu, monkeypatch):
     fake_torchair(monkeypatch, shared_outputs=True)
     backend = NpuGraphBackend(mode="torchair")
