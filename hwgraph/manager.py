@@ -77,12 +77,12 @@ class ManagerStats:
     padding_tokens: int = 0  # budget tokens replayed that held no image
     replays_per_budget: dict = field(default_factory=dict)
     replays_per_slots: dict = field(default_factory=dict)  # slot count of the graph replayed -> replays
-    capture_bytes_per_budget: dict = field(default_factory=dict)  # device memory the capture kept; the first
-    # captures on a device also hold what the shared capture stream keeps for the process (34 MiB on the H200, in
-    # the first 64-token budget: presumably cuBLAS's per-stream workspace)
+    capture_bytes_per_budget: dict = field(default_factory=dict)  # device memory the capture kept; not what the
+    # streams it ran on keep for the process (cuBLAS's per-stream workspaces: GraphBackend.prepare makes them first)
     capture_seconds_per_budget: dict = field(default_factory=dict)  # compiling and measuring products included
     compile_seconds_per_budget: dict = field(default_factory=dict)  # compiled captures: the first compiled forward,
-    # less the product chooser's measuring in it
+    # less the product chooser's measuring in it; a process's first compiled budget also pays dynamo's and
+    # inductor's one-time start-up there
     capture_failures: dict = field(default_factory=dict)  # budget -> reason
     compile_skipped: str | None = None  # compile=True on a backend without inductor: why it captured uncompiled
     compile_failures: dict = field(default_factory=dict)  # budget -> why its compiled capture fell back to plain
