@@ -176,6 +176,7 @@ class EncoderGraphManager:
         self.compile = compile
         self.measure_products = measure_products
         self._chooser = None  # measure_products=True: the backend's product chooser, once capture() found one
+        self._products_mark = None  # the chooser's mark() when this manager took it
         self.log_every = log_every
         self.graphs: dict[int, BudgetGraph] = {}
         self.pool = None
@@ -221,6 +222,8 @@ class EncoderGraphManager:
         compiled = self.compile and self._compile_supported()
         if self.measure_products and self._chooser is None:
             self._chooser = self._product_chooser()
+            # the chooser is the process's: this manager's stats describe what it did from here on
+            self._products_mark = self._chooser.mark() if self._chooser is not None else None
         for budget in sorted(self.budgets, reverse=True):
             if budget in self.graphs:
                 continue
@@ -235,7 +238,7 @@ class EncoderGraphManager:
                             self.backend.name, self.tower.attention_kernel, reason)
                 self.backend.synchronize()
         if self._chooser is not None:
-            self._stats.products = self._chooser.describe()
+            self._stats.products = self._chooser.describe(since=self._products_mark)
             log.info("matrix products on %s: %s", self.backend.name, self._stats.products)
         if self.calibrate_on_capture:
             self.calibrate()

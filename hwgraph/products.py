@@ -9,13 +9,13 @@ the chooser active when the compiled code runs, so compiled captures take the ch
 
 A chooser has ``linear(x, weight, bias)`` and ``linear_gelu_tanh(x, weight, bias)`` with ``F.linear``'s shapes, hands
 back ATen's result for any input it does not take, counts the ``seconds`` it has spent measuring, and
-``describe()``s what it chose.
+``describe()``s what it chose: in all, or since a ``mark()`` (a chooser is a process's, shared by its managers).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +30,12 @@ class ProductChooser(Protocol):
 
     def linear_gelu_tanh(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
-    def describe(self) -> str:
-        """What it chose so far, in a line (the manager's ``stats()['products']``)."""
+    def mark(self) -> Any:
+        """A snapshot of what it has done so far, opaque to callers, for ``describe(since=...)``."""
+
+    def describe(self, since: Any = None) -> str:
+        """What it chose, in a line (the manager's ``stats()['products']``): so far in the process, or with ``since``
+        (a ``mark()``) only what it measured or recalled after that mark, and the seconds it spent on it."""
 
 
 ACTIVE: ProductChooser | None = None

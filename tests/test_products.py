@@ -47,8 +47,11 @@ class RecordingChooser:
         self.measure(x, weight)
         return products.aten_linear_gelu_tanh(x, weight, bias)
 
-    def describe(self) -> str:
-        return f"recording chooser: {self.calls} products"
+    def mark(self) -> int:
+        return self.calls
+
+    def describe(self, since: int | None = None) -> str:
+        return f"recording chooser: {self.calls - (since or 0)} products"
 
 
 def test_without_a_chooser_the_products_are_atens():
@@ -142,6 +145,22 @@ def test_plain_captures_take_the_backends_chooser_and_eager_calls_stay_atens(rec
     assert recording_backend.calls == runs * per_forward
     assert m.stats()["eager_reasons"] == {"over budget": 1}
     m.close()
+
+
+def test_a_managers_products_report_what_the_shared_chooser_did_for_it_not_for_earlier_managers(recording_backend):
+    """The backend's chooser is the process's, shared by its managers: a second manager's ``stats()['products']``
+    once repeated the first's measuring as its own."""
+    tower = tiny_tower()
+    per_capture = 2 * products_per_forward(tower)  # one budget: the CPU backend's warm-up and capture
+    reports = []
+    for budgets in ([16], [8, 16]):
+        m = EncoderGraphManager(tower, budgets=budgets, max_images_per_graph=1, graph_backend="cpu",
+                                measure_products=True)
+        m.capture()
+        reports.append(m.stats()["products"])
+        m.close()
+    assert recording_backend.calls == 3 * per_capture
+    assert reports == [f"recording chooser: {per_capture} products", f"recording chooser: {2 * per_capture} products"]
 
 
 @pytest.mark.skipif(not INDUCTOR.ok, reason=INDUCTOR.describe())

@@ -18,7 +18,8 @@ call against the float64 product, and ranks the rest in the rounds of ``RANKING`
 best of two passes. It times the ``SHORTLIST`` fastest of the last round and ATen's call in interleaved replays of
 CUDA graphs, captured without a cuBLASLt workspace as the manager's are (``graphed_as_captured``). The fastest is
 kept for the process; ATen's call stays where nothing beats it by ``MARGIN``. cuBLASLt is called through ctypes on
-the ``libcublasLt`` that torch has loaded: nothing is built.
+the ``libcublasLt`` that torch has loaded: nothing is built. The descriptors of the ``DESCRIPTORS`` products last used
+are kept; older ones are destroyed.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import math
 import os
 import tempfile
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +45,7 @@ from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import environment_defaults
 from hwgraph.manager import relative_error
 from hwgraph.products import aten_linear_gelu_tanh
-from hwgraph.timing import graphed_calls, measure_interleaved, side_stream
+from hwgraph.timing import graphed_calls, measure_interleaved, ready_side_stream, side_stream
 from hwgraph_cuda.graphs import CudaGraphBackend
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,10 @@ CALLS = 20  # product calls per timed graph
 MARGIN = 0.01  # a candidate replaces ATen's call only if it is this much faster
 PHASES = ("configurations", "errors", "sweep", "screen", "timing")  # the parts of measuring a shape (``describe``)
 ALIGNMENT = 256  # bytes; the heuristic assumes this alignment of every pointer unless told otherwise
+DESCRIPTORS = 4096  # products whose cuBLASLt descriptors are kept (``MeasuredProducts.descriptor``): one per weight,
+# bias and row count, so the 27-block tower captured at 9 budgets (64 to 16384 tokens) uses 9 x 117 = 1053 of them
+# (patch embedding, 4 per block, 2 per merger): this keeps about four such towers', where unbounded every new tower
+# (or weights moved to new addresses) added its own for the process's life
 
 
 class Algo(ctypes.Structure):
@@ -116,7 +122,9 @@ def cublaslt() -> tuple[ctypes.CDLL | None, str]:
         "cublasLtCreate": [ctypes.POINTER(p)],
         "cublasLtMatmulDescCreate": [ctypes.POINTER(p), i, i],
         "cublasLtMatmulDescSetAttribute": [p, i, p, size],
+        "cublasLtMatmulDescDestroy": [p],
         "cublasLtMatrixLayoutCreate": [ctypes.POINTER(p), i, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+        "cublasLtMatrixLayoutDestroy": [p],
         "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(p)],
         "cublasLtMatmulPreferenceSetAttribute": [p, i, p, size],
         "cublasLtMatmulPreferenceDestroy": [p],
@@ -224,6 +232,17 @@ class LtProduct:
         check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, rows),
               "cublasLtMatrixLayoutCreate")
         return layout
+
+    def close(self) -> None:
+        """Destroy the descriptor and the layouts (cuBLASLt's host objects); nothing runs on this product after. A
+        second call does nothing. A status other than success is logged, not raised: it costs a leak, not a result."""
+        if self.desc is None:
+            return
+        statuses = [self.lib.cublasLtMatrixLayoutDestroy(layout) for layout in self.layouts]
+        statuses.append(self.lib.cublasLtMatmulDescDestroy(self.desc))
+        self.desc, self.layouts = None, []
+        if any(statuses):
+            log.warning("destroying a cuBLASLt product's descriptors returned cublasStatus_t %s", statuses)
 
     def candidates(self, count: int = CANDIDATES, workspace_bytes: int = 0) -> list[Heuristic]:
         """The heuristic's candidates, best estimate first, that need at most ``workspace_bytes``."""
@@ -347,6 +366,15 @@ class Choice:
                 "aten_us": self.aten_us, "chosen_us": self.chosen_us}
 
 
+@dataclass(frozen=True)
+class Mark:
+    """A ``MeasuredProducts``' totals at ``mark()``: ``describe(since=mark)`` reports what it did after."""
+
+    shapes: int  # choices made, in order
+    seconds: float
+    phases: dict[str, float]
+
+
 def cache_path() -> Path | None:
     """Where choices persist between processes: ``$HWGRAPH_CACHE_DIR`` (set empty: nowhere), else
     ``$XDG_CACHE_HOME/hwgraph``, else ``~/.cache/hwgraph``; the file is ``cublaslt-products.json``."""
@@ -425,7 +453,7 @@ class MeasuredProducts:
             setting = (f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}), "
                        f"cuBLASLt {lib.cublasLtGetVersion()}, torch {torch.__version__}")
         self.cache = ChoiceCache(path, setting)
-        self.descriptors: dict[tuple, LtProduct] = {}
+        self.descriptors: OrderedDict[tuple, LtProduct] = OrderedDict()  # least recently used first
         self.choices: dict[tuple, Choice] = {}
         self.seconds = 0.0
         self.phases = dict.fromkeys(PHASES, 0.0)  # seconds of measuring, per phase (``measure``)
@@ -470,10 +498,19 @@ class MeasuredProducts:
         return aten_linear_gelu_tanh(x, weight, bias) if gelu else F.linear(x, weight, bias)
 
     def descriptor(self, weight, bias, rows: int, gelu: bool) -> LtProduct:
+        """The product's descriptors, made at its first call and kept while it is among the ``DESCRIPTORS`` last
+        used; the least recently used beyond those is destroyed (``LtProduct.close``). Each caller uses what this
+        returns at once, before another lookup could evict it. (ATen destroys its own cuBLASLt descriptors as each
+        call returns, captured calls included.)"""
         key = (weight.data_ptr(), bias.data_ptr(), tuple(weight.shape), weight.dtype, rows, gelu)
-        if key not in self.descriptors:
-            self.descriptors[key] = LtProduct(self.lib, self.handle, weight, bias, rows, gelu)
-        return self.descriptors[key]
+        product = self.descriptors.get(key)
+        if product is not None:
+            self.descriptors.move_to_end(key)
+            return product
+        product = self.descriptors[key] = LtProduct(self.lib, self.handle, weight, bias, rows, gelu)
+        while len(self.descriptors) > DESCRIPTORS:
+            self.descriptors.popitem(last=False)[1].close()
+        return product
 
     @staticmethod
     def label(x, weight, gelu: bool) -> str:
@@ -630,20 +667,45 @@ class MeasuredProducts:
             pending, host_us = late, 2 * host_us
         return host_us
 
-    def describe(self) -> str:
-        other = [c for c in self.choices.values() if c.algo is not None]
-        recalled = sum(c.recalled for c in self.choices.values())
+    def mark(self) -> Mark:
+        """What the chooser has done so far, for ``describe(since=...)``."""
+        return Mark(len(self.choices), self.seconds, dict(self.phases))
+
+    def describe(self, since: Mark | None = None) -> str:
+        """What it chose, in a line: the shapes it measured or recalled and the seconds that took, in this process
+        so far, or since ``since`` (a ``mark()``), then how many shapes the process has in all. The chooser is the
+        process's: a manager that describes its capture without a mark taken when it began reports an earlier
+        manager's shapes and seconds as its own."""
+        start = since or Mark(0, 0.0, dict.fromkeys(self.phases, 0.0))
+        choices = list(itertools.islice(self.choices.values(), start.shapes, None))  # only ever added, in order
+        other = [c for c in choices if c.algo is not None]
+        recalled = sum(c.recalled for c in choices)
         saved = sum(c.aten_us - c.chosen_us for c in other)
-        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
-        return (f"measured cuBLASLt algorithms: {len(self.choices)} shapes in {self.seconds:.1f} s ({recalled} from "
-                f"the cache {self.cache.path}; measuring: {phases}); {len(other)} run another configuration than "
-                f"ATen's, {saved:.1f} µs faster per call of each together")
+        phases = ", ".join(f"{name} {seconds - start.phases.get(name, 0.0):.1f} s"
+                           for name, seconds in self.phases.items())
+        described = (f"measured cuBLASLt algorithms: {len(choices)} shapes in {self.seconds - start.seconds:.1f} s "
+                     f"({recalled} from the cache {self.cache.path}; measuring: {phases}); {len(other)} run another "
+                     f"configuration than ATen's, {saved:.1f} µs faster per call of each together")
+        return described if since is None else f"{described}; {len(self.choices)} shapes in this process in all"
+
+    def aten_calls(self) -> None:
+        """ATen's calls that measuring times on ``side_stream`` (``graphed_as_captured``), once each on small bf16
+        operands on the chooser's device: ``F.linear`` and, with the GELU epilogue, ``torch._addmm_activation``."""
+        a = torch.ones(16, 16, device=self.device, dtype=torch.bfloat16)
+        for gelu in (False, True):
+            self.aten(a, a, a[0], gelu)
 
 
 @functools.cache
 def measured_products(index: int) -> MeasuredProducts:
-    """The process's chooser for GPU ``index``: each shape is measured once, whichever manager captures it first."""
+    """The process's chooser for GPU ``index``: each shape is measured once, whichever manager captures it first.
+    It is handed out with ``side_stream(index)`` readied by ATen's calls that measuring times there
+    (``ready_side_stream``): a manager asks for its chooser before it reads any budget's memory baseline
+    (``EncoderGraphManager.capture``), so that stream's cuBLAS workspaces, kept for the process, count in no
+    budget's graph memory."""
     lib, reason = cublaslt()
     if lib is None:
         raise RuntimeError(f"measured products are unavailable: {reason}")
-    return MeasuredProducts(lib, torch.device("cuda", index), cache_path())
+    chooser = MeasuredProducts(lib, torch.device("cuda", index), cache_path())
+    ready_side_stream(index, chooser.aten_calls)
+    return chooser
