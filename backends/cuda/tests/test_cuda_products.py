@@ -872,6 +872,19 @@ def test_measuring_ranks_in_rounds_each_on_the_previous_rounds_fastest(chooser, 
     assert choice.algo is None or bytes(choice.algo) in {rounds[-1]["algos"][i] for i in shortlist}
 
 
+def warmed_and_captured(warm, body):
+    """``warm()`` run on a side stream, then ``body()`` captured there, as ``torch.cuda.graph`` asks: the graph and
+    what ``body`` returned."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        warm()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph, stream=side):
+        out = body()
+    return graph, out
+
+
 @pytest.mark.cuda
 @needs_gpu
 def test_a_chosen_product_replays_on_new_inputs_and_an_unseen_shape_is_not_measured_while_capturing(chooser):
@@ -880,14 +893,9 @@ def test_a_chosen_product_replays_on_new_inputs_and_an_unseen_shape_is_not_measu
     chooser.linear(static, w, b)  # measured here, outside the capture
     (choice,) = chooser.choices.values()
     unseen_x, unseen_w, unseen_b = operands(512, 1152, 1152, seed=1)
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chooser.linear(static, w, b)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph, stream=side):
-        out = chooser.linear(static, w, b)
-        unseen = chooser.linear(unseen_x, unseen_w, unseen_b)
+    graph, (out, unseen) = warmed_and_captured(
+        lambda: chooser.linear(static, w, b),
+        lambda: (chooser.linear(static, w, b), chooser.linear(unseen_x, unseen_w, unseen_b)))
     assert len(chooser.choices) == 1  # the shape first met while capturing ran ATen's call, unmeasured
     for seed in (2, 3):
         static.copy_(operands(1024, 4304, 1152, seed)[0])
@@ -1116,13 +1124,8 @@ def test_a_graph_replays_right_after_its_products_descriptors_were_evicted_and_d
     algo = descriptor.candidates()[0].algo  # chosen without measuring: the graph runs cuBLASLt, not ATen's call
     chooser.choices[(rows, k, n, torch.bfloat16, True)] = lt.Choice(algo, lt.describe_algo(chooser.lib, algo), 1, 1)
     static = x.clone()
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chooser.linear_gelu_tanh(static, w, b)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph, stream=side):
-        out = chooser.linear_gelu_tanh(static, w, b)
+    graph, out = warmed_and_captured(lambda: chooser.linear_gelu_tanh(static, w, b),
+                                     lambda: chooser.linear_gelu_tanh(static, w, b))
     other_w, other_b = operands(rows, k, n, seed=1)[1:]
     chooser.linear_gelu_tanh(static, other_w, other_b)  # the same shape, other operands: their descriptors evict
     torch.cuda.synchronize()
