@@ -269,7 +269,9 @@ class EncoderGraphManager:
     def _capture_budget_compiled(self, budget: int) -> BudgetGraph:
         """A compiled capture; if compiling or capturing it fails, the plain capture of that budget, logged."""
         try:
-            return self._capture_budget(budget, compiled=True)
+            entry = self._capture_budget(budget, compiled=True)
+            self._stats.compile_failures.pop(budget, None)  # an earlier capture() may have failed it
+            return entry
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
             self._stats.compile_failures[budget] = reason

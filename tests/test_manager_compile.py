@@ -186,6 +186,29 @@ def test_a_failed_compiled_capture_falls_back_to_a_plain_capture_not_to_eager(mo
     assert m.stats()["eager_groups"] == 0
 
 
+@needs_inductor
+def test_failures_are_those_of_the_last_capture_compiled_ones_included(monkeypatch):
+    """A budget whose compiled and plain captures both failed stays eager; a later capture() that compiles and
+    captures it clears both reasons, as it clears a plain capture's."""
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[0]).eval()
+    m = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=1, graph_backend="cpu", compile=True)
+    real = m.backend.capture
+
+    def broken(fn, pool=None):
+        raise RuntimeError("the device said no")
+
+    monkeypatch.setattr(m.backend, "capture", broken)
+    m.capture()
+    s = m.stats()
+    assert m.graphs == {} and set(s["capture_failures"]) == set(s["compile_failures"]) == {16}
+    monkeypatch.setattr(m.backend, "capture", real)
+    m.capture()
+    s = m.stats()
+    assert sorted(m.graphs) == [16] and s["capture_failures"] == {} and s["compile_failures"] == {}
+    assert set(s["compile_seconds_per_budget"]) == {16}
+    m.close()
+
+
 def test_inductor_support_names_what_is_missing(monkeypatch):
     import shutil
 
