@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -185,6 +186,12 @@ class EncoderGraphManager:
         self._padded: dict = {}  # (grid, budget) -> padded host metadata, least recently used first
         self._block_forward = None  # compile=True: the compiled block forward, shared by every budget
         self._closed = False
+        # The graphs share their static buffers' pool: one encode() at a time fills, replays and copies out (threads),
+        # and each waits on the device for the last one's copy out (streams: see _replay).
+        self._lock = threading.Lock()
+        runtime = getattr(torch, self.device.type, None) if self.device.type != "cpu" else None
+        self._runtime = runtime if hasattr(runtime, "Event") and hasattr(runtime, "current_stream") else None
+        self._buffers_read = None  # recorded after the last replay's copy out, on its stream
 
     # ---------------------------------------------------------------- capture
     @property
@@ -386,22 +393,25 @@ class EncoderGraphManager:
         """Encode one step's images; returns one ``VisionOutput`` per image, in the caller's order.
 
         ``pixel_values``: ``[patches, patch_row_width]`` rows of every image in order; ``grid_thw``: ``(t, h, w)``
-        patch grids (host list or int tensor on the host).
+        patch grids (host list or int tensor on the host). Work queues on the caller's current stream. Calls from
+        several threads run one at a time, and a replay on one stream waits on the device for the previous replay's
+        copy out on another: the graphs' static buffers are the manager's.
         """
-        self._check_tower("encode()")
-        host = self.tower.prepare_metadata(grid_thw)
-        grid = host.grid_thw  # normalised: a tuple of (t, h, w) int triples
-        self.tower.check_pixels(pixel_values, host)
-        tokens = int(host.num_tokens)
-        entry, why = self.select_graph(grid, tokens)
-        self._calls += 1
-        if entry is None:
-            outputs = self._eager(pixel_values, host, why, len(grid))
-        else:
-            outputs = self._replay(entry, pixel_values, host, tokens, len(grid))
-        if self.log_every and self._calls % self.log_every == 0:
-            log.info("encoder graph stats after %d calls: %s", self._calls, self.stats())
-        return outputs
+        with self._lock:
+            self._check_tower("encode()")
+            host = self.tower.prepare_metadata(grid_thw)
+            grid = host.grid_thw  # normalised: a tuple of (t, h, w) int triples
+            self.tower.check_pixels(pixel_values, host)
+            tokens = int(host.num_tokens)
+            entry, why = self.select_graph(grid, tokens)
+            self._calls += 1
+            if entry is None:
+                outputs = self._eager(pixel_values, host, why, len(grid))
+            else:
+                outputs = self._replay(entry, pixel_values, host, tokens, len(grid))
+            if self.log_every and self._calls % self.log_every == 0:
+                log.info("encoder graph stats after %d calls: %s", self._calls, self.stats())
+            return outputs
 
     def _eager(self, pixel_values, host, why: str, count: int) -> list:
         self._stats.misses += count
@@ -413,10 +423,19 @@ class EncoderGraphManager:
 
     def _replay(self, entry: BudgetGraph, pixel_values, host, tokens: int, count: int) -> list:
         slots, graph = entry.graph_for(host.num_seqs)
+        stream = self._runtime.current_stream(self.device) if self._runtime is not None else None
+        if stream is not None and self._buffers_read is not None:
+            # The last replay may have queued on another stream: its fill, replay and copy out come first (and the
+            # metadata _fill skips as already there is then there).
+            stream.wait_event(self._buffers_read)
         self._fill(entry, pixel_values, host)
         graph.replay()
         # One copy out of the graph's buffer: the next replay overwrites it, and rows past `tokens` are padding.
         group = graph.outputs[:, :tokens].clone()
+        if stream is not None:
+            if self._buffers_read is None:
+                self._buffers_read = self._runtime.Event()
+            self._buffers_read.record(stream)
         self._stats.hits += count
         self._stats.replays += 1
         self._stats.padding_tokens += entry.budget - tokens
@@ -438,6 +457,8 @@ class EncoderGraphManager:
         the copy is skipped, and padded host metadata is kept per (grid, budget) for grids seen recently, so a
         repeated image size costs no host work beyond the pixel copy."""
         patches = pixel_values.shape[0]
+        if pixel_values.device.type == "cpu" and self.device.type != "cpu":
+            pixel_values = pinned_copy(pixel_values)  # from pageable memory the copy would wait for the stream to drain
         entry.pixels[:patches].copy_(pixel_values, non_blocking=True)
         grid = host.grid_thw
         if entry.filled_grid == grid:

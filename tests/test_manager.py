@@ -733,3 +733,38 @@ def test_blocks_a_capture_leaves_in_the_allocators_cache_are_not_counted_as_grap
         found[name] = m.stats()["capture_bytes_per_budget"]
     assert found["checking"] == found["cpu"] and all(0 < n < CheckingBackend.left_cached
                                                      for n in found["checking"].values()), found
+
+
+def test_encode_from_two_threads_gives_each_its_own_images_outputs(tower, monkeypatch):
+    """The graphs' static buffers are the manager's: two threads encoding at once once got each other's outputs (a
+    fill, the other thread's fill, then the first thread's replay). Filling is slowed here so that, without the
+    manager's lock, the threads interleave there every time."""
+    import threading
+    import time
+
+    m = make_manager(tower, budgets=[16], max_images=1)
+    m.capture()
+    fill = m._fill
+
+    def slow_fill(*args):
+        fill(*args)
+        time.sleep(0.002)
+
+    monkeypatch.setattr(m, "_fill", slow_fill)
+    grid = [(1, 8, 8)]
+    inputs = [pixels_for(tower, grid, seed) for seed in (1, 2)]
+    wants = [eager_per_image(tower, p, grid)[0].embeds for p in inputs]
+    wrong = []
+
+    def run(i):
+        for _ in range(20):
+            got = m.encode(inputs[i], grid)[0].embeds
+            if not torch.allclose(got, wants[i], rtol=1e-4, atol=1e-5):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == [] and m.stats()["replays"] == 40

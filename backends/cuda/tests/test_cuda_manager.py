@@ -214,6 +214,48 @@ def test_encode_on_a_callers_stream_waits_for_its_inputs_there(tower):
         assert (m.stats()["hits"], m.stats()["misses"]) == (1, 1)
 
 
+def test_a_replay_on_another_stream_waits_for_the_last_replay_to_read_the_shared_buffers(tower):
+    """Two callers' streams: the first replay's fill, metadata included, is queued behind 100 ms of work; the second
+    one, of the same grid, skips the metadata as already there (the host filled it) and once replayed at once on
+    its own stream, reading the capture's metadata. It now waits for the first replay's copy out."""
+    grid = [(1, 14, 14)]  # the capture filled the buffers for a (1, 16, 16) grid
+    with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, attention="auto") as m:
+        m.capture()
+        first, second = pixels(grid, 60), pixels(grid, 61)
+        slow, quick = torch.cuda.Stream(), torch.cuda.Stream()
+        for stream in (slow, quick):
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(slow):
+            torch.cuda._sleep(200_000_000)  # about 100 ms on the H200
+            got_first = m.encode(first, grid)
+        with torch.cuda.stream(quick):
+            got_second = m.encode(second, grid)
+        torch.cuda.synchronize()
+        check(tower, got_first, first, grid)
+        check(tower, got_second, second, grid)
+        assert m.stats()["replays"] == 2
+
+
+def test_a_replay_of_pageable_host_pixels_does_not_wait_for_the_stream_to_drain(tower):
+    """A copy from pageable host memory returns only once the stream has run it: the replay path stages the pixels
+    in pinned memory first, as the eager path does, so encode() returns while earlier work is still running."""
+    grid = [(1, 14, 14)]
+    host_pixels = pixels(grid, 70).cpu()
+    assert not host_pixels.is_pinned()
+    with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, attention="auto") as m:
+        m.capture()
+        m.encode(host_pixels, grid)  # warm the pinned host allocator
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # about 200 ms on the H200
+        slept = torch.cuda.Event()
+        slept.record()
+        got = m.encode(host_pixels, grid)
+        assert not slept.query(), "encode() waited for the work queued before it"
+        torch.cuda.synchronize()
+        check(tower, got, host_pixels.cuda(), grid)
+        assert m.stats()["replays"] == 2
+
+
 def test_thousand_replays_do_not_grow_memory_and_close_frees_it(tower, monkeypatch):
     cleared = []
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(True))
