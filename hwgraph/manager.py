@@ -217,7 +217,12 @@ class EncoderGraphManager:
                 f"this manager and build a new one on the tower as it is now")
 
     def capture(self) -> dict[int, BudgetGraph]:
-        """Capture every budget, largest first, into one shared pool; failures leave that budget eager."""
+        """Capture every budget, largest first, into one shared pool; failures leave that budget eager.
+
+        Like ``torch.cuda.graph`` (whose default capture mode is global), ``capture()`` must not overlap device work
+        of other threads in the process: the capture stream and the DeepStack mergers' side stream are the process's
+        (one per device), and with ``measure_products`` the product chooser is active for the whole process while it
+        runs (``products.chosen_by``). ``encode()`` may be called from any thread once it has returned."""
         self._check_tower("capture()")
         refusal = self.capture_refusal()
         if refusal:
