@@ -90,15 +90,19 @@ def filling_grid(tokens: int, merge: int) -> tuple[int, int, int]:
     return (1, a * merge, (tokens // a) * merge)
 
 
-def single_replay_budget(budgets, images: int, tokens: int, max_images: int, video: bool) -> tuple[int | None, str]:
+def single_replay_budget(budgets, images: int, tokens: int, max_images: int, video: bool,
+                         failed=()) -> tuple[int | None, str]:
     """The single-replay rule for one group of images: the smallest captured budget holding all ``tokens`` when
     there are at most ``max_images`` images and no video, with reason ``"replay"``; otherwise ``None`` (one eager
-    call for the group) and why: ``"video"``, ``"too many images"``, ``"no graphs"`` or ``"over budget"``."""
+    call for the group) and why: ``"video"``, ``"too many images"``, ``"capture failed"`` (a budget in ``failed``,
+    whose capture failed, would hold it), ``"no graphs"`` or ``"over budget"``."""
     if video:
         return None, "video"
     if images > max_images:
         return None, "too many images"
-    if not budgets:
-        return None, "no graphs"
     fitting = [b for b in budgets if b >= tokens]
-    return (min(fitting), "replay") if fitting else (None, "over budget")
+    if fitting:
+        return min(fitting), "replay"
+    if any(b >= tokens for b in failed):
+        return None, "capture failed"
+    return None, ("over budget" if budgets else "no graphs")

@@ -391,7 +391,8 @@ class EncoderGraphManager:
     def select_graph(self, grid: tuple[tuple[int, int, int], ...], tokens: int) -> tuple[BudgetGraph | None, str]:
         """The smallest captured graph holding every image, or None and why the group goes eager."""
         budget, why = budget_rules.single_replay_budget(self.graphs, len(grid), tokens, self.max_images,
-                                                        video=any(t != 1 for t, _, _ in grid))
+                                                        video=any(t != 1 for t, _, _ in grid),
+                                                        failed=self._stats.capture_failures)
         return (None if budget is None else self.graphs[budget]), why
 
     def encode(self, pixel_values: torch.Tensor, grid_thw) -> list:

@@ -266,7 +266,7 @@ def test_a_capture_that_replays_wrongly_is_refused_not_used(tower, monkeypatch):
     grid = [(1, 4, 4)]
     pixels = pixels_for(tower, grid, 60)
     assert_outputs_equal(m.encode(pixels, grid), eager_per_image(tower, pixels, grid))
-    assert m.stats()["eager_reasons"] == {"no graphs": 1}
+    assert m.stats()["eager_reasons"] == {"capture failed": 1}
 
 
 @pytest.mark.parametrize("timings, kept", [
@@ -441,6 +441,36 @@ def test_single_replay_budget_is_the_smallest_that_holds_the_group_or_says_why_n
     assert budget_rules.single_replay_budget(budgets, images, tokens, 4, video) == expected
 
 
+@pytest.mark.parametrize("budgets, failed, tokens, expected", [
+    ({64: "g"}, {128: "boom"}, 100, (None, "capture failed")),  # 128 would hold it, had it been captured
+    ({}, {64: "boom", 128: "boom"}, 20, (None, "capture failed")),
+    ({64: "g"}, {128: "boom"}, 129, (None, "over budget")),  # nothing configured holds it
+    ({}, {64: "boom"}, 65, (None, "no graphs")),
+    ({64: "g", 128: "g"}, {256: "boom"}, 100, (128, "replay")),
+])
+def test_a_group_that_a_failed_budget_would_hold_goes_eager_as_a_capture_failure(budgets, failed, tokens, expected):
+    """Not "over budget" when the budget that fits it is configured and failed (the bench's rows said so)."""
+    assert budget_rules.single_replay_budget(budgets, 1, tokens, 4, False, failed=failed) == expected
+
+
+def test_the_manager_reports_a_group_a_failed_budget_would_hold_as_a_capture_failure(tower, monkeypatch):
+    m = make_manager(tower, budgets=[16, 32], max_images=1)
+    real, calls = m.backend.capture, []
+
+    def capture(fn, pool=None):
+        calls.append(fn)
+        if len(calls) == 1:  # budget 32, captured first
+            raise RuntimeError("no room")
+        return real(fn, pool)
+
+    monkeypatch.setattr(m.backend, "capture", capture)
+    m.capture()
+    assert sorted(m.graphs) == [16] and set(m.stats()["capture_failures"]) == {32}
+    encode_and_check(m, tower, [(1, 8, 12)], 3)  # 24 tokens: budget 32's
+    encode_and_check(m, tower, [(1, 8, 20)], 4)  # 40 tokens: over every budget
+    assert m.stats()["eager_reasons"] == {"capture failed": 1, "over budget": 1}
+
+
 def test_pixels_that_are_not_a_floating_point_tensor_raise_value_errors(tower, manager):
     grid = [(1, 4, 4)]
     pixels = pixels_for(tower, grid, 80)
@@ -536,7 +566,7 @@ def test_a_kernel_that_is_not_graph_safe_is_never_captured_and_says_why(caplog, 
     assert m.stats()["capture_failures"] == {b: why for b in BUDGETS}
     assert any(why in r.getMessage() for r in caplog.records)
     encode_and_check(m, own, [(1, 4, 4)], 2)
-    assert m.stats()["eager_reasons"] == {"no graphs": 1} and m.stats()["replays"] == 0
+    assert m.stats()["eager_reasons"] == {"capture failed": 1} and m.stats()["replays"] == 0
 
 
 def test_a_grid_that_moves_to_a_newly_captured_budget_replays_there_and_equals_eager(tower, monkeypatch):

@@ -175,9 +175,7 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
         tokens = sum(spec.output_tokens for spec in item_specs)
         budget, reason = single_replay_budget(
             self.captured_budgets(), len(item_specs), tokens, self.max_batch_size,
-            video=modality != "image" or bool(frames and max(frames) > 1))
-        if reason in ("over budget", "no graphs") and any(b >= tokens for b in self.capture_failures):
-            reason = "capture failed"  # a configured budget would hold the group, but it was not captured
+            video=modality != "image" or bool(frames and max(frames) > 1), failed=self.capture_failures)
         return ReplayDecision(budget, reason)
 
     def _run_budget_graph(self, mm_kwargs: dict[str, Any], token_budget: int, path: str = "default",
