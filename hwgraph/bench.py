@@ -236,7 +236,7 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
             calls = {}
             if reference is not None:
                 calls["transformers"] = reference[group.label]
-            entries = {}
+            entries, plain_entries = {}, {}
             for kernel in kernels:
                 entries[kernel] = managers[kernel].select_graph(grid, group.total)
                 calls[f"{kernel} eager"] = lambda v=views[kernel], p=pixels, g=grid: eager_call(v, p, g)
@@ -244,7 +244,11 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
                 if entries[kernel][0] is not None or calibrate:
                     calls[f"{kernel} replay"] = lambda m=managers[kernel], p=pixels, g=grid: m.encode(p, g)
                     if kernel in plains:
-                        calls[f"{kernel} plain_replay"] = lambda m=plains[kernel], p=pixels, g=grid: m.encode(p, g)
+                        # only a plain replay: where the plain manager's capture failed, its encode() is eager
+                        plain_entries[kernel] = plains[kernel].select_graph(grid, group.total)
+                        if plain_entries[kernel][0] is not None:
+                            plain = plains[kernel]
+                            calls[f"{kernel} plain_replay"] = lambda m=plain, p=pixels, g=grid: m.encode(p, g)
             timed = measure_interleaved(calls, cfg.device, cfg.warmup, cfg.samples)
             for kernel in kernels:
                 row = {name: timed[f"{kernel} {name}"].as_dict() if f"{kernel} {name}" in timed else None
@@ -257,6 +261,8 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
                 entry, why = entries[kernel]
                 row["budget"] = entry.budget if entry is not None else None
                 row["replay_note"] = "replay" if entry is not None else f"eager: {why}"
+                if kernel in plain_entries and plain_entries[kernel][0] is None:
+                    row["plain_note"] = f"not timed: plain capture eager ({plain_entries[kernel][1]})"
                 rows[kernel][group.label] = row
                 progress.advance(note=f"{kernel} {group.label}")
         results = []
@@ -269,6 +275,8 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
                             "graph_memory_bytes": dict(sorted(stats["capture_bytes_per_budget"].items())),
                             "plain_capture_seconds": dict(sorted(
                                 plains[kernel].stats()["capture_seconds_per_budget"].items()))
+                            if kernel in plains else None,
+                            "plain_capture_failures": dict(plains[kernel].stats()["capture_failures"])
                             if kernel in plains else None})
         return results
     finally:
@@ -304,7 +312,7 @@ def flatten_rows(groups, per_kernel: list[dict]) -> list[dict]:
             rows.append({
                 "group": group.label, "images": group.count, "tokens": group.total, "kernel": result["kernel"],
                 "transformers": tf, "eager": r["eager"], "replay": r["replay"], "budget": r["budget"],
-                "plain_replay": r.get("plain_replay"),
+                "plain_replay": r.get("plain_replay"), "plain_note": r.get("plain_note"),
                 "replay_note": r["replay_note"],
                 "speedup": {"eager_vs_transformers": ratio(tf, r["eager"]),
                             "replay_vs_transformers": ratio(tf, r["replay"]),
@@ -351,7 +359,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         "kernels": kernel_table, "rows": flatten_rows(groups, per_kernel),
         "interleaved": True,
         "per_kernel": {r["kernel"]: {k: r[k] for k in ("budgets", "graph_memory_bytes", "plain_capture_seconds",
-                                                       "stats")}
+                                                       "plain_capture_failures", "stats")}
                        for r in per_kernel},
         "calibration": None,
     }

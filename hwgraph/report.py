@@ -35,7 +35,7 @@ def latency_table(result: dict) -> str:
         replay = f"{replay} (budget {r['budget']})" if replay else r["replay_note"]
         s = r["speedup"]
         rows.append([r["group"], r["tokens"], r["kernel"], ms(r["transformers"]), ms(r["eager"]),
-                     *([ms(r.get("plain_replay"))] if plain else []), replay,
+                     *([ms(r.get("plain_replay")) or r.get("plain_note")] if plain else []), replay,
                      x(s["eager_vs_transformers"]), x(s["replay_vs_transformers"]), x(s["replay_vs_eager"]),
                      *([x(s.get("replay_vs_plain_replay"))] if plain else [])])
     kind, short = replay_kind(result)
@@ -94,18 +94,19 @@ def startup_table(result: dict) -> str:
                                     ("measuring products", result.get("measure_products"))) if on]
     main = f"{', '.join(before)} and capturing" if before else "capturing"
 
-    def row(kernel: str, what: str, seconds: dict | None) -> list | None:
-        if not seconds:
+    def row(kernel: str, what: str, seconds: dict | None, failures: dict | None = None) -> list | None:
+        failed = {int(b) for b in failures or {}}
+        if not seconds and not failed:
             return None
-        by_budget = {int(b): v for b, v in seconds.items()}
-        return [kernel, what, *(None if b not in by_budget else f"{by_budget[b]:.1f}" for b in budgets),
-                f"{sum(by_budget.values()):.1f}"]
+        by_budget = {int(b): v for b, v in (seconds or {}).items()}
+        return [kernel, what, *("failed" if b in failed else None if b not in by_budget else f"{by_budget[b]:.1f}"
+                                for b in budgets), f"{sum(by_budget.values()):.1f}"]
 
     rows = []
     for kernel, data in result["per_kernel"].items():
         rows += [row(kernel, "compiling", data["stats"].get("compile_seconds_per_budget")),
                  row(kernel, main, data["stats"]["capture_seconds_per_budget"]),
-                 row(kernel, "plain capture", data.get("plain_capture_seconds"))]
+                 row(kernel, "plain capture", data.get("plain_capture_seconds"), data.get("plain_capture_failures"))]
     return md_table(["attention", "startup", *[str(b) for b in budgets], "total"], [r for r in rows if r])
 
 
@@ -200,8 +201,9 @@ def compile_heading(result: dict) -> str:
 
 
 def has_plain_replay(result: dict) -> bool:
-    """A compiled bench, or one with measured products: plain replay was timed beside that replay."""
-    return any(r.get("plain_replay") for r in result["rows"])
+    """A compiled bench, or one with measured products: plain replay was timed beside that replay, or says why not
+    (the plain manager's capture failed)."""
+    return any(r.get("plain_replay") or r.get("plain_note") for r in result["rows"])
 
 
 def interleaved_note(result: dict) -> str:

@@ -511,6 +511,36 @@ def test_a_compiled_bench_times_plain_replay_from_an_uncompiled_manager_and_repo
     assert result["rows"][0]["plain_replay"]["samples"] == 1
 
 
+def test_plain_replay_is_timed_only_where_the_plain_manager_replays_and_its_failures_are_reported(monkeypatch):
+    """The plain manager beside --compile or --measure-products may fail a capture that the main one did not: its
+    encode() is then eager, and was once timed and labelled as plain replay (with a false speedup)."""
+    from hwgraph import manager as manager_module
+    from hwgraph.report import bench_markdown
+
+    built = []
+
+    class PlainFails(manager_module.EncoderGraphManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+            if len(built) == 2:  # the plain manager, built after the main one
+                def no_room(fn, pool=None):
+                    raise RuntimeError("out of memory")
+                self.backend.capture = no_room
+
+    monkeypatch.setattr(manager_module, "EncoderGraphManager", PlainFails)
+    result = tiny_bench(measure_products=True)
+    (row,) = result["rows"]
+    assert row["replay"]["samples"] == 1 and row["plain_replay"] is None
+    assert row["plain_note"] == "not timed: plain capture eager (capture failed)"
+    assert row["speedup"]["replay_vs_plain_replay"] is None
+    per = result["per_kernel"]["TORCH_SDPA"]
+    assert set(per["plain_capture_failures"]) == {8} and "out of memory" in per["plain_capture_failures"][8]
+    text = bench_markdown(result)
+    assert "not timed: plain capture eager (capture failed)" in text
+    assert "| TORCH_SDPA | plain capture | failed |" in text
+
+
 # ---------------------------------------------------------------- report
 def lat(median, p95):
     return {"median_ms": median, "p95_ms": p95, "samples": 3}
