@@ -88,6 +88,7 @@ class ManagerStats:
     compile_skipped: str | None = None  # compile=True on a backend without inductor: why it captured uncompiled
     compile_failures: dict = field(default_factory=dict)  # budget -> why its compiled capture fell back to plain
     products: str | None = None  # measure_products=True: what chose the products' kernels, or why ATen did
+    products_measured: bool = False  # measure_products=True and the backend's chooser ran the captures' products
     calibration: dict = field(default_factory=dict)  # budget -> {"eager_ms", "replay_ms", "kept"}
 
     def as_dict(self) -> dict:
@@ -236,6 +237,7 @@ class EncoderGraphManager:
             self._chooser = self._product_chooser()
             # the chooser is the process's: this manager's stats describe what it did from here on
             self._products_mark = self._chooser.mark() if self._chooser is not None else None
+            self._stats.products_measured = self._chooser is not None
         for budget in sorted(self.budgets, reverse=True):
             if budget in self.graphs:
                 continue

@@ -47,12 +47,33 @@ def latency_table(result: dict) -> str:
 
 def replay_kind(result: dict) -> tuple[str, str]:
     """What the replay column holds beside plain replay, long and short."""
+    measured = measured_anywhere(result)
     if result.get("compile"):
         long, short = ("compiled replay", "compiled") if compiled_anywhere(result) else \
             ("replay (compile asked, captured uncompiled)", "uncompiled")
-        return ((f"{long} with measured products", f"{short}, measured products")
-                if result.get("measure_products") else (long, short))
-    return "replay with measured products", "measured products"
+        if not result.get("measure_products"):
+            return long, short
+        return (f"{long} with measured products", f"{short}, measured products") if measured else \
+            (f"{long} with ATen's products (measuring asked, refused)", f"{short}, ATen's products")
+    if measured:
+        return "replay with measured products", "measured products"
+    return "replay (measured products asked, ATen's products)", "ATen's products"
+
+
+def measured_anywhere(result: dict) -> bool:
+    """``--measure-products`` was asked and some kernel's captures ran the backend's product chooser: not where
+    the backend has none (its ``products`` line then starts with "ATen's"; results from before ``products_measured``
+    was recorded are judged by that line)."""
+    if not result.get("measure_products"):
+        return False
+    for data in result["per_kernel"].values():
+        stats = data["stats"]
+        measured = stats.get("products_measured")
+        if measured is None:
+            measured = bool(stats.get("products")) and not str(stats["products"]).startswith("ATen's")
+        if measured:
+            return True
+    return False
 
 
 def compiled_anywhere(result: dict) -> bool:
@@ -91,7 +112,7 @@ def startup_table(result: dict) -> str:
     was captured beside; a budget that failed has none."""
     budgets = result["budgets"]
     before = [step for step, on in (("compiling", compiled_anywhere(result)),
-                                    ("measuring products", result.get("measure_products"))) if on]
+                                    ("measuring products", measured_anywhere(result))) if on]
     main = f"{', '.join(before)} and capturing" if before else "capturing"
 
     def row(kernel: str, what: str, seconds: dict | None, failures: dict | None = None) -> list | None:
@@ -178,7 +199,7 @@ def heading(result: dict) -> str:
             f"as median / p95; speedups are ratios of medians measured in this run"
             f"{interleaved_note(result)}. Budgets: "
             f"{', '.join(str(b) for b in result['budgets'])}"
-            f"{compile_heading(result)}. torch {p['torch_version']}, "
+            f"{compile_heading(result)}{products_heading(result)}. torch {p['torch_version']}, "
             f"transformers "
             f"{result['environment']['packages'].get('transformers')}."
             + ("" if result.get("graph_backend_accelerates") is not False else
@@ -190,6 +211,12 @@ def mode_note(result: dict) -> str:
     """The backend's graph mode, for a bench result or a validation report (reports from before modes were
     recorded have none)."""
     return f" (mode {result['graph_mode']})" if result.get("graph_mode") else ""
+
+
+def products_heading(result: dict) -> str:
+    if not result.get("measure_products") or measured_anywhere(result):
+        return ""
+    return " (--measure-products was asked, but every product ran ATen's call: the matrix products line says why)"
 
 
 def compile_heading(result: dict) -> str:

@@ -155,12 +155,15 @@ def test_startup_table_gives_compile_capture_and_plain_seconds_per_budget():
     plain = startup_table(result(False, False, {"compile_seconds_per_budget": {},
                                                 "capture_seconds_per_budget": {256: 1.5}}, None)).splitlines()
     assert plain[2:] == ["| K | capturing | - | 1.5 | 1.5 |"]
-    measured = startup_table(result(False, True, {"capture_seconds_per_budget": {64: 20.0, 256: 1.0}},
-                                    {64: 0.5, 256: 0.5})).splitlines()
+    measured = startup_table(result(False, True, {"capture_seconds_per_budget": {64: 20.0, 256: 1.0},
+                                                  "products_measured": True}, {64: 0.5, 256: 0.5})).splitlines()
     assert [line.split(" | ")[1] for line in measured[2:]] == ["measuring products and capturing", "plain capture"]
+    refused = startup_table(result(False, True, {"capture_seconds_per_budget": {64: 2.0, 256: 1.0},
+                                                 "products_measured": False}, {64: 0.5, 256: 0.5})).splitlines()
+    assert [line.split(" | ")[1] for line in refused[2:]] == ["capturing", "plain capture"]  # nothing was measured
     both = startup_table(result(True, True, {"compile_seconds_per_budget": {64: 1.0, 256: 2.0},
-                                             "capture_seconds_per_budget": {64: 21.0, 256: 3.0}},
-                                {64: 0.5, 256: 0.5})).splitlines()
+                                             "capture_seconds_per_budget": {64: 21.0, 256: 3.0},
+                                             "products_measured": True}, {64: 0.5, 256: 0.5})).splitlines()
     assert [line.split(" | ")[1] for line in both[2:]] == [
         "compiling", "compiling, measuring products and capturing", "plain capture"]
 
@@ -181,9 +184,30 @@ def test_a_bench_with_measured_products_names_its_replay_and_what_chose_the_prod
     for uncompiled in ({"compile_skipped": "no inductor here"}, {"compile_failures": {"64": "boom"}}):
         assert replay_kind(result(True, False, **uncompiled)) == ("replay (compile asked, captured uncompiled)",
                                                                   "uncompiled")
+    # asked to measure, but the backend has no chooser (CPU, ROCm, NPU): its products are ATen's
+    refused = {"products": "ATen's: the cpu graph backend has no measured choice", "products_measured": False}
+    refused_result = {"compile": False, "measure_products": True, "per_kernel": {"K": {"stats": refused}}}
+    assert replay_kind(refused_result) == ("replay (measured products asked, ATen's products)", "ATen's products")
+    assert replay_kind({**refused_result, "compile": True, "per_kernel": {"K": {"stats": {
+        **refused, "capture_seconds_per_budget": {"64": 1.0}}}}}) == (
+        "compiled replay with ATen's products (measuring asked, refused)", "compiled, ATen's products")
     assert products_lines(result(True, True)).splitlines() == [
         "Matrix products (K): measured cuBLASLt algorithms: 7 shapes", "", "Matrix products (L): ATen's"]
     assert products_lines(result(True, False)) == ""
+
+
+def test_a_bench_asked_to_measure_products_on_a_backend_without_a_chooser_says_the_products_were_atens():
+    """The CPU reference backend (like ROCm's and the NPU's) has no product chooser: the columns once said
+    "replay with measured products" and the startup table "measuring products and capturing" all the same."""
+    from hwgraph.report import bench_markdown
+
+    result = tiny_bench(measure_products=True)
+    stats = result["per_kernel"]["TORCH_SDPA"]["stats"]
+    assert stats["products_measured"] is False and stats["products"].startswith("ATen's: ")
+    text = bench_markdown(result)
+    assert "measured products" not in text.replace("measured products asked", "")
+    assert "hwgraph replay (measured products asked, ATen's products)" in text
+    assert "every product ran ATen's call" in text and "| TORCH_SDPA | capturing |" in text
 
 
 def test_a_compiled_bench_on_a_backend_that_cannot_compile_says_nothing_was_compiled(monkeypatch):
