@@ -281,7 +281,9 @@ class EncoderGraphManager:
         return self.backend.product_chooser()
 
     def _capture_budget_compiled(self, budget: int) -> BudgetGraph:
-        """A compiled capture; if compiling or capturing it fails, the plain capture of that budget, logged."""
+        """A compiled capture; if compiling or capturing it fails, the plain capture of that budget, logged. The
+        budget's capture seconds then count the failed attempt too: they are its whole startup."""
+        start = time.perf_counter()
         try:
             entry = self._capture_budget(budget, compiled=True)
             self._stats.compile_failures.pop(budget, None)  # an earlier capture() may have failed it
@@ -292,7 +294,9 @@ class EncoderGraphManager:
             log.warning("compiled capture of budget %d failed on %s/%s, capturing it without torch.compile: %s",
                         budget, self.backend.name, self.tower.attention_kernel, reason)
             self.backend.synchronize()
-            return self._capture_budget(budget)
+            entry = self._capture_budget(budget)
+            entry.capture_seconds = self._stats.capture_seconds_per_budget[budget] = time.perf_counter() - start
+            return entry
 
     def _compiled_block_forward(self):
         """The tower's block forward compiled once (``torch.compile(dynamic=False)``) and shared by every block and

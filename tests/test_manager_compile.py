@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -170,6 +171,7 @@ def test_a_failed_compiled_capture_falls_back_to_a_plain_capture_not_to_eager(mo
 
     def broken_compile(fn, **kwargs):
         def run(*args):
+            time.sleep(0.2)  # compiling, then failing
             raise RuntimeError("inductor exploded")
         return run
 
@@ -180,6 +182,9 @@ def test_a_failed_compiled_capture_falls_back_to_a_plain_capture_not_to_eager(mo
     assert sorted(m.graphs) == [8, 16] and s["capture_failures"] == {} and s["compile_skipped"] is None
     assert set(s["compile_failures"]) == {8, 16}
     assert s["compile_seconds_per_budget"] == {} and set(s["capture_seconds_per_budget"]) == {8, 16}
+    # each budget's whole startup: the failed compiled attempt (its first compiled forward sleeps) and the plain one
+    assert all(seconds >= 0.2 for seconds in s["capture_seconds_per_budget"].values())
+    assert all(m.graphs[b].capture_seconds == s["capture_seconds_per_budget"][b] for b in (8, 16))
     assert all("inductor exploded" in reason for reason in s["compile_failures"].values())
     assert "capturing it without torch.compile" in caplog.text
     check_against_eager(tower, m, [[(1, 4, 8)], [(1, 8, 8)]])
