@@ -364,9 +364,11 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         "calibration": None,
     }
     if calibrated is not None:
+        from hwgraph.manager import CALIBRATION_TIMING
+
         result["calibration"] = {
             "kernel": calibrated["kernel"], "findings": calibrated["stats"]["calibration"],
-            "kept_budgets": calibrated["budgets"],
+            "timing": dict(CALIBRATION_TIMING), "kept_budgets": calibrated["budgets"],
             "rows": [{"group": g.label, "replay": calibrated["rows"][g.label]["replay"],
                       "budget": calibrated["rows"][g.label]["budget"],
                       "replay_note": calibrated["rows"][g.label]["replay_note"],

@@ -26,6 +26,7 @@ from hwgraph.timing import measure_interleaved
 
 log = logging.getLogger(__name__)
 
+CALIBRATION_TIMING = {"warmup": 3, "samples": 10}  # calibrate()'s default warm-ups and samples per budget
 PADDED_CACHE_SIZE = 64  # padded, pinned host metadata kept for this many recent (grid, budget) pairs
 # Relative L2 error a verified capture may show against eager: rounding only. A stale or wrong replay is O(1).
 VERIFY_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -496,7 +497,8 @@ class EncoderGraphManager:
         return {name: lat.median for name, lat in
                 measure_interleaved(fns, self.device, warmup=warmup, samples=samples).items()}
 
-    def calibrate(self, warmup: int = 3, samples: int = 10) -> dict:
+    def calibrate(self, warmup: int = CALIBRATION_TIMING["warmup"],
+                  samples: int = CALIBRATION_TIMING["samples"]) -> dict:
         """Time each captured budget's replay against eager here; the cap becomes the largest budget whose replay
         wins, and every budget up to it is kept (the rest are released, and with no winner every call runs
         eagerly). Returns the findings, per budget: ``eager_ms``, ``replay_ms``, ``kept``."""

@@ -181,12 +181,16 @@ def calibration_section(cal: dict | None) -> str | None:
                       r["budget"], x(r["replay_vs_transformers"])]
                      for r in cal["rows"]])
     kept = ", ".join(str(b) for b in cal["kept_budgets"]) or "none"
-    return f"### Calibrated budgets ({cal['kernel']}): kept {kept}\n\n{found}\n\n{rows}"
+    timing = ", ".join(f"{cal['timing'][k]} {label}" for k, label in (("warmup", "warm-ups"), ("samples", "samples"))
+                       ) if cal.get("timing") else None
+    timed = f"Each budget's eager and replay medians come from the manager's calibration ({timing}), not from the " \
+            f"settings above." if timing else None
+    return "\n\n".join(filter(None, [f"### Calibrated budgets ({cal['kernel']}): kept {kept}", timed, found, rows]))
 
 
-INTERLEAVED = (" (per group, transformers and every kernel's eager and replay are sampled in turn, one call of each "
+INTERLEAVED = (" (per group, {reference}every kernel's eager and replay are sampled in turn, one call of each "
                "per round, each round in a new shuffled order)")
-INTERLEAVED_BESIDE_PLAIN = (" (per group, transformers and every kernel's eager, plain replay and {kind} are sampled "
+INTERLEAVED_BESIDE_PLAIN = (" (per group, {reference}every kernel's eager, plain replay and {kind} are sampled "
                             "in turn, one call of each per round, each round in a new shuffled order)")
 
 
@@ -236,7 +240,10 @@ def has_plain_replay(result: dict) -> bool:
 def interleaved_note(result: dict) -> str:
     if not result.get("interleaved"):
         return ""
-    return INTERLEAVED_BESIDE_PLAIN.format(kind=replay_kind(result)[0]) if has_plain_replay(result) else INTERLEAVED
+    reference = "transformers and " if any(r.get("transformers") for r in result["rows"]) else ""
+    if has_plain_replay(result):
+        return INTERLEAVED_BESIDE_PLAIN.format(reference=reference, kind=replay_kind(result)[0])
+    return INTERLEAVED.format(reference=reference)
 
 
 ATENS = "ATen's"

@@ -79,6 +79,7 @@ def test_bench_reports_graph_memory_dispatch_calibration_and_every_kernel(result
     assert per["stats"]["replays_per_slots"] == {2: per["stats"]["replays"]}  # TORCH_SDPA: one slot count
     assert "| replays per slot count |" in bench_markdown(result)
     assert set(result["calibration"]["findings"]) == {8, 16}
+    assert result["calibration"]["timing"] == {"warmup": 3, "samples": 10}  # calibrate()'s, not the bench's
     assert {k["name"] for k in result["kernels"]} >= {"TORCH_SDPA", "TRITON_ATTN", "FLASH_ATTN"}
     assert all(k["reasons"] for k in result["kernels"] if not k["available"])
     assert result["environment"]["packages"]["torch"] and result["environment"]["platform"]["kind"] == detect().kind
@@ -621,6 +622,16 @@ def test_bench_markdown_reports_settings_failed_budgets_calibration_emulation_an
     assert "| 8 | 3.000 | 1.000 | yes |" in text and "| 16 | 5.000 | 9.000 | no |" in text
     assert "### Calibrated budgets (K): kept 8" in text
     assert "Attention kernels not run here: FLASH_ATTN (needs CUDA)" in text
+    # the calibration's own sampling, not the bench's, and no transformers claimed where none was timed
+    timed = report_result()
+    timed["calibration"]["timing"] = {"warmup": 3, "samples": 10}
+    assert "from the manager's calibration (3 warm-ups, 10 samples), not from the settings above" in bench_markdown(
+        timed)
+    assert "per group, transformers and every kernel's eager and replay are sampled in turn" in text
+    without = report_result()
+    for r in without["rows"]:
+        r["transformers"] = None
+    assert "per group, every kernel's eager and replay are sampled in turn" in bench_markdown(without)
 
 
 # ---------------------------------------------------------------- pinned host copies
