@@ -284,6 +284,13 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
             manager.close()
 
 
+def device_name(device: torch.device) -> str | None:
+    """The name of the accelerator ``device`` is (the platform names the current one, which may differ)."""
+    runtime = getattr(torch, device.type, None) if device.type != "cpu" else None
+    get_name = getattr(runtime, "get_device_name", None)
+    return get_name(device) if get_name is not None else None
+
+
 def ratio(num: dict | None, den: dict | None) -> float | None:
     if not num or not den or not den.get("median_ms"):
         return None
@@ -348,7 +355,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         empty_cache(cfg.device)  # the reference encoder's weights are garbage now
     result = {
         "environment": environment(),
-        "preset": cfg.preset, "device": str(cfg.device), "dtype": str(cfg.dtype).removeprefix("torch."),
+        "preset": cfg.preset, "device": str(cfg.device), "device_name": device_name(cfg.device),
+        "dtype": str(cfg.dtype).removeprefix("torch."),
         "timer": "device events" if cfg.device.type == "cuda" else "wall clock",
         "warmup": cfg.warmup, "samples": cfg.samples, "groups": [g.label for g in groups], "compile": cfg.compile,
         "measure_products": cfg.measure_products,

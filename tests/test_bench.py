@@ -634,6 +634,19 @@ def test_bench_markdown_reports_settings_failed_budgets_calibration_emulation_an
     assert "per group, every kernel's eager and replay are sampled in turn" in bench_markdown(without)
 
 
+def test_the_heading_names_the_benched_gpu_not_the_current_one(monkeypatch):
+    """On a machine with two kinds of GPU, ``--device cuda:1`` was labelled with GPU 0's name (the platform's)."""
+    from hwgraph.bench import device_name
+    from hwgraph.report import heading
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: ["NVIDIA H200", "NVIDIA L4"][device.index])
+    assert device_name(torch.device("cuda", 1)) == "NVIDIA L4" and device_name(torch.device("cpu")) is None
+    result = report_result()
+    result["environment"]["platform"]["device_name"] = "NVIDIA H200"
+    result.update(device="cuda:1", device_name="NVIDIA L4")
+    assert heading(result).startswith("## hwgraph bench: tiny, float32, cuda:1 (NVIDIA L4),")
+
+
 # ---------------------------------------------------------------- pinned host copies
 def test_pinned_copy_allocates_pinned_memory_of_the_same_dtype_and_fills_it(monkeypatch):
     from hwgraph import hostmem
