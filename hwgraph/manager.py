@@ -471,7 +471,9 @@ class EncoderGraphManager:
         repeated image size costs no host work beyond the pixel copy."""
         patches = pixel_values.shape[0]
         if pixel_values.device.type == "cpu" and self.device.type != "cpu":
-            pixel_values = pinned_copy(pixel_values)  # from pageable memory the copy would wait for the stream to drain
+            # As the eager path does. From pageable memory the driver stages the copy itself: on the H200 a 600 KB
+            # copy did not wait for earlier work (docs/benchmarks.md, session 39), but a pinned source never does.
+            pixel_values = pinned_copy(pixel_values)
         entry.pixels[:patches].copy_(pixel_values, non_blocking=True)
         grid = host.grid_thw
         if entry.filled_grid == grid:
