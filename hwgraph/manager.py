@@ -438,8 +438,8 @@ class EncoderGraphManager:
         slots, graph = entry.graph_for(host.num_seqs)
         stream = self._runtime.current_stream(self.device) if self._runtime is not None else None
         if stream is not None and self._buffers_read is not None:
-            # The last replay may have queued on another stream: its fill, replay and copy out come first (and the
-            # metadata _fill skips as already there is then there).
+            # The last replay may have queued on another stream: its fill, replay and copy out come first, so the
+            # metadata that _fill skips as already filled is there by then.
             stream.wait_event(self._buffers_read)
         self._fill(entry, pixel_values, host)
         graph.replay()
