@@ -395,28 +395,9 @@ def at_least(option: str, value: int | None, low: int) -> None:
 
 def parse_device(spec: str) -> torch.device:
     """``--device``: a device string torch parses (``cpu``, ``cuda``, ``cuda:1``, ``npu:0``), else ``ValueError``."""
-    from hwgraph.platform import npu_module
+    from hwgraph.platform import checked_device
 
-    if spec.partition(":")[0] == "npu":
-        npu_module()  # importing torch_npu is what registers the device type "npu" with torch
-    try:
-        device = torch.device(spec)
-    except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"--device {spec!r} is not a torch device: expected e.g. cpu, cuda, cuda:1 or npu:0 "
-                         f"({exc})") from None
-    if device.type == "cpu":
-        return device
-    runtime = getattr(torch, device.type, None)
-    if device.type == "meta" or runtime is None or not callable(getattr(runtime, "is_available", None)):
-        raise ValueError(f"--device {spec!r} cannot run a bench: expected an accelerator device (cuda, npu, ...) "
-                         f"or cpu")
-    if not runtime.is_available():
-        raise ValueError(f"--device {spec!r}: this torch ({torch.__version__}) sees no {device.type} device")
-    count = runtime.device_count()
-    if device.index is not None and device.index >= count:
-        raise ValueError(f"--device {spec!r}: this machine has {count} {device.type} device(s), "
-                         f"indices 0..{count - 1}")
-    return device
+    return checked_device(spec, "--device", "a bench")
 
 
 def parsed(option: str, parse, value):

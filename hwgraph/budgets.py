@@ -53,7 +53,8 @@ def validate_budgets(budgets, max_images_per_graph: int) -> list[int]:
     if dups:
         raise ValueError(f"budgets must not repeat, got duplicates {dups} in {values}")
     values.sort()
-    if not isinstance(max_images_per_graph, int) or max_images_per_graph < 1:
+    if not isinstance(max_images_per_graph, numbers.Integral) or isinstance(max_images_per_graph, bool) \
+            or max_images_per_graph < 1:
         raise ValueError(f"max_images_per_graph must be a positive int, got {max_images_per_graph!r}")
     if max_images_per_graph > values[0]:
         raise ValueError(f"max_images_per_graph ({max_images_per_graph}) must not be above the smallest "

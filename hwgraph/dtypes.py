@@ -17,3 +17,13 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if dtype is None:
         raise ValueError(f"unknown dtype {str(name)!r}: expected one of {', '.join(DTYPES)}")
     return dtype
+
+
+def graph_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A graph manager's ``dtype``: a floating-point ``torch.dtype`` (float64 included, for reference runs), or one of
+    ``DTYPES``' names; ``ValueError`` naming the value otherwise."""
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+        return dtype
+    return parse_dtype(dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,10 +18,12 @@ import torch
 
 from hwgraph import budgets as budget_rules
 from hwgraph import products
+from hwgraph.attention.base import check_attention_request
 from hwgraph.compile_mode import compile_block_forward, compile_limits
-from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend
+from hwgraph.dtypes import graph_dtype
+from hwgraph.graphs.base import CapturedGraph, CaptureError
 from hwgraph.hostmem import pinned_copy
-from hwgraph.platform import platform_for
+from hwgraph.platform import checked_device, platform_for
 from hwgraph.registry import create_backend
 from hwgraph.timing import measure_interleaved
 
@@ -96,6 +99,17 @@ class ManagerStats:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
 
+TOWER_METHODS = ("parameters", "set_attention", "weights_key", "prepare_metadata", "forward_with_metadata")
+
+
+def check_tower(tower) -> None:
+    """``TypeError`` naming what ``tower`` is when it is not an hwgraph tower (``Qwen3OmniVisionTower``)."""
+    missing = [name for name in TOWER_METHODS if not callable(getattr(tower, name, None))]
+    if missing:
+        raise TypeError(f"tower must be an hwgraph vision tower (e.g. Qwen3OmniVisionTower), got "
+                        f"{type(tower).__name__} without {', '.join(missing)}")
+
+
 class EncoderGraphManager:
     """Captures ``tower.forward_with_metadata`` per token budget and dispatches groups of images.
 
@@ -145,21 +159,18 @@ class EncoderGraphManager:
     def __init__(self, tower, device=None, dtype=None, budgets=None, max_images_per_graph=None,
                  graph_backend=None, attention=None, calibrate=None, max_budget=None, verify=True,
                  log_every=1000, compile=False, slot_counts=None, measure_products=False, graph_mode=None):
+        check_tower(tower)
+        check_attention_request(attention)
+        if not isinstance(log_every, numbers.Integral) or isinstance(log_every, bool) or log_every < 0:
+            raise ValueError(f"log_every must be an int >= 0 (0: never log stats), got {log_every!r}")
         first = next(tower.parameters())
-        self.tower = tower
-        self.device = torch.device(device) if device is not None else first.device
-        self.dtype = dtype or first.dtype
-        if first.device != self.device or first.dtype != self.dtype:
-            tower.to(device=self.device, dtype=self.dtype)
-        tower.eval()
-        self.platform = platform_for(self.device)
-        self.backend: GraphBackend = create_backend(graph_backend, device=self.device, mode=graph_mode,
-                                                    platform=self.platform)
-        tower.set_attention(attention, platform=self.platform, graph_safe=True)
-        self._weights = tower.weights_key()  # where the weights the graphs read live (see _check_tower)
+        device = checked_device(device, "device", "a graph manager") if device is not None else first.device
+        dtype = graph_dtype(dtype) if dtype is not None else first.dtype
+        # Every argument is checked before the tower is changed (moved, given a kernel): the tower may be shared.
+        platform = platform_for(device)
+        backend = create_backend(graph_backend, device=device, mode=graph_mode, platform=platform)
         if calibrate is None:
-            calibrate = budgets is None and self.backend.accelerates
-        self.calibrate_on_capture = calibrate
+            calibrate = budgets is None and backend.accelerates
         if budgets is None:
             cap = budget_rules.CALIBRATION_CAP if calibrate else budget_rules.DEFAULT_CAP
             budgets = budget_rules.auto_budgets(cap if max_budget is None else budget_rules.check_cap(max_budget))
@@ -170,7 +181,17 @@ class EncoderGraphManager:
         if max_images_per_graph is None:
             max_images_per_graph = min([budget_rules.DEFAULT_MAX_IMAGES, *budgets])
         self.budgets = budget_rules.validate_budgets(budgets, max_images_per_graph)
-        self.max_images = max_images_per_graph
+        self.max_images = max_images_per_graph = int(max_images_per_graph)
+        if slot_counts is not None:
+            slot_counts = budget_rules.validate_slot_counts(slot_counts, max_images_per_graph)
+
+        self.tower, self.device, self.dtype, self.platform, self.backend = tower, device, dtype, platform, backend
+        if first.device != self.device or first.dtype != self.dtype:
+            tower.to(device=self.device, dtype=self.dtype)
+        tower.eval()
+        tower.set_attention(attention, platform=self.platform, graph_safe=True)
+        self._weights = tower.weights_key()  # where the weights the graphs read live (see _check_tower)
+        self.calibrate_on_capture = calibrate
         if slot_counts is None:
             slot_counts = budget_rules.default_slot_counts(max_images_per_graph) \
                 if self.tower.attention_spec.slot_bound else [max_images_per_graph]
@@ -255,7 +276,7 @@ class EncoderGraphManager:
         if self._chooser is not None:
             self._stats.products = self._chooser.describe(since=self._products_mark)
             log.info("matrix products on %s: %s", self.backend.name, self._stats.products)
-        if self.calibrate_on_capture:
+        if self.calibrate_on_capture and self.graphs:
             self.calibrate()
         log.info("captured budgets %s (slot counts %s) on %s/%s; memory per budget (MiB): %s", sorted(self.graphs),
                  self.slot_counts, self.backend.name, self.tower.attention_kernel,
@@ -503,7 +524,19 @@ class EncoderGraphManager:
                   samples: int = CALIBRATION_TIMING["samples"]) -> dict:
         """Time each captured budget's replay against eager here; the cap becomes the largest budget whose replay
         wins, and every budget up to it is kept (the rest are released, and with no winner every call runs
-        eagerly). Returns the findings, per budget: ``eager_ms``, ``replay_ms``, ``kept``."""
+        eagerly). Returns the findings, per budget: ``eager_ms``, ``replay_ms``, ``kept``. Needs captured graphs
+        (``capture()`` calibrates itself when ``calibrate`` is on)."""
+        self._check_tower("calibrate()")
+        if not self.graphs:
+            raise RuntimeError("calibrate() needs captured graphs: call capture() first (no budget is captured, so "
+                               "there is no replay to time against eager)")
+        for name, value, low in (("warmup", warmup, 0), ("samples", samples, 1)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+                raise ValueError(f"calibrate(): {name} must be an int >= {low}, got {value!r}")
+        with self._lock:  # its replays fill the graphs' buffers, as encode() does
+            return self._calibrate(warmup, samples)
+
+    def _calibrate(self, warmup: int, samples: int) -> dict:
         findings = {}
         for budget in sorted(self.graphs):
             entry = self.graphs[budget]

@@ -85,6 +85,31 @@ def cuda_info(notes: list[str]) -> PlatformInfo | None:
     return PlatformInfo("cuda", props.name, arch, torch.__version__, "CUDA", torch.version.cuda, count, tuple(notes))
 
 
+def checked_device(spec: str | torch.device, name: str = "device", purpose: str = "hwgraph") -> torch.device:
+    """``spec`` as a ``torch.device`` this machine has (``cpu``, ``cuda``, ``cuda:1``, ``npu:0``), else
+    ``ValueError`` naming ``name``, the value and what was expected; ``purpose`` says what it is for."""
+    if str(spec).partition(":")[0] == "npu":
+        npu_module()  # importing torch_npu is what registers the device type "npu" with torch
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"{name} {spec!r} is not a torch device: expected e.g. cpu, cuda, cuda:1 or npu:0 "
+                         f"({exc})") from None
+    if device.type == "cpu":
+        return device
+    runtime = getattr(torch, device.type, None)
+    if device.type == "meta" or runtime is None or not callable(getattr(runtime, "is_available", None)):
+        raise ValueError(f"{name} {str(spec)!r} cannot run {purpose}: expected an accelerator device (cuda, npu, "
+                         f"...) or cpu")
+    if not runtime.is_available():
+        raise ValueError(f"{name} {str(spec)!r}: this torch ({torch.__version__}) sees no {device.type} device")
+    count = runtime.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"{name} {str(spec)!r}: this machine has {count} {device.type} device(s), "
+                         f"indices 0..{count - 1}")
+    return device
+
+
 def platform_for(device: torch.device | str) -> PlatformInfo:
     """The platform that serves ``device``: a CPU (or meta) tensor on a GPU machine is a CPU job."""
     info = detect()

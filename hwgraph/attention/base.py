@@ -92,3 +92,10 @@ def host_cu_seqlens(values: Sequence[int]) -> Iterator[None]:
 def given_host_cu_seqlens() -> tuple[int, ...] | None:
     """The values of the innermost ``host_cu_seqlens`` block, or None outside one."""
     return _host_cu_seqlens.get()
+
+
+def check_attention_request(request) -> None:
+    """``TypeError`` naming ``request`` unless it is what a tower takes as its attention: a kernel name, ``"auto"``,
+    a callable, or None (keep the current one)."""
+    if request is not None and not isinstance(request, str) and not callable(request):
+        raise TypeError(f"attention must be a kernel name, 'auto', a callable or None, got {request!r}")

@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from hwgraph.attention.base import KernelSpec, VarlenAttention, host_cu_seqlens
+from hwgraph.attention.base import KernelSpec, VarlenAttention, check_attention_request, host_cu_seqlens
 from hwgraph.capability import Capability
 from hwgraph.models.qwen3_omni.config import VisionConfig, check_config, preset_config, resolve_config
 from hwgraph.models.qwen3_omni.fused import add_position_embedding
@@ -72,6 +72,7 @@ class Qwen3OmniVisionTower(nn.Module):
         self.deepstack_visual_indexes = tuple(config.deepstack_visual_indexes)
         # block index -> DeepStack merger index (features come out in block order, as in transformers)
         self.deepstack_after = {layer: i for i, layer in enumerate(self.deepstack_visual_indexes)}
+        check_attention_request(attention)
         self._attention_request = attention
         self._attention_graph_safe = False  # automatic choice only among graph-safe kernels (set by a graph manager)
         self._attention: tuple[KernelSpec, VarlenAttention] | None = None
@@ -148,6 +149,7 @@ class Qwen3OmniVisionTower(nn.Module):
         """
         from hwgraph.attention.registry import SelectedKernel, choose_attention
 
+        check_attention_request(name)
         request = self._attention_request if name is None else name
         safe_only = self._attention_graph_safe if graph_safe is None else graph_safe
         if callable(request):

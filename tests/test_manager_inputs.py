@@ -1,0 +1,88 @@
+"""Bad arguments to the manager and the tower: a clear error naming the value and what was expected, raised before
+anything changes (a tower may be shared by several managers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hwgraph.manager import EncoderGraphManager
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+
+
+@pytest.fixture
+def tower():
+    torch.manual_seed(0)
+    return Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval()
+
+
+def manager(tower, **kwargs):
+    return EncoderGraphManager(tower, **{"budgets": [16, 32], "max_images_per_graph": 2, "graph_backend": "cpu",
+                                         **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"budgets": [0], "dtype": torch.float64}, ValueError, r"budgets must be positive, got \[0\]"),
+    ({"budgets": [0], "attention": lambda *a: None}, ValueError, r"budgets must be positive"),
+    ({"slot_counts": [9], "dtype": torch.float64}, ValueError, r"slot_counts must be ints in 1\.\.max_images"),
+    ({"dtype": "float8", "attention": "TORCH_SDPA"}, ValueError, r"unknown dtype 'float8': expected one of float32"),
+    ({"dtype": torch.complex64}, ValueError, r"dtype must be a floating-point dtype, got torch\.complex64"),
+    ({"dtype": torch.int32}, ValueError, r"dtype must be a floating-point dtype, got torch\.int32"),
+    ({"device": "meta"}, ValueError, r"device 'meta' cannot run a graph manager: expected an accelerator device"),
+    ({"device": "xpu:3", "dtype": torch.float64}, ValueError, r"device 'xpu:3'"),
+    ({"attention": 5}, TypeError, r"attention must be a kernel name, 'auto', a callable or None, got 5"),
+    ({"log_every": "x"}, ValueError, r"log_every must be an int >= 0 \(0: never log stats\), got 'x'"),
+    ({"log_every": -1}, ValueError, r"log_every must be an int >= 0"),
+    ({"max_images_per_graph": True}, ValueError, r"max_images_per_graph must be a positive int, got True"),
+])
+def test_a_bad_argument_is_refused_by_name_and_leaves_the_tower_as_it_was(tower, kwargs, error, match):
+    kernel, weights, dtype = tower.attention_kernel, tower.weights_key(), tower.dtype
+    with pytest.raises(error, match=match):
+        manager(tower, **kwargs)
+    assert (tower.attention_kernel, tower.weights_key(), tower.dtype) == (kernel, weights, dtype)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason given where torch sees no CUDA device")
+def test_a_cuda_device_on_a_machine_without_one_is_refused_with_what_this_torch_sees(tower):
+    with pytest.raises(ValueError, match=r"device 'cuda:9': this torch \(.*\) sees no cuda device"):
+        manager(tower, device="cuda:9")
+
+
+def test_a_dtype_may_be_named_and_max_images_may_be_a_numpy_int(tower):
+    m = manager(tower, dtype="float32", max_images_per_graph=np.int64(2))
+    assert m.dtype == torch.float32 and m.max_images == 2 and type(m.max_images) is int
+
+
+@pytest.mark.parametrize("not_a_tower", [None, torch.nn.Linear(2, 2), "tiny"])
+def test_something_that_is_not_a_tower_is_refused_by_type(not_a_tower):
+    with pytest.raises(TypeError, match=r"tower must be an hwgraph vision tower \(e\.g\. Qwen3OmniVisionTower\), got "):
+        EncoderGraphManager(not_a_tower, budgets=[16], graph_backend="cpu")
+    if isinstance(not_a_tower, torch.nn.Module):
+        assert next(not_a_tower.parameters()).dtype == torch.float32  # not moved
+
+
+def test_a_towers_attention_of_the_wrong_type_is_refused_when_given_not_at_first_use():
+    with pytest.raises(TypeError, match=r"attention must be a kernel name, 'auto', a callable or None, got 5"):
+        Qwen3OmniVisionTower.from_preset("tiny", attention=5)
+    t = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA")
+    with pytest.raises(TypeError, match="got 5"):
+        t.set_attention(5)
+    assert t.attention_kernel == "TORCH_SDPA"
+
+
+def test_calibrate_needs_captured_graphs_and_a_live_manager(tower):
+    """calibrate() before capture() once dropped every budget (the manager then never captured anything), and after
+    close() it ran on released graphs."""
+    m = manager(tower)
+    with pytest.raises(RuntimeError, match=r"calibrate\(\) needs captured graphs: call capture\(\) first"):
+        m.calibrate()
+    assert m.budgets == [16, 32]
+    m.capture()
+    assert sorted(m.graphs) == [16, 32]
+    for bad in ({"samples": 0}, {"warmup": -1}, {"samples": 2.5}):
+        with pytest.raises(ValueError, match=r"calibrate\(\): (samples|warmup) must be an int >= [01], got "):
+            m.calibrate(**bad)
+    m.close()
+    with pytest.raises(RuntimeError, match=r"calibrate\(\) after close\(\)"):
+        m.calibrate()
