@@ -165,12 +165,14 @@ def cmd_validate(args) -> int:
         backend, why = choose_backend_name(args.backend)
         check_mode(backend, args.graph_mode)
         out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # a folder found, not made, may refuse files: know before the run
+            pass
     except (ValueError, SelectionError) as exc:
         print(f"hwgraph validate: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"hwgraph validate: --report {args.report!r}: cannot create the folder: {exc.strerror or exc}",
-              file=sys.stderr)
+        print(f"hwgraph validate: --report {args.report!r}: cannot create the folder or write in it: "
+              f"{exc.strerror or exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     device = device_for_backend(backend)

@@ -153,7 +153,20 @@ def test_validate_refuses_a_report_folder_it_cannot_create(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     err = refused(["validate", "--report", str(blocker / "report")], capsys)
-    assert f"--report '{blocker / 'report'}': cannot create the folder" in err
+    assert f"--report '{blocker / 'report'}': cannot create the folder or write in it" in err
+
+
+def test_validate_refuses_a_report_folder_that_exists_but_takes_no_files(tmp_path, capsys, monkeypatch):
+    """A folder that exists and refuses new files (as /sys/kernel does, even for root, whose access() check says
+    yes) once ran the whole suite and then failed with a PermissionError traceback, exit 1."""
+    from hwgraph import validate
+
+    def refuses(dir=None, **kwargs):
+        raise PermissionError(13, "Permission denied", str(dir))
+
+    monkeypatch.setattr(validate.tempfile, "TemporaryFile", refuses)
+    err = refused(["validate", "--report", str(tmp_path)], capsys)
+    assert f"--report '{tmp_path}': cannot create the folder or write in it: Permission denied" in err
 
 
 def test_info_explains_a_forced_backend_that_cannot_be_selected_and_exits_1(monkeypatch, capsys):

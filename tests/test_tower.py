@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -272,6 +273,21 @@ def test_presets_and_config_checks():
     with pytest.raises(ValueError, match=r"deepstack_visual_indexes \[0, 4\]"):
         Qwen3OmniVisionTower.from_preset("tiny", deepstack_visual_indexes=[0, 4])
     assert Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[1]).num_deepstack == 1
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"detph": 2}, r"unknown vision config field\(s\) \['detph'\] for preset 'tiny': its fields are "
+                   r".*deepstack_visual_indexes, depth,"),
+    ({"hidden_act": "bogus"}, r"hidden_act 'bogus' is not an activation transformers knows: expected one of .*gelu"),
+    ({"rope_parameters": {"rope_theta": -1.0}}, r"rope_parameters\['rope_theta'\] must be a positive finite "
+                                                r"number, got -1\.0"),
+    ({"rope_parameters": {"rope_theta": "abc"}}, r"rope_theta'\] must be a positive finite number, got 'abc'"),
+])
+def test_a_misspelt_field_or_a_bad_activation_or_rope_theta_is_refused_by_name(overrides, match):
+    """A misspelt override once built the preset's value silently; a bad activation gave a bare KeyError; a negative
+    rope_theta gave NaN outputs."""
+    with pytest.raises(ValueError, match=match):
+        Qwen3OmniVisionTower.from_preset("tiny", **overrides)
 
 
 def test_duplicate_deepstack_indexes_are_refused():
@@ -546,6 +562,11 @@ def test_from_pretrained_lists_missing_unexpected_and_misshapen_tensors(tmp_path
         from_pretrained(write_checkpoint(tmp_path / "d", state, {"model_type": "qwen3_omni_moe_text"}))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         from_pretrained(tmp_path / "nothing-here")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{depth: 2}")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(broken / 'config.json'))} is not valid JSON: Expecting"):
+        from_pretrained(broken)
 
 
 def test_metadata_is_cached_per_grid_and_usable_outside_the_inference_mode_it_was_built_in():

@@ -35,6 +35,11 @@ def preset_config(name: str, **overrides) -> VisionConfig:
     """The config of preset ``name`` with ``overrides`` (config field names) applied."""
     if name not in PRESETS:
         raise ValueError(f"unknown tower preset {name!r}; known: {', '.join(PRESETS)}")
+    known = set(VisionConfig().to_dict())
+    unknown = sorted(set(overrides) - known)
+    if unknown:  # the config class would keep a misspelt field and build the preset's value instead
+        raise ValueError(f"unknown vision config field(s) {unknown} for preset {name!r}: its fields are "
+                         f"{', '.join(sorted(PRESETS[name]))}")
     return VisionConfig(**{**copy.deepcopy(PRESETS[name]), **overrides})
 
 
@@ -86,7 +91,15 @@ def check_config(config: VisionConfig) -> None:
         # Axial rotary splits each head in two halves, each rotating (row, col) pairs: 4 must divide it.
         raise ValueError(f"head_dim {head_dim} (hidden_size {config.hidden_size} / num_heads {config.num_heads}) "
                          f"must be divisible by 4 for the axial rotary embedding")
+    from transformers.activations import ACT2FN
+
+    if config.hidden_act not in ACT2FN:
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not an activation transformers knows: expected one of "
+                         f"{', '.join(sorted(ACT2FN))}")
     rope = config.rope_parameters or {}
+    theta = rope.get("rope_theta", 1e4)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+        raise ValueError(f"rope_parameters['rope_theta'] must be a positive finite number, got {theta!r}")
     if rope.get("rope_type", "axial") != "axial":
         raise ValueError(f"the vision tower supports only axial rope, got rope_type {rope.get('rope_type')!r}")
     indexes = list(config.deepstack_visual_indexes)

@@ -108,7 +108,11 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attenti
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {folder} (expected a local Hugging Face checkpoint folder)")
-    config = vision_config_from_dict(json.loads(config_file.read_text()))
+    try:
+        data = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
+    config = vision_config_from_dict(data)
     if isinstance(dtype, str):
         from hwgraph.dtypes import parse_dtype
 
