@@ -91,11 +91,12 @@ def check_config(config: VisionConfig) -> None:
         # Axial rotary splits each head in two halves, each rotating (row, col) pairs: 4 must divide it.
         raise ValueError(f"head_dim {head_dim} (hidden_size {config.hidden_size} / num_heads {config.num_heads}) "
                          f"must be divisible by 4 for the axial rotary embedding")
-    from transformers.activations import ACT2FN
+    if config.hidden_act not in ("gelu_pytorch_tanh", "gelu"):  # the common ones need no transformers import
+        from transformers.activations import ACT2FN
 
-    if config.hidden_act not in ACT2FN:
-        raise ValueError(f"hidden_act {config.hidden_act!r} is not an activation transformers knows: expected one of "
-                         f"{', '.join(sorted(ACT2FN))}")
+        if config.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not an activation transformers knows: expected one "
+                             f"of {', '.join(sorted(ACT2FN))}")
     rope = config.rope_parameters or {}
     theta = rope.get("rope_theta", 1e4)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
