@@ -449,6 +449,8 @@ def check_graph_mode(backend: str | None, mode: str | None, device: torch.device
 def writable_path(option: str, spec: str) -> Path:
     """``spec`` as a path whose folder exists (created now) and can be written, so a finished run's results are not
     lost to a bad path; ``ValueError`` naming the option and the path otherwise."""
+    if not spec:
+        raise ValueError(f"{option} {spec!r}: expected a file path")
     path = Path(spec)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -499,7 +501,7 @@ def cmd_bench(args) -> int:
 
     try:
         cfg = config_from_args(args)
-        json_path = writable_path("--json", args.json) if args.json else None
+        json_path = writable_path("--json", args.json) if args.json is not None else None
     except ValueError as exc:
         print(f"hwgraph bench: {exc}", file=sys.stderr)
         return 2

@@ -110,6 +110,8 @@ def test_bench_refuses_a_json_path_it_could_not_write_before_running(tmp_path, c
     assert f"--json '{blocker / 'bench.json'}': cannot create its folder" in err
     err = refused(["bench", "--json", str(tmp_path)], capsys)
     assert f"--json '{tmp_path}' is a folder: expected a file path" in err
+    err = refused(["bench", "--json", ""], capsys)  # was ignored: no file written, exit 0
+    assert "--json '': expected a file path" in err
 
 
 def test_bench_accepts_good_options_and_creates_the_json_folder(tmp_path):

@@ -110,7 +110,8 @@ def test_grid_as_int_tensor_or_array_gives_the_same_output(pair):
     pixels = pixels_for(tower, grid)
     with torch.no_grad():
         want = tower(pixels, grid)
-        for form in (torch.tensor(grid), np.array(grid, dtype=np.int32)):
+        # a list of 1-D tensors (one per image) was refused as "not a (t, h, w) row"
+        for form in (torch.tensor(grid), np.array(grid, dtype=np.int32), [torch.tensor(row) for row in grid]):
             assert_same_output(tower(pixels, form), want, rtol=0, atol=0)
 
 
@@ -371,6 +372,8 @@ def test_registry_kernel_is_chosen_for_the_towers_dtype_and_equals_the_reference
     (torch.tensor([[1.0, 4, 4]]), "must hold integers"),
     ("1x4x4", "must be a list of"),
     (torch.tensor([1, 4, 4]), r"must be \[images, 3\]"),
+    ([torch.tensor([1.0, 4, 4])], r"grid_thw\[0\] = \[1\.0, 4\.0, 4\.0\] must hold ints, got dtype torch\.float32"),
+    ([torch.tensor([1, 4])], r"grid_thw\[0\] = \[1, 4\] is not a \(t, h, w\) row"),
 ])
 def test_bad_grids_raise_value_errors_naming_the_values(grid, match):
     tower = Qwen3OmniVisionTower.from_preset("tiny")

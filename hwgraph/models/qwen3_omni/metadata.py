@@ -196,6 +196,13 @@ def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
         raise ValueError("grid_thw is empty: at least one (t, h, w) image grid is needed")
     grid = []
     for i, row in enumerate(rows):
+        if isinstance(row, torch.Tensor):  # a list of 1-D tensors, one per image
+            if row.device.type != "cpu":
+                raise ValueError(f"grid_thw[{i}] is on {row.device}; pass it on the host (a list or a CPU tensor): "
+                                 f"reading a device tensor would synchronise with the device")
+            if row.is_floating_point() or row.is_complex() or row.dtype == torch.bool:
+                raise ValueError(f"grid_thw[{i}] = {row.tolist()!r} must hold ints, got dtype {row.dtype}")
+            row = row.tolist()
         if not isinstance(row, (Sequence, np.ndarray)) or len(row) != 3:
             raise ValueError(f"grid_thw[{i}] = {row!r} is not a (t, h, w) row; grid_thw must be a list of "
                              f"(t, h, w) rows, e.g. [(1, 32, 32)]")
