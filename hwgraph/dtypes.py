@@ -20,10 +20,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def graph_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A graph manager's ``dtype``: a floating-point ``torch.dtype`` (float64 included, for reference runs), or one of
-    ``DTYPES``' names; ``ValueError`` naming the value otherwise."""
+    """A tower's or a graph manager's ``dtype`` argument: a floating-point ``torch.dtype`` (float64 included, for
+    reference runs), or one of ``DTYPES``' names; ``ValueError`` naming the value otherwise."""
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+            raise ValueError(f"dtype must be a floating-point torch.dtype or its name, got {dtype!r}")
         return dtype
     return parse_dtype(dtype)

@@ -113,12 +113,10 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attenti
     except json.JSONDecodeError as exc:
         raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
     config = vision_config_from_dict(data)
-    if isinstance(dtype, str):
-        from hwgraph.dtypes import parse_dtype
+    if dtype is not None:
+        from hwgraph.dtypes import graph_dtype
 
-        dtype = parse_dtype(dtype)  # "bfloat16"; anything else names the accepted ones
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating-point torch.dtype or its name, got {dtype!r}")
+        dtype = graph_dtype(dtype)  # "bfloat16" or a floating-point dtype; anything else names the accepted ones
     device = torch.device(device if device is not None else "cpu")
     with torch.device("meta"):
         tower = tower_cls(config, attention=attention)
