@@ -11,9 +11,14 @@ CALIBRATION_CAP = 2048
 DEFAULT_MAX_IMAGES = 8
 
 
+def is_int(value) -> bool:
+    """An integer of any kind (Python's, numpy's), but not a bool, which Python counts as one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_cap(cap) -> int:
     """``cap`` when it is an int of at least the smallest auto budget; ``ValueError`` naming it otherwise."""
-    if not isinstance(cap, numbers.Integral) or isinstance(cap, bool) or cap < MIN_AUTO_BUDGET:
+    if not is_int(cap) or cap < MIN_AUTO_BUDGET:
         raise ValueError(f"max_budget must be an int >= {MIN_AUTO_BUDGET} (the smallest auto budget), got {cap!r}")
     return int(cap)
 
@@ -35,7 +40,7 @@ def int_list(name: str, values, what: str) -> list[int]:
     if isinstance(values, (str, bytes, numbers.Number)) or not hasattr(values, "__iter__"):
         raise ValueError(f"{name} must be a list of ints ({what}), got {values!r}")
     values = list(values)
-    bad = [v for v in values if not isinstance(v, numbers.Integral) or isinstance(v, bool)]
+    bad = [v for v in values if not is_int(v)]
     if bad:
         raise ValueError(f"{name} must be ints ({what}), got {bad}")
     return [int(v) for v in values]
@@ -53,8 +58,7 @@ def validate_budgets(budgets, max_images_per_graph: int) -> list[int]:
     if dups:
         raise ValueError(f"budgets must not repeat, got duplicates {dups} in {values}")
     values.sort()
-    if not isinstance(max_images_per_graph, numbers.Integral) or isinstance(max_images_per_graph, bool) \
-            or max_images_per_graph < 1:
+    if not is_int(max_images_per_graph) or max_images_per_graph < 1:
         raise ValueError(f"max_images_per_graph must be a positive int, got {max_images_per_graph!r}")
     if max_images_per_graph > values[0]:
         raise ValueError(f"max_images_per_graph ({max_images_per_graph}) must not be above the smallest "

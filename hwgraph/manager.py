@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import numbers
 import threading
 import time
 from dataclasses import dataclass, field
@@ -161,7 +160,7 @@ class EncoderGraphManager:
                  log_every=1000, compile=False, slot_counts=None, measure_products=False, graph_mode=None):
         check_tower(tower)
         check_attention_request(attention)
-        if not isinstance(log_every, numbers.Integral) or isinstance(log_every, bool) or log_every < 0:
+        if not budget_rules.is_int(log_every) or log_every < 0:
             raise ValueError(f"log_every must be an int >= 0 (0: never log stats), got {log_every!r}")
         first = next(tower.parameters())
         device = checked_device(device, "device", "a graph manager") if device is not None else first.device
@@ -531,7 +530,7 @@ class EncoderGraphManager:
             raise RuntimeError("calibrate() needs captured graphs: call capture() first (no budget is captured, so "
                                "there is no replay to time against eager)")
         for name, value, low in (("warmup", warmup, 0), ("samples", samples, 1)):
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+            if not budget_rules.is_int(value) or value < low:
                 raise ValueError(f"calibrate(): {name} must be an int >= {low}, got {value!r}")
         with self._lock:  # its replays fill the graphs' buffers, as encode() does
             return self._calibrate(warmup, samples)

@@ -15,7 +15,6 @@ Needs ``vllm`` (``pip install 'hwgraph[vllm]'``); the supported versions are ``S
 from __future__ import annotations
 
 import logging
-import numbers
 from collections.abc import Hashable
 from typing import Any, ClassVar, Literal
 
@@ -97,7 +96,7 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         for name, value in (("min_token_budget", min_token_budget), ("max_token_budget", max_token_budget)):
             if name == "max_token_budget" and value is None:
                 continue  # the default: hwgraph's uncalibrated cap
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            if not budget_rules.is_int(value):
                 raise ValueError(f"{name} must be an int (merged tokens), got {value!r}")
         if min_token_budget <= 0 or (max_token_budget is not None and max_token_budget < min_token_budget):
             raise ValueError(f"token budgets must satisfy 0 < min_token_budget <= max_token_budget, got "
