@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from hwgraph import budgets as budget_rules
+from hwgraph.platform import checked_device, device_runtime
 from hwgraph.timing import measure_interleaved
 
 log = logging.getLogger(__name__)
@@ -186,8 +187,8 @@ def warm_device(device: torch.device, seconds: float = 2.0) -> None:
 
 
 def empty_cache(device: torch.device) -> None:
-    fn = getattr(getattr(torch, device.type, None), "empty_cache", None)
-    if device.type != "cpu" and callable(fn):
+    fn = getattr(device_runtime(device), "empty_cache", None)
+    if callable(fn):
         fn()
 
 
@@ -286,8 +287,7 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
 
 def device_name(device: torch.device) -> str | None:
     """The name of the accelerator ``device`` is (the platform names the current one, which may differ)."""
-    runtime = getattr(torch, device.type, None) if device.type != "cpu" else None
-    get_name = getattr(runtime, "get_device_name", None)
+    get_name = getattr(device_runtime(device), "get_device_name", None)
     return get_name(device) if get_name is not None else None
 
 
@@ -395,8 +395,6 @@ def at_least(option: str, value: int | None, low: int) -> None:
 
 def parse_device(spec: str) -> torch.device:
     """``--device``: a device string torch parses (``cpu``, ``cuda``, ``cuda:1``, ``npu:0``), else ``ValueError``."""
-    from hwgraph.platform import checked_device
-
     return checked_device(spec, "--device", "a bench")
 
 

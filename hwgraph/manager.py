@@ -22,7 +22,7 @@ from hwgraph.compile_mode import compile_block_forward, compile_limits
 from hwgraph.dtypes import graph_dtype
 from hwgraph.graphs.base import CapturedGraph, CaptureError
 from hwgraph.hostmem import pinned_copy
-from hwgraph.platform import checked_device, platform_for
+from hwgraph.platform import checked_device, device_runtime, platform_for
 from hwgraph.registry import create_backend
 from hwgraph.timing import measure_interleaved
 
@@ -211,7 +211,7 @@ class EncoderGraphManager:
         # The graphs share their static buffers' pool: one encode() at a time fills, replays and copies out (threads),
         # and each waits on the device for the last one's copy out (streams: see _replay).
         self._lock = threading.Lock()
-        runtime = getattr(torch, self.device.type, None) if self.device.type != "cpu" else None
+        runtime = device_runtime(self.device)
         self._runtime = runtime if hasattr(runtime, "Event") and hasattr(runtime, "current_stream") else None
         self._buffers_read = None  # recorded after the last replay's copy out, on its stream
 

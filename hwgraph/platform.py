@@ -85,6 +85,12 @@ def cuda_info(notes: list[str]) -> PlatformInfo | None:
     return PlatformInfo("cuda", props.name, arch, torch.__version__, "CUDA", torch.version.cuda, count, tuple(notes))
 
 
+def device_runtime(device: torch.device):
+    """The torch namespace of ``device``'s accelerator (``torch.cuda``, ``torch.npu``, ...); None for the CPU or a
+    device type torch has no namespace for."""
+    return getattr(torch, device.type, None) if device.type != "cpu" else None
+
+
 def checked_device(spec: str | torch.device, name: str = "device", purpose: str = "hwgraph") -> torch.device:
     """``spec`` as a ``torch.device`` this machine has (``cpu``, ``cuda``, ``cuda:1``, ``npu:0``), else
     ``ValueError`` naming ``name``, the value and what was expected; ``purpose`` says what it is for."""
@@ -97,7 +103,7 @@ def checked_device(spec: str | torch.device, name: str = "device", purpose: str 
                          f"({exc})") from None
     if device.type == "cpu":
         return device
-    runtime = getattr(torch, device.type, None)
+    runtime = device_runtime(device)
     if device.type == "meta" or runtime is None or not callable(getattr(runtime, "is_available", None)):
         raise ValueError(f"{name} {str(spec)!r} cannot run {purpose}: expected an accelerator device (cuda, npu, "
                          f"...) or cpu")

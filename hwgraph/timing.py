@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hwgraph.platform import device_runtime
+
 
 @dataclass(frozen=True)
 class Latency:
@@ -124,6 +126,6 @@ def ready_side_stream(device: int, fn: Callable[[], object]) -> torch.cuda.Strea
 
 def synchronize(device: torch.device) -> None:
     """Wait for ``device``'s queued work (no-op on CPU); wall-clock timing needs it off CUDA (NPU, ...)."""
-    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
-    if device.type != "cpu" and callable(sync):
+    sync = getattr(device_runtime(device), "synchronize", None)
+    if callable(sync):
         sync(device)
