@@ -62,18 +62,9 @@ def replay_kind(result: dict) -> tuple[str, str]:
 
 def measured_anywhere(result: dict) -> bool:
     """``--measure-products`` was asked and some kernel's captures ran the backend's product chooser: not where
-    the backend has none (its ``products`` line then starts with "ATen's"; results from before ``products_measured``
-    was recorded are judged by that line)."""
-    if not result.get("measure_products"):
-        return False
-    for data in result["per_kernel"].values():
-        stats = data["stats"]
-        measured = stats.get("products_measured")
-        if measured is None:
-            measured = bool(stats.get("products")) and not str(stats["products"]).startswith("ATen's")
-        if measured:
-            return True
-    return False
+    the backend has none (``stats()['products_measured']``)."""
+    return bool(result.get("measure_products")) and any(data["stats"].get("products_measured")
+                                                        for data in result["per_kernel"].values())
 
 
 def compiled_anywhere(result: dict) -> bool:

@@ -175,8 +175,9 @@ def test_a_bench_with_measured_products_names_its_replay_and_what_chose_the_prod
     def result(compile, measure_products, **compile_stats):
         captured = {"capture_seconds_per_budget": {"64": 1.0}, **compile_stats}
         return {"compile": compile, "measure_products": measure_products, "per_kernel": {
-            "K": {"stats": {"products": "measured cuBLASLt algorithms: 7 shapes", **captured}},
-            "L": {"stats": {"products": None, **captured}}}}
+            "K": {"stats": {"products": "measured cuBLASLt algorithms: 7 shapes", "products_measured": True,
+                            **captured}},
+            "L": {"stats": {"products": None, "products_measured": False, **captured}}}}
 
     assert replay_kind(result(True, False)) == ("compiled replay", "compiled")
     assert replay_kind(result(False, True)) == ("replay with measured products", "measured products")
