@@ -358,7 +358,7 @@ class EncoderGraphManager:
         # forward's first call below runs on the current one) is made now, by an eager forward (compiling is timed
         # below), so that it is not counted as this budget's memory.
         eager_meta = static_meta.first_seqs(max(forwards))
-        self.backend.prepare(lambda: tower.forward_with_metadata(pixels, eager_meta).tensors())
+        self.backend.prepare(lambda: tower.forward_with_metadata(pixels, eager_meta).tensors(), current_stream=compiled)
         self.backend.synchronize()
         # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so the difference below
         # is what this budget's graphs hold, not cached blocks released on the way in.

@@ -701,10 +701,11 @@ class WorkspaceBackend(CpuGraphBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.kept, self.prepared = 0, []
+        self.kept, self.prepared, self.current_streams = 0, [], []
 
-    def prepare(self, fn):
+    def prepare(self, fn, *, current_stream=False):
         self.prepared.append(fn())
+        self.current_streams.append(current_stream)
         self.kept = self.kept_for_the_process
 
     def capture(self, fn, pool=None):
@@ -723,6 +724,7 @@ def test_what_a_backend_keeps_for_the_process_is_not_counted_in_the_first_budget
     prepared = first.backend.prepared  # before each budget, with an eager forward of its shapes
     assert [embeds.shape for embeds, *_ in prepared] == [(32, tower.out_hidden_size), (16, tower.out_hidden_size)]
     assert all(len(deepstack) == len(tower.deepstack_visual_indexes) for _, *deepstack in prepared)
+    assert first.backend.current_streams == [False, False]  # a plain capture runs nothing on the current stream
     second = EncoderGraphManager(tower, budgets=[16, 32], max_images_per_graph=2, graph_backend="cpu",
                                  attention="TORCH_SDPA")
     second.capture()

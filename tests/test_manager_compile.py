@@ -122,9 +122,12 @@ def test_compiled_mode_times_compiling_apart_from_capturing():
         return graph
 
     m.backend.capture = recording_capture
+    asked_current_stream = []  # the compiled forward's first call runs on the current stream: prepare readies it
+    m.backend.prepare = lambda fn, current_stream=False: asked_current_stream.append(current_stream)
     counters.clear()
     m.capture()
     s = m.stats()
+    assert asked_current_stream == [True, True]
     assert counters["stats"]["unique_graphs"] == 2 * 2  # a middle and a last block per budget
     # every compilation happened in the timed first forward, none while capturing
     assert compiled_in_capture == [0] * len(m.budgets) * len(m.slot_counts)
@@ -155,9 +158,13 @@ def test_compiled_mode_on_a_backend_without_inductor_captures_plain_and_says_why
     m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=2, graph_backend="cpu", compile=True)
     monkeypatch.setattr(m.backend, "compile_support", lambda: Capability.unavailable("no inductor for this device"))
     monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("torch.compile called"))
+    asked_current_stream = []
+    monkeypatch.setattr(m.backend, "prepare", lambda fn, current_stream=False: asked_current_stream.append(
+        current_stream))
     with caplog.at_level(logging.WARNING, logger="hwgraph.manager"):
         m.capture()
     assert sorted(m.graphs) == [8, 16] and m.stats()["capture_failures"] == {}
+    assert asked_current_stream == [False, False]  # captured plain: nothing runs on the current stream first
     assert m.stats()["compile_skipped"] == "no inductor for this device"
     assert "capturing without torch.compile" in caplog.text and "no inductor for this device" in caplog.text
     check_against_eager(tower, m, [[(1, 4, 8)], [(1, 4, 4), (1, 4, 8)]])

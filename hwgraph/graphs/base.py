@@ -82,10 +82,11 @@ class GraphBackend(ABC):
         """Return cached free memory to the device (after graphs are released). No-op where there is no cache."""
         return None
 
-    def prepare(self, fn: Callable[[], Outputs]) -> None:
+    def prepare(self, fn: Callable[[], Outputs], *, current_stream: bool = False) -> None:
         """Called before the memory a capture of ``fn`` costs is measured: make now what the runtime makes on the
         first use of a stream the capture runs on and keeps for the process (e.g. the math libraries' per-stream
-        workspaces), so that it is not counted as that capture's. No-op by default."""
+        workspaces), so that it is not counted as that capture's. ``current_stream``: the caller will also run
+        ``fn`` on the current stream before it measures (a compiled forward's first call). No-op by default."""
         return None
 
     def compile_support(self) -> Capability:

@@ -174,15 +174,19 @@ class TorchCudaGraphBackend(GraphBackend):
             streams[self.device] = self.runtime().Stream(device=self.device)
         return streams[self.device]
 
-    def prepare(self, fn) -> None:
-        """Run ``fn`` once on the device's capture stream, as its capture will, and once on the current stream, where
-        the manager's compiled forward first runs (and compiles): cuBLAS gives each stream its workspaces on first
-        use and keeps them for the process (``_capture_streams``), 34 MiB on the H200. Made here, they are not counted
-        in the capture's memory: those of these two streams, and of a side stream ``fn`` forks (the tower's DeepStack
+    def prepare(self, fn, *, current_stream: bool = False) -> None:
+        """Run ``fn`` once on the device's capture stream, as its capture will, and once on the current stream where
+        ``fn`` runs there too before the memory is read: the manager's compiled forward first runs (and compiles)
+        there, and ``check_replay`` reruns each capture there. cuBLAS gives each stream its workspaces on first use
+        and keeps them for the process (``_capture_streams``), 34 MiB on the H200. Made here, they are not counted
+        in the capture's memory: those of these streams, and of a side stream ``fn`` forks (the tower's DeepStack
         mergers run on one up to 512 rows)."""
         runtime = self.runtime()
         with runtime.device(self.device):
-            for stream in (self.capture_stream(), runtime.current_stream()):
+            streams = [self.capture_stream()]
+            if current_stream or self.check_replay_after_capture:
+                streams.append(runtime.current_stream())
+            for stream in streams:
                 self.warm_up(fn, stream, runs=1)
 
     def capture(self, fn, pool=None) -> TorchCudaCapturedGraph:

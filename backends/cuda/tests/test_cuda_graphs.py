@@ -322,12 +322,12 @@ def test_each_device_has_its_own_capture_stream_made_on_it_and_shared_by_its_bac
     assert [s.device for s in runtime.streams] == [torch.device("cuda", 0), torch.device("cuda", 1)]
 
 
-def test_prepare_runs_the_forward_once_on_the_capture_stream_and_once_on_the_current_one(runtime):
+def test_prepare_runs_the_forward_once_on_the_capture_stream_and_on_the_current_one_where_it_runs_there(runtime):
     """cuBLAS gives a stream its workspaces on first use and keeps them for the process: ``prepare`` (which the
     manager calls before measuring a budget's memory) runs the forward once on the device's capture stream, where
-    the capture will run it, and once on the current stream, where a compiled forward first runs, so that what those
-    streams' first use makes is not counted as the capture's; after a failed capture replaced the capture stream, on
-    the new one."""
+    the capture will run it, and once on the current stream only where the forward runs there too before the memory
+    is read (a compiled forward's first call, ROCm's eager check of each capture), so that what those streams' first
+    use makes is not counted as the capture's; after a failed capture replaced the capture stream, on the new one."""
     backend, ran_on = on(runtime)("cuda:1"), []
 
     def forward():
@@ -338,17 +338,33 @@ def test_prepare_runs_the_forward_once_on_the_capture_stream_and_once_on_the_cur
 
     backend.prepare(forward)
     first, default = runtime.streams[0], runtime.default
-    assert ran_on == [first, default] and first.device == torch.device("cuda", 1) and runtime.current is default
+    assert ran_on == [first] and first.device == torch.device("cuda", 1) and runtime.current is default
+    backend.prepare(forward, current_stream=True)
+    assert ran_on[1:] == [first, default] and runtime.current is default
+    del ran_on[:]
     on(runtime)("cuda:1").prepare(forward)  # another backend on the device shares the capture stream
-    assert ran_on[2:] == [first, default]
+    assert ran_on == [first]
     del ran_on[:]
     backend.capture(forward)
     assert ran_on == [first] * (backend.warmup_runs + 1)  # the warm-up runs and the capture
     with pytest.raises(CaptureError):
         backend.capture(forward)
     del ran_on[:]
-    backend.prepare(forward)
+    backend.prepare(forward, current_stream=True)
     assert len(runtime.streams) == 2 and ran_on == [runtime.streams[1], default]
+
+
+def test_prepare_readies_the_current_stream_where_the_backend_checks_each_capture_eagerly_there(runtime):
+    """ROCm's backend reruns each capture eagerly on the current stream (``check_replay_after_capture``), before the
+    manager reads the budget's memory: ``prepare`` readies that stream even for an uncompiled forward."""
+    ran_on = []
+
+    def forward():
+        ran_on.append(runtime.current)
+        return torch.ones(2)
+
+    on(runtime, RocmGraphBackend)("cuda:1").prepare(forward)
+    assert ran_on == [runtime.streams[0], runtime.default]
 
 
 def test_memory_and_synchronisation_are_the_backends_devices(runtime):

@@ -130,11 +130,11 @@ class NpuGraphBackend(TorchCudaGraphBackend):
             return self.compile_torchair(fn)
         return super().capture(fn, pool)
 
-    def prepare(self, fn) -> None:
+    def prepare(self, fn, *, current_stream: bool = False) -> None:
         # torchair captures on streams of its own choosing, not on the shared capture stream: an eager run there would
         # only give that stream workspaces which no torchair graph uses.
         if self.mode != "torchair":
-            super().prepare(fn)
+            super().prepare(fn, current_stream=current_stream)
 
     def compile_torchair(self, fn) -> CompiledGraph:
         import torchair

@@ -409,9 +409,10 @@ def test_torchair_compiles_and_warms_up_on_the_backend_device_within_capture(npu
     assert [e for e in npu.events if "compile" in e] == ["compiled run"]  # one run, no compilation
 
 
-def test_prepare_runs_on_the_capture_and_current_streams_in_aclgraph_mode_and_not_in_torchair_mode(npu, monkeypatch):
+def test_prepare_runs_on_the_capture_stream_and_the_current_one_if_asked_in_aclgraph_not_torchair(npu, monkeypatch):
     """The manager calls ``prepare`` before measuring a budget's memory. aclgraph captures on the shared capture
-    stream, which ``prepare`` makes ready with one eager run (and one on the current stream); torchair captures on
+    stream, which ``prepare`` makes ready with one eager run (and one on the current stream for a compiled forward,
+    which first runs there); torchair captures on
     streams of its own, where an eager run on the capture stream would only make workspaces no graph uses."""
     fake_torchair(monkeypatch)
     ran_on = []
@@ -420,10 +421,12 @@ def test_prepare_runs_on_the_capture_and_current_streams_in_aclgraph_mode_and_no
         ran_on.append(npu.current)
         return (torch.ones(2),)
 
-    NpuGraphBackend(mode="torchair").prepare(forward)
+    NpuGraphBackend(mode="torchair").prepare(forward, current_stream=True)
     assert ran_on == [] and npu.streams == []
     NpuGraphBackend(mode="aclgraph").prepare(forward)
-    assert len(npu.streams) == 1 and ran_on == [npu.streams[0], npu.default]
+    assert len(npu.streams) == 1 and ran_on == [npu.streams[0]]
+    NpuGraphBackend(mode="aclgraph").prepare(forward, current_stream=True)
+    assert ran_on[1:] == [npu.streams[0], npu.default]
 
 
 def test_torchair_captures_of_one_forward_code_do_not_fill_dynamos_recompile_limit(npu, monkeypatch):
