@@ -98,7 +98,8 @@ class ManagerStats:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
 
-TOWER_METHODS = ("parameters", "set_attention", "weights_key", "prepare_metadata", "forward_with_metadata")
+TOWER_METHODS = ("parameters", "set_attention", "weights_key", "prepare_metadata", "check_pixels",
+                 "forward_with_metadata")
 
 
 def check_tower(tower) -> None:
@@ -432,9 +433,9 @@ class EncoderGraphManager:
         """
         with self._lock:
             self._check_tower("encode()")
+            self.tower.check_pixels(pixel_values, grid_thw)  # before the metadata, whose tables grow with the grids
             host = self.tower.prepare_metadata(grid_thw)
             grid = host.grid_thw  # normalised: a tuple of (t, h, w) int triples
-            self.tower.check_pixels(pixel_values, host)
             tokens = int(host.num_tokens)
             entry, why = self.select_graph(grid, tokens)
             self._calls += 1

@@ -389,6 +389,22 @@ def test_pixels_that_do_not_match_the_grid_raise_value_errors():
         tower(torch.randn(64, 95), [(1, 8, 8)])
 
 
+def test_pixels_that_do_not_match_a_huge_grid_are_refused_before_its_metadata_is_built(monkeypatch):
+    """A grid's tables take memory in proportion to it (numpy's allocator refused 6 GiB for a 20000 x 20000 grid
+    before the rows were compared): the eager forward and the manager compare the rows with the grid first."""
+    from hwgraph.manager import EncoderGraphManager
+    from hwgraph.models.qwen3_omni import metadata
+
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention=masked_attention)
+    manager = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=1, graph_backend="cpu")
+    monkeypatch.setattr(metadata, "frame_tables", lambda *a: pytest.fail("tables built for rows that do not match"))
+    for encode in (tower.forward, manager.encode):
+        with pytest.raises(ValueError, match=r"has 4 rows but grids \[\(1, 20000, 20000\)\] need 400000000 patch rows"):
+            encode(torch.zeros(4, tower.patch_row_width), [(1, 20000, 20000)])
+        with pytest.raises(ValueError, match=r"divisible by the spatial merge size"):  # the grid's own checks first
+            encode(torch.zeros(4, tower.patch_row_width), [(1, 3, 4)])
+
+
 def test_metadata_fields_and_padding_semantics():
     tower = Qwen3OmniVisionTower.from_preset("tiny")
     meta = tower.prepare_metadata([(1, 4, 4), (2, 2, 4)])

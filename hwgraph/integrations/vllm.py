@@ -214,9 +214,11 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         """This step's values, unpadded: ``PADDING_LOGICS`` and vLLM's default copy pad them into the buffers.
         ``ValueError`` unless ``pixel_values`` is ``[patches of the grid, patch_row_width]`` (shapes only)."""
         self._check_path(path)
-        metadata = self.tower.prepare_metadata(self.host_grid(mm_kwargs))
+        grid = self.host_grid(mm_kwargs)
         # The default copy zero-pads: missing rows would replay as zero pixels and give a wrong answer, not an error.
-        self.tower.check_pixels(mm_kwargs[PIXELS], metadata)
+        # Checked before the metadata, whose tables grow with the grids.
+        self.tower.check_pixels(mm_kwargs[PIXELS], grid)
+        metadata = self.tower.prepare_metadata(grid)
         metadata = metadata.to(self.tower.device)
         return EncoderCudaGraphReplayBuffers(values={PIXELS: mm_kwargs[PIXELS], **metadata.tensors()})
 

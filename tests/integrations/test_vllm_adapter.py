@@ -253,6 +253,22 @@ def test_pixels_that_disagree_with_the_grid_are_refused_on_every_path(tower, ada
     assert manager.graph_hits == 0 and manager.replays == 0
 
 
+def test_pixels_that_disagree_with_a_huge_grid_are_refused_before_its_metadata_is_built(adapter, manager,
+                                                                                         monkeypatch):
+    """A grid's tables take memory in proportion to it: every path compares the rows with the grid first."""
+    from hwgraph.models.qwen3_omni import metadata
+
+    monkeypatch.setattr(metadata, "frame_tables", lambda *a: pytest.fail("tables built for rows that do not match"))
+    kwargs = {"pixel_values": torch.randn(80, adapter.tower.patch_row_width), "image_grid_thw": [(1, 20000, 20000)]}
+    message = r"pixel_values has 80 rows but grids \[\(1, 20000, 20000\)\] need 400000000 patch rows"
+    with pytest.raises(ValueError, match=message):
+        adapter.prepare_encoder_cudagraph_replay_buffers(kwargs, MAX_ITEMS, MAX_ITEMS)
+    with pytest.raises(ValueError, match=message):
+        manager.execute(kwargs)
+    with pytest.raises(ValueError, match=message), torch.inference_mode():
+        adapter.encoder_eager_forward(kwargs)
+
+
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_capture_inputs_and_forward_have_the_budget_shapes(tower, adapter, budget):
     inputs = adapter.prepare_encoder_cudagraph_capture_inputs(budget, MAX_ITEMS, MAX_ITEMS, CPU, torch.bfloat16)

@@ -19,7 +19,7 @@ from hwgraph.capability import Capability
 from hwgraph.models.qwen3_omni.config import VisionConfig, check_config, preset_config, resolve_config
 from hwgraph.models.qwen3_omni.fused import add_position_embedding
 from hwgraph.models.qwen3_omni.layers import AxialRotary, PatchEmbed, PatchMerger, VisionBlock
-from hwgraph.models.qwen3_omni.metadata import VisionMetadata, prepare_metadata
+from hwgraph.models.qwen3_omni.metadata import VisionMetadata, normalize_grid, prepare_metadata
 from hwgraph.models.qwen3_omni.output import VisionOutput
 from hwgraph.platform import KINDS, PlatformInfo, platform_for
 
@@ -186,9 +186,16 @@ class Qwen3OmniVisionTower(nn.Module):
         """Host metadata for images of ``grid_thw`` (list of (t, h, w), or an int array/tensor on the host)."""
         return prepare_metadata(grid_thw, self.spatial_merge_size, self.num_grid_per_side)
 
-    def check_pixels(self, pixel_values: torch.Tensor, metadata: VisionMetadata) -> None:
-        """``ValueError`` unless ``pixel_values`` is a ``[metadata.num_rows, patch_row_width]`` floating-point tensor
-        (shapes and type only)."""
+    def check_pixels(self, pixel_values: torch.Tensor, metadata) -> None:
+        """``ValueError`` unless ``pixel_values`` is a ``[rows, patch_row_width]`` floating-point tensor (shapes and
+        type only), ``rows`` being ``metadata.num_rows``. ``metadata`` may also be the image grids themselves (what
+        ``prepare_metadata`` takes, checked as it checks them): checked before their metadata is built, rows that do
+        not match a huge grid are refused before its tables take memory in proportion to it."""
+        if isinstance(metadata, VisionMetadata):
+            grid, rows = metadata.grid_thw, metadata.num_rows
+        else:
+            grid = normalize_grid(metadata, self.spatial_merge_size)
+            rows = sum(t * h * w for t, h, w in grid)
         if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point():
             raise ValueError(f"pixel_values must be a floating-point torch.Tensor [patches, {self.patch_row_width}], "
                              f"got {type(pixel_values).__name__}"
@@ -198,9 +205,9 @@ class Qwen3OmniVisionTower(nn.Module):
             raise ValueError(f"pixel_values must be [patches, {self.patch_row_width}] (row width = in_channels "
                              f"{c.in_channels} * temporal_patch_size {c.temporal_patch_size} * patch_size "
                              f"{c.patch_size}**2), got shape {tuple(pixel_values.shape)}")
-        if pixel_values.shape[0] != metadata.num_rows:
-            raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows but grids {list(metadata.grid_thw)} "
-                             f"need {metadata.num_rows} patch rows")
+        if pixel_values.shape[0] != rows:
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows but grids {list(grid)} "
+                             f"need {rows} patch rows")
 
     def forward_with_metadata(self, pixel_values: torch.Tensor, metadata: VisionMetadata,
                               block_forward=None) -> VisionOutput:
@@ -283,4 +290,5 @@ class Qwen3OmniVisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw) -> VisionOutput:
         """Eager forward: ``prepare_metadata(grid_thw)`` then ``forward_with_metadata``."""
+        self.check_pixels(pixel_values, grid_thw)  # before the metadata, whose tables grow with the grids
         return self.forward_with_metadata(pixel_values, self.prepare_metadata(grid_thw))
