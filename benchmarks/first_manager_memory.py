@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     args = p.parse_args()
     if args.no_prepare:
-        TorchCudaGraphBackend.prepare = lambda self, fn: None
+        TorchCudaGraphBackend.prepare = lambda self, fn, **options: None
         print("prepare() turned off")
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b").to("cuda", torch.bfloat16).eval()
