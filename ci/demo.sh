@@ -2,10 +2,8 @@
 # Usage: ci/demo.sh [extra args for hwgraph bench]
 # Builds the environment (ci/env.sh) and shows the package doing its job on the detected device.
 set -euo pipefail
-ACCEL=cpu
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then ACCEL=cuda; fi
-if command -v rocm-smi >/dev/null 2>&1; then ACCEL=rocm; fi
-if command -v npu-smi >/dev/null 2>&1; then ACCEL=npu; fi
+source "$(dirname "$0")/detect.sh"
+ACCEL="$DETECTED"
 source "$(dirname "$0")/env.sh" "$ACCEL"
 .venv/bin/hwgraph info
 # The side-by-side benchmark (on CPU: the tiny preset and small groups, about a minute on 2 cores).

@@ -5,12 +5,27 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ACCEL="${1:-cpu}"
 PYTHON="${PYTHON:-python3}"
+SYSTEM=true  # whether the venv sees the system's site-packages, where an accelerator's torch is
+if [ "$ACCEL" = cpu ] || [ "$ACCEL" = vllm ]; then SYSTEM=false; fi
 if [ ! -x .venv/bin/python ]; then
-  if [ "$ACCEL" = cpu ] || [ "$ACCEL" = vllm ]; then
+  if [ "$SYSTEM" = false ]; then
     "$PYTHON" -m venv .venv
   else
     "$PYTHON" -m venv --system-site-packages .venv
   fi
+fi
+# A .venv made for another kind of machine is refused, not reused: a CPU one has its own CPU torch, under which the
+# accelerator's tests would all be skipped; an accelerator's one runs the CPU suite under the vendor's torch.
+MADE=$(sed -n 's/^include-system-site-packages *= *//p' .venv/pyvenv.cfg 2>/dev/null | tr -d '[:space:]')
+if [ "${MADE:-false}" != "$SYSTEM" ]; then
+  if [ "$SYSTEM" = true ]; then
+    echo "ci: .venv was made for a CPU machine (its own torch), but $ACCEL needs the vendor's torch from the system" \
+      "site-packages: remove it (rm -rf .venv) and run again" >&2
+  else
+    echo "ci: .venv was made for an accelerator (the system's torch), but $ACCEL installs its own CPU torch:" \
+      "remove it (rm -rf .venv) and run again, or name this machine's accelerator (ci/test.sh cuda|rocm|npu)" >&2
+  fi
+  exit 2
 fi
 VPY=.venv/bin/python
 PIP="$VPY -m pip --disable-pip-version-check -q"

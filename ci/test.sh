@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Usage: ci/test.sh [cpu|cuda|rocm|npu|vllm] [pytest args]   (default cpu)
+# Usage: ci/test.sh [cpu|cuda|rocm|npu|vllm] [pytest args]   (default: this machine's accelerator, as ci/demo.sh)
 # Builds the environment (ci/env.sh) and runs the suite for that accelerator with pytest-xdist. Tests marked for
 # another accelerator are skipped with the reason; vllm tests run only in the vllm mode (their own venv).
 set -euo pipefail
-ACCEL="${1:-cpu}"
+source "$(dirname "$0")/detect.sh"
+ACCEL="${1:-$DETECTED}"
 case "$ACCEL" in
   cpu|cuda|rocm|npu|vllm) ;;
   *) echo "ci/test.sh: unknown accelerator '$ACCEL': expected cpu, cuda, rocm, npu or vllm" \

@@ -1,0 +1,86 @@
+"""The ci/ scripts' environment rules (bash, with a stand-in venv and stand-in vendor tools; nothing is installed)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+CI = Path(__file__).resolve().parents[1] / "ci"
+BASH = shutil.which("bash")
+pytestmark = pytest.mark.skipif(BASH is None, reason="the ci/ scripts are bash scripts; no bash on this machine")
+
+
+def checkout(tmp_path: Path, system_site_packages: bool | None) -> Path:
+    """A checkout with ci/env.sh and ci/detect.sh, and a .venv made with or without the system's site-packages
+    (None: no .venv) whose python accepts every command (so env.sh's pip calls do nothing)."""
+    root = tmp_path / "checkout"
+    (root / "ci").mkdir(parents=True)
+    for name in ("env.sh", "detect.sh"):
+        shutil.copy(CI / name, root / "ci" / name)
+    if system_site_packages is not None:
+        (root / ".venv" / "bin").mkdir(parents=True)
+        python = root / ".venv" / "bin" / "python"
+        python.write_text("#!/bin/sh\nexit 0\n")
+        python.chmod(0o755)
+        (root / ".venv" / "pyvenv.cfg").write_text(
+            f"home = /usr/bin\ninclude-system-site-packages = {str(system_site_packages).lower()}\nversion = 3.11\n")
+    return root
+
+
+def source_env(root: Path, accel: str) -> subprocess.CompletedProcess:
+    return subprocess.run([BASH, "-c", f"source ci/env.sh {accel} && echo sourced"], cwd=root, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize("accel", ["cuda", "rocm", "npu"])
+def test_a_cpu_venv_is_refused_for_an_accelerator_with_the_remedy(tmp_path, accel):
+    """Reused, its CPU torch would run the accelerator's suite with every accelerator test skipped."""
+    done = source_env(checkout(tmp_path, system_site_packages=False), accel)
+    assert done.returncode == 2 and "sourced" not in done.stdout
+    assert f"made for a CPU machine (its own torch), but {accel} needs the vendor's torch" in done.stderr
+    assert "rm -rf .venv" in done.stderr
+
+
+def test_an_accelerators_venv_is_refused_for_the_cpu_suite_with_the_remedy(tmp_path):
+    done = source_env(checkout(tmp_path, system_site_packages=True), "cpu")
+    assert done.returncode == 2 and "sourced" not in done.stdout
+    assert "made for an accelerator (the system's torch), but cpu installs its own CPU torch" in done.stderr
+
+
+@pytest.mark.parametrize("accel, system", [("cpu", False), ("cuda", True)])
+def test_a_venv_made_for_this_kind_of_machine_is_reused(tmp_path, accel, system):
+    done = source_env(checkout(tmp_path, system_site_packages=system), accel)
+    assert done.returncode == 0 and done.stdout.strip() == "sourced", done.stderr
+
+
+@pytest.mark.parametrize("tool, accel", [(None, "cpu"), ("nvidia-smi", "cuda"), ("rocm-smi", "rocm"),
+                                         ("npu-smi", "npu")])
+def test_the_detected_accelerator_is_the_vendor_tool_found(tmp_path, tool, accel):
+    """ci/test.sh and ci/demo.sh default to it, so that both use the venv made for this machine."""
+    root = checkout(tmp_path, system_site_packages=None)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    if tool is not None:
+        (tools / tool).write_text("#!/bin/sh\nexit 0\n")
+        (tools / tool).chmod(0o755)
+    done = subprocess.run([BASH, "-c", 'source ci/detect.sh && echo "$DETECTED"'], cwd=root, capture_output=True,
+                          text=True, timeout=60, env={"PATH": f"{tools}:/usr/bin:/bin"})
+    assert done.stdout.strip() == accel, done.stderr
+
+
+@pytest.mark.parametrize("script", ["test.sh", "demo.sh"])
+def test_test_sh_and_demo_sh_default_to_the_detected_accelerator(tmp_path, script):
+    """On a GPU machine whose .venv a CPU run made, both go for cuda and so meet env.sh's refusal (test.sh once
+    defaulted to cpu and reused that venv, skipping every CUDA test)."""
+    root = checkout(tmp_path, system_site_packages=False)
+    shutil.copy(CI / script, root / "ci" / script)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (tools / "nvidia-smi").chmod(0o755)
+    done = subprocess.run([BASH, f"ci/{script}"], cwd=root, capture_output=True, text=True, timeout=60,
+                          env={"PATH": f"{tools}:/usr/bin:/bin"})
+    assert done.returncode == 2 and "but cuda needs the vendor's torch" in done.stderr, done.stderr
