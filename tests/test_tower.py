@@ -588,6 +588,19 @@ def test_from_pretrained_lists_missing_unexpected_and_misshapen_tensors(tmp_path
         from_pretrained(broken)
 
 
+@pytest.mark.cpu_machine
+def test_from_pretrained_names_a_device_this_machine_lacks_before_reading(tmp_path, source):
+    """It failed inside safetensors' pinned copy ("pin_memory=True requires a CUDA or other accelerator backend")."""
+    _, state, vision = source
+    folder = write_checkpoint(tmp_path / "ckpt", state, vision)
+    with pytest.raises(ValueError, match=r"device 'cuda': this torch \(.*\) sees no cuda device"):
+        from_pretrained(folder, device="cuda")
+    with pytest.raises(ValueError, match=r"device 'cuda': this torch"):  # checked before the folder
+        from_pretrained(tmp_path / "nothing-here", device="cuda")
+    with pytest.raises(ValueError, match=r"device 'gpu' is not a torch device: expected e\.g\. cpu, cuda"):
+        from_pretrained(folder, device="gpu")
+
+
 def test_metadata_is_cached_per_grid_and_usable_outside_the_inference_mode_it_was_built_in():
     tower = Qwen3OmniVisionTower.from_preset("tiny")
     grid = [(1, 4, 8), (2, 4, 4)]

@@ -102,8 +102,13 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attenti
     under ``thinker.visual.``, ``visual.`` or no prefix. ``dtype`` None keeps the checkpoint's dtype; ``device``
     defaults to the CPU. Missing, unexpected or misshapen tensors raise ``CheckpointError`` listing them.
     """
+    from hwgraph.platform import checked_device
+
     if tower_cls is None:
         from hwgraph.models.qwen3_omni.tower import Qwen3OmniVisionTower as tower_cls
+    # Checked first: a device this machine lacks failed while reading, in safetensors' pinned copy ("pin_memory=True
+    # requires a CUDA or other accelerator backend") without naming the device.
+    device = checked_device(device if device is not None else "cpu", "device", "from_pretrained")
     folder = Path(path)
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -117,7 +122,6 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attenti
         from hwgraph.dtypes import graph_dtype
 
         dtype = graph_dtype(dtype)  # "bfloat16" or a floating-point dtype; anything else names the accepted ones
-    device = torch.device(device if device is not None else "cpu")
     with torch.device("meta"):
         tower = tower_cls(config, attention=attention)
     expected = {name: t.shape for name, t in tower.state_dict().items()}
