@@ -84,7 +84,8 @@ INFO_EPILOG = ("Exit status 0 when a graph backend is selected; 1 when none can 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hwgraph", description="The hwgraph command line: info, bench, validate.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at info level")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log at info level; -vv at debug level (e.g. the traceback of a gate that raised)")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="the platform, graph backends and attention kernels, with reasons",
                           description="The platform, every graph backend and attention kernel, and why any is "
@@ -105,7 +106,7 @@ def optional_commands():
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    logging.basicConfig(level={0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG),
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

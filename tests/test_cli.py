@@ -257,8 +257,9 @@ def test_no_command_is_a_usage_error_naming_the_commands(capsys):
     assert "the following arguments are required: command" in err and "{info,bench,validate}" in err
 
 
-@pytest.mark.parametrize("argv, level", [(["-v", "info"], logging.INFO), (["info"], logging.WARNING)])
-def test_verbose_logs_at_info_level(monkeypatch, capsys, argv, level):
+@pytest.mark.parametrize("argv, level", [(["-v", "info"], logging.INFO), (["info"], logging.WARNING),
+                                         (["-vv", "info"], logging.DEBUG), (["-v", "-v", "-v", "info"], logging.DEBUG)])
+def test_verbose_logs_at_info_level_and_twice_at_debug_level(monkeypatch, capsys, argv, level):
     # under pytest the root logger has handlers already, so basicConfig would not show its level: record it
     seen = []
     monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: seen.append(kwargs["level"]))
