@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hwgraph.bench import build_tower, group_inputs, parse_groups, warm_device
+from hwgraph.bench import build_tower, default_device, group_inputs, parse_groups, warm_device
 from hwgraph.manager import EncoderGraphManager, relative_error
 
 
@@ -24,10 +24,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[49, 256, 1024, 3000])
     parser.add_argument("--preset", default="qwen3-omni-30b-a3b")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", help="torch device (default: the detected accelerator, else cpu)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    device = torch.device(args.device)
+    device = torch.device(args.device) if args.device else default_device()
     tower = build_tower(args.preset, device, torch.bfloat16 if device.type != "cpu" else torch.float32, 0)
     warm_device(device)
     start = time.perf_counter()
