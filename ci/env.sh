@@ -1,6 +1,7 @@
 # Sourced by ci/*.sh: make .venv (if missing) and install hwgraph, its three backend plugins and the test tools.
 # On a machine without an accelerator torch==2.13.0 (CPU build) is installed into the venv; on an accelerator
-# machine the vendor's torch (CUDA, ROCm, torch_npu) comes from the system site-packages and is never replaced.
+# machine the vendor's torch (CUDA, ROCm, torch_npu) comes from the system site-packages, or from the venv of the
+# python that runs this ($PYTHON, default python3) where that is a venv's, and is never replaced.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ACCEL="${1:-cpu}"
@@ -12,6 +13,14 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
   else
     "$PYTHON" -m venv --system-site-packages .venv
+    # Where $PYTHON is itself a venv's (the vendor's torch installed there, e.g. /opt/torch/.venv/bin/python3), a
+    # venv made from it sees the base interpreter's site-packages, not that venv's: a .pth file adds them.
+    PARENT=$("$PYTHON" -c 'import site, sys
+if sys.prefix != sys.base_prefix: print(*site.getsitepackages(), sep="\n")')
+    if [ -n "$PARENT" ]; then
+      OWN=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+      echo "$PARENT" > "$OWN/_hwgraph_parent_venv.pth"
+    fi
   fi
 fi
 # A .venv made for another kind of machine is refused, not reused: a CPU one has its own CPU torch, under which the

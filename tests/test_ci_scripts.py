@@ -84,3 +84,24 @@ def test_test_sh_and_demo_sh_default_to_the_detected_accelerator(tmp_path, scrip
     done = subprocess.run([BASH, f"ci/{script}"], cwd=root, capture_output=True, text=True, timeout=60,
                           env={"PATH": f"{tools}:/usr/bin:/bin"})
     assert done.returncode == 2 and "but cuda needs the vendor's torch" in done.stderr, done.stderr
+
+
+def test_an_accelerator_venv_sees_the_torch_of_the_venv_whose_python_makes_it(tmp_path):
+    """The vendor's torch may live in a venv (the H200's is /opt/torch/.venv): a venv made from that venv's python
+    sees the base interpreter's site-packages, not the venv's, and env.sh stopped with 'no torch for cuda in this
+    environment'. It now adds the parent venv's site-packages (a .pth file)."""
+    import sys
+
+    parent = tmp_path / "vendor-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(parent)], check=True, timeout=120)
+    site = subprocess.run([str(parent / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                           "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "torch").mkdir()
+    (Path(site) / "torch" / "__init__.py").write_text("__version__ = 'vendor'\n")
+    root = checkout(tmp_path, system_site_packages=None)
+    done = subprocess.run([BASH, "-c", "source ci/env.sh cuda"], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHON": str(parent / "bin" / "python")})
+    assert "no torch for cuda" not in done.stderr, done.stderr  # (the install after it fails: no project here)
+    found = subprocess.run([str(root / ".venv" / "bin" / "python"), "-c", "import torch; print(torch.__version__, "
+                            "torch.__file__)"], capture_output=True, text=True, timeout=60)
+    assert found.stdout.split() == ["vendor", str(Path(site) / "torch" / "__init__.py")], found.stderr
