@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import types
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def compile_block_forward(fn):
@@ -18,6 +22,36 @@ def own_code_copy(fn):
     manager's compilations neither reuse nor count against those of other managers (another attention kernel or
     tower in the same process), so ``compile_limits`` can size the recompile limit to this manager alone."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def pin_triton_cache_dir(device: torch.device) -> str | None:
+    """Set ``TRITON_CACHE_DIR``, where it is unset, to the folder inductor switches it to, and return it (None on the
+    CPU, where compiled code is not Triton's, or where this torch has no such folder).
+
+    Inductor sets the variable for the whole process when it first loads one of its Triton kernels
+    (``CachingAutotuner``), so hwgraph's own Triton kernels (attention, rotary, LayerNorm) were cached in Triton's
+    default folder before that moment and in inductor's after it. A first process, compiling, switched early; a
+    second one, loading inductor's cached graphs, switched later, missed the kernels the first had cached in
+    inductor's folder and compiled them again (6 kernels, about 10 s on the H200's host). Set before the first
+    kernel compiles, the folder is one for every process."""
+    if device.type == "cpu":
+        return None
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return os.environ["TRITON_CACHE_DIR"]
+    try:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    except ImportError:  # another torch layout: inductor's own switch still applies
+        return None
+    if device.index is not None:
+        index = device.index
+    else:
+        from hwgraph.platform import device_runtime
+
+        runtime = device_runtime(device)
+        index = runtime.current_device() if runtime is not None else 0
+    folder = os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(index)
+    log.debug("Triton's cache folder for compiled mode: %s", folder)
+    return folder
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch
 from hwgraph import budgets as budget_rules
 from hwgraph import products
 from hwgraph.attention.base import check_attention_request
-from hwgraph.compile_mode import compile_block_forward, compile_limits
+from hwgraph.compile_mode import compile_block_forward, compile_limits, pin_triton_cache_dir
 from hwgraph.dtypes import graph_dtype
 from hwgraph.graphs.base import CapturedGraph, CaptureError
 from hwgraph.hostmem import pinned_copy
@@ -255,6 +255,8 @@ class EncoderGraphManager:
             return self.graphs
         self.pool = self.pool or self.backend.new_pool()
         compiled = self.compile and self._compile_supported()
+        if compiled:
+            pin_triton_cache_dir(self.device)  # before any kernel compiles: one Triton cache folder for every process
         if self.measure_products and self._chooser is None:
             self._chooser = self._product_chooser()
             # the chooser is the process's: this manager's stats describe what it did from here on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -253,3 +254,34 @@ def test_compiled_bench_times_plain_replay_side_by_side_and_reports_both():
     per = result["per_kernel"]["TORCH_SDPA"]
     assert set(per["plain_capture_seconds"]) == {8} and set(per["stats"]["compile_seconds_per_budget"]) == {8}
     assert all(f"| TORCH_SDPA | {what} |" in text for what in ("compiling", "compiling and capturing", "plain capture"))
+
+
+def test_triton_cache_folder_is_pinned_to_inductors_before_any_kernel_compiles(monkeypatch):
+    """Inductor switches TRITON_CACHE_DIR for the whole process when it first loads one of its Triton kernels; a
+    second process, loading cached graphs, switched later than the first had and compiled hwgraph's kernels again
+    (6 of them on the H200). Compiled mode sets inductor's folder first, and leaves a folder the user chose."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    from hwgraph.compile_mode import pin_triton_cache_dir
+
+    # a copy of the environment without the variable: what the function sets does not outlive the test
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"})
+    assert pin_triton_cache_dir(torch.device("cpu")) is None and "TRITON_CACHE_DIR" not in os.environ
+    assert pin_triton_cache_dir(torch.device("cuda", 1)) == triton_cache_dir(1) == os.environ["TRITON_CACHE_DIR"]
+    assert triton_cache_dir(1).endswith(os.path.join("triton", "1"))
+    os.environ["TRITON_CACHE_DIR"] = "/chosen"
+    assert pin_triton_cache_dir(torch.device("cuda", 0)) == "/chosen" and os.environ["TRITON_CACHE_DIR"] == "/chosen"
+
+
+@needs_inductor
+def test_only_a_compiled_capture_pins_the_triton_cache_folder_for_its_device(monkeypatch):
+    from hwgraph import manager as manager_module
+
+    pinned = []
+    monkeypatch.setattr(manager_module, "pin_triton_cache_dir", pinned.append)
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[0]).eval()
+    EncoderGraphManager(tower, budgets=[8], max_images_per_graph=1, graph_backend="cpu").capture()
+    assert pinned == []
+    m = EncoderGraphManager(tower, budgets=[8], max_images_per_graph=1, graph_backend="cpu", compile=True)
+    m.capture()
+    assert pinned == [torch.device("cpu")] and sorted(m.graphs) == [8]
