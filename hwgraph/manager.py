@@ -98,8 +98,7 @@ class ManagerStats:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
 
-TOWER_METHODS = ("parameters", "set_attention", "weights_key", "prepare_metadata", "check_pixels",
-                 "forward_with_metadata")
+TOWER_METHODS = ("parameters", "set_attention", "weights_key", "prepare_metadata", "forward_with_metadata")
 
 
 def check_tower(tower) -> None:
@@ -435,8 +434,7 @@ class EncoderGraphManager:
         """
         with self._lock:
             self._check_tower("encode()")
-            self.tower.check_pixels(pixel_values, grid_thw)  # before the metadata, whose tables grow with the grids
-            host = self.tower.prepare_metadata(grid_thw)
+            host = self.tower.prepare_metadata(grid_thw, pixel_values)  # pixels checked before the tables are built
             grid = host.grid_thw  # normalised: a tuple of (t, h, w) int triples
             tokens = int(host.num_tokens)
             entry, why = self.select_graph(grid, tokens)

@@ -214,11 +214,9 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         """This step's values, unpadded: ``PADDING_LOGICS`` and vLLM's default copy pad them into the buffers.
         ``ValueError`` unless ``pixel_values`` is ``[patches of the grid, patch_row_width]`` (shapes only)."""
         self._check_path(path)
-        grid = self.host_grid(mm_kwargs)
         # The default copy zero-pads: missing rows would replay as zero pixels and give a wrong answer, not an error.
-        # Checked before the metadata, whose tables grow with the grids.
-        self.tower.check_pixels(mm_kwargs[PIXELS], grid)
-        metadata = self.tower.prepare_metadata(grid)
+        # They are checked before the metadata's tables, which grow with the grids, are built.
+        metadata = self.tower.prepare_metadata(self.host_grid(mm_kwargs), mm_kwargs[PIXELS])
         metadata = metadata.to(self.tower.device)
         return EncoderCudaGraphReplayBuffers(values={PIXELS: mm_kwargs[PIXELS], **metadata.tensors()})
 

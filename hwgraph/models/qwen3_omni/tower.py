@@ -19,7 +19,7 @@ from hwgraph.capability import Capability
 from hwgraph.models.qwen3_omni.config import VisionConfig, check_config, preset_config, resolve_config
 from hwgraph.models.qwen3_omni.fused import add_position_embedding
 from hwgraph.models.qwen3_omni.layers import AxialRotary, PatchEmbed, PatchMerger, VisionBlock
-from hwgraph.models.qwen3_omni.metadata import VisionMetadata, normalize_grid, prepare_metadata
+from hwgraph.models.qwen3_omni.metadata import VisionMetadata, grid_metadata, normalize_grid
 from hwgraph.models.qwen3_omni.output import VisionOutput
 from hwgraph.platform import KINDS, PlatformInfo, platform_for
 
@@ -182,20 +182,21 @@ class Qwen3OmniVisionTower(nn.Module):
         return self
 
     # ------------------------------------------------------------------ forward
-    def prepare_metadata(self, grid_thw) -> VisionMetadata:
-        """Host metadata for images of ``grid_thw`` (list of (t, h, w), or an int array/tensor on the host)."""
-        return prepare_metadata(grid_thw, self.spatial_merge_size, self.num_grid_per_side)
+    def prepare_metadata(self, grid_thw, pixel_values: torch.Tensor | None = None) -> VisionMetadata:
+        """Host metadata for images of ``grid_thw`` (list of (t, h, w), or an int array/tensor on the host). With
+        ``pixel_values``, they are checked against the grids first, as ``check_pixels`` checks them against metadata:
+        rows that do not match are refused before the metadata's tables, which grow with the grids, are built."""
+        grid = normalize_grid(grid_thw, self.spatial_merge_size)
+        if pixel_values is not None:
+            self._check_pixels(pixel_values, grid, sum(t * h * w for t, h, w in grid))
+        return grid_metadata(grid, self.spatial_merge_size, self.num_grid_per_side)
 
-    def check_pixels(self, pixel_values: torch.Tensor, metadata) -> None:
-        """``ValueError`` unless ``pixel_values`` is a ``[rows, patch_row_width]`` floating-point tensor (shapes and
-        type only), ``rows`` being ``metadata.num_rows``. ``metadata`` may also be the image grids themselves (what
-        ``prepare_metadata`` takes, checked as it checks them): checked before their metadata is built, rows that do
-        not match a huge grid are refused before its tables take memory in proportion to it."""
-        if isinstance(metadata, VisionMetadata):
-            grid, rows = metadata.grid_thw, metadata.num_rows
-        else:
-            grid = normalize_grid(metadata, self.spatial_merge_size)
-            rows = sum(t * h * w for t, h, w in grid)
+    def check_pixels(self, pixel_values: torch.Tensor, metadata: VisionMetadata) -> None:
+        """``ValueError`` unless ``pixel_values`` is a ``[metadata.num_rows, patch_row_width]`` floating-point tensor
+        (shapes and type only)."""
+        self._check_pixels(pixel_values, metadata.grid_thw, metadata.num_rows)
+
+    def _check_pixels(self, pixel_values: torch.Tensor, grid, rows: int) -> None:
         if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point():
             raise ValueError(f"pixel_values must be a floating-point torch.Tensor [patches, {self.patch_row_width}], "
                              f"got {type(pixel_values).__name__}"
@@ -289,6 +290,5 @@ class Qwen3OmniVisionTower(nn.Module):
         return VisionBlock.forward_fused
 
     def forward(self, pixel_values: torch.Tensor, grid_thw) -> VisionOutput:
-        """Eager forward: ``prepare_metadata(grid_thw)`` then ``forward_with_metadata``."""
-        self.check_pixels(pixel_values, grid_thw)  # before the metadata, whose tables grow with the grids
-        return self.forward_with_metadata(pixel_values, self.prepare_metadata(grid_thw))
+        """Eager forward: ``prepare_metadata(grid_thw, pixel_values)`` then ``forward_with_metadata``."""
+        return self.forward_with_metadata(pixel_values, self.prepare_metadata(grid_thw, pixel_values))
