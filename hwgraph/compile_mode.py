@@ -42,14 +42,8 @@ def pin_triton_cache_dir(device: torch.device) -> str | None:
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
     except ImportError:  # another torch layout: inductor's own switch still applies
         return None
-    if device.index is not None:
-        index = device.index
-    else:
-        from hwgraph.platform import device_runtime
-
-        runtime = device_runtime(device)
-        index = runtime.current_device() if runtime is not None else 0
-    folder = os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(index)
+    # The graph backend's device, which names its index (torch.cuda backends resolve "cuda" to the current one).
+    folder = os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device.index if device.index is not None else 0)
     log.debug("Triton's cache folder for compiled mode: %s", folder)
     return folder
 

@@ -255,7 +255,7 @@ class EncoderGraphManager:
         self.pool = self.pool or self.backend.new_pool()
         compiled = self.compile and self._compile_supported()
         if compiled:
-            pin_triton_cache_dir(self.device)  # before any kernel compiles: one Triton cache folder for every process
+            pin_triton_cache_dir(self.backend.device)  # before anything compiles: one Triton cache folder for all
         if self.measure_products and self._chooser is None:
             self._chooser = self._product_chooser()
             # the chooser is the process's: this manager's stats describe what it did from here on
