@@ -13,14 +13,9 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
   else
     "$PYTHON" -m venv --system-site-packages .venv
-    # Where $PYTHON is itself a venv's (the vendor's torch installed there, e.g. /opt/torch/.venv/bin/python3), a
-    # venv made from it sees the base interpreter's site-packages, not that venv's: a .pth file adds them.
-    PARENT=$("$PYTHON" -c 'import site, sys
-if sys.prefix != sys.base_prefix: print(*site.getsitepackages(), sep="\n")')
-    if [ -n "$PARENT" ]; then
-      OWN=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-      echo "$PARENT" > "$OWN/_hwgraph_parent_venv.pth"
-    fi
+    # Where $PYTHON is itself a venv's (the vendor's torch installed there), the new venv sees the base
+    # interpreter's site-packages, not that venv's: ci/parent_venv.sh adds them.
+    PYTHON="$PYTHON" bash ci/parent_venv.sh .venv/bin/python
   fi
 fi
 # A .venv made for another kind of machine is refused, not reused: a CPU one has its own CPU torch, under which the

@@ -14,11 +14,11 @@ pytestmark = pytest.mark.skipif(BASH is None, reason="the ci/ scripts are bash s
 
 
 def checkout(tmp_path: Path, system_site_packages: bool | None) -> Path:
-    """A checkout with ci/env.sh and ci/detect.sh, and a .venv made with or without the system's site-packages
-    (None: no .venv) whose python accepts every command (so env.sh's pip calls do nothing)."""
+    """A checkout with ci/env.sh, ci/detect.sh and ci/parent_venv.sh, and a .venv made with or without the system's
+    site-packages (None: no .venv) whose python accepts every command (so env.sh's pip calls do nothing)."""
     root = tmp_path / "checkout"
     (root / "ci").mkdir(parents=True)
-    for name in ("env.sh", "detect.sh"):
+    for name in ("env.sh", "detect.sh", "parent_venv.sh"):
         shutil.copy(CI / name, root / "ci" / name)
     if system_site_packages is not None:
         (root / ".venv" / "bin").mkdir(parents=True)
@@ -89,10 +89,9 @@ def test_test_sh_and_demo_sh_default_to_the_detected_accelerator(tmp_path, scrip
     assert done.returncode == 2 and "but cuda needs the vendor's torch" in done.stderr, done.stderr
 
 
-def test_an_accelerator_venv_sees_the_torch_of_the_venv_whose_python_makes_it(tmp_path):
-    """The vendor's torch may live in a venv (the H200's is /opt/torch/.venv): a venv made from that venv's python
-    sees the base interpreter's site-packages, not the venv's, and env.sh stopped with 'no torch for cuda in this
-    environment'. It now adds the parent venv's site-packages (a .pth file)."""
+def vendor_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A venv standing in for the vendor's (the H200's /opt/torch/.venv), holding a stand-in torch: its python and
+    the stand-in's file."""
     import sys
 
     parent = tmp_path / "vendor-venv"
@@ -101,10 +100,74 @@ def test_an_accelerator_venv_sees_the_torch_of_the_venv_whose_python_makes_it(tm
                            "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
     (Path(site) / "torch").mkdir()
     (Path(site) / "torch" / "__init__.py").write_text("__version__ = 'vendor'\n")
+    return parent / "bin" / "python", Path(site) / "torch" / "__init__.py"
+
+
+def torch_seen_by(python: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(python), "-c", "import torch; print(torch.__version__, torch.__file__)"],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_an_accelerator_venv_sees_the_torch_of_the_venv_whose_python_makes_it(tmp_path):
+    """The vendor's torch may live in a venv (the H200's is /opt/torch/.venv): a venv made from that venv's python
+    sees the base interpreter's site-packages, not the venv's, and env.sh stopped with 'no torch for cuda in this
+    environment'. It now adds the parent venv's site-packages (a .pth file)."""
+    parent_python, torch_file = vendor_venv(tmp_path)
     root = checkout(tmp_path, system_site_packages=None)
     done = subprocess.run([BASH, "-c", "source ci/env.sh cuda"], cwd=root, capture_output=True, text=True,
-                          timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHON": str(parent / "bin" / "python")})
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHON": str(parent_python)})
     assert "no torch for cuda" not in done.stderr, done.stderr  # (the install after it fails: no project here)
-    found = subprocess.run([str(root / ".venv" / "bin" / "python"), "-c", "import torch; print(torch.__version__, "
-                            "torch.__file__)"], capture_output=True, text=True, timeout=60)
-    assert found.stdout.split() == ["vendor", str(Path(site) / "torch" / "__init__.py")], found.stderr
+    found = torch_seen_by(root / ".venv" / "bin" / "python")
+    assert found.stdout.split() == ["vendor", str(torch_file)], found.stderr
+
+
+def test_a_tox_env_sees_the_torch_of_the_venv_of_the_python3_on_path(tmp_path):
+    """Found on the H200: `tox -e cuda` stopped at `No matching distribution found for torch>=2.10`. tox's env, made
+    with the system's site-packages from the vendor venv's python, saw the base interpreter's site-packages only.
+    The accelerator envs now run ci/parent_venv.sh first; tox puts its env's bin folder first on PATH, so the
+    parent is the python3 found after it."""
+    parent_python, torch_file = vendor_venv(tmp_path)
+    env = tmp_path / "tox-env"  # what virtualenv makes with system_site_packages = true from the vendor's python
+    subprocess.run([str(parent_python), "-m", "venv", "--without-pip", "--system-site-packages", str(env)],
+                   check=True, timeout=120)
+    assert torch_seen_by(env / "bin" / "python").returncode != 0  # the failure on the H200
+    path = f"{env / 'bin'}:{parent_python.parent}:/usr/bin:/bin"
+    done = subprocess.run([BASH, str(CI / "parent_venv.sh"), str(env / "bin" / "python")], capture_output=True,
+                          text=True, timeout=120, env={"PATH": path})
+    assert done.returncode == 0, done.stderr
+    assert torch_seen_by(env / "bin" / "python").stdout.split() == ["vendor", str(torch_file)]
+
+
+def test_parent_venv_adds_nothing_where_the_python_is_no_venvs(tmp_path):
+    """A system python (no venv): its site-packages are the system's, which the env already sees."""
+    import sys
+
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    if not base.exists():
+        pytest.skip(f"no base interpreter at {base}")
+    env = tmp_path / "env"
+    subprocess.run([str(base), "-m", "venv", "--without-pip", "--system-site-packages", str(env)], check=True,
+                   timeout=120)
+    done = subprocess.run([BASH, str(CI / "parent_venv.sh"), str(env / "bin" / "python")], capture_output=True,
+                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHON": str(base)})
+    assert done.returncode == 0, done.stderr
+    assert not list(env.glob("lib/python*/site-packages/_hwgraph_parent_venv.pth"))
+
+
+def test_parent_venv_names_what_it_expects(tmp_path):
+    done = subprocess.run([BASH, str(CI / "parent_venv.sh"), str(tmp_path / "missing" / "python")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "expected an environment's python" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("accel", ["cuda", "rocm", "npu"])
+def test_tox_accelerator_envs_add_the_parent_venv_before_installing(accel):
+    import configparser
+
+    ini = configparser.ConfigParser(interpolation=None)
+    ini.read(CI.parent / "tox.ini")
+    section = ini[f"testenv:{accel}"]
+    steps = [line.strip() for line in section["commands_pre"].strip().splitlines()]
+    assert steps == ["bash ci/parent_venv.sh {env_python}",
+                     f"bash ci/install_extra.sh {{envtmpdir}}/wheels {accel},test --offline"]
+    assert section["system_site_packages"] == "true" and "PYTHON" in section["pass_env"].split()
