@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level={0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG),
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a pipe's stdout is block-buffered: a gone reader's error comes here, not at exit
+        return code
     except BrokenPipeError:  # the reader went away (``hwgraph info --json | head``): stop quietly, as a tool killed
         # by SIGPIPE would; stdout goes to /dev/null so that flushing it at exit does not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
