@@ -161,15 +161,93 @@ def test_parent_venv_names_what_it_expects(tmp_path):
 
 
 @pytest.mark.parametrize("accel", ["cuda", "rocm", "npu"])
-def test_tox_accelerator_envs_add_the_parent_venv_before_installing_all_three_plugins(accel):
-    """On the H200, `tox -e cuda` with only the cuda plugin failed to collect four modules that import the rocm or
-    npu plugin (`ModuleNotFoundError: No module named 'hwgraph_npu'`), as ci/env.sh's venv never did."""
+def test_tox_accelerator_envs_prepare_through_accel_env_sh(accel):
     import configparser
 
     ini = configparser.ConfigParser(interpolation=None)
     ini.read(CI.parent / "tox.ini")
     section = ini[f"testenv:{accel}"]
-    steps = [line.strip() for line in section["commands_pre"].strip().splitlines()]
-    assert steps == ["bash ci/parent_venv.sh {env_python}",
-                     "bash ci/install_extra.sh {envtmpdir}/wheels cuda,rocm,npu,test --offline"]
+    assert section["commands_pre"].strip() == f"bash ci/accel_env.sh {accel} {{envtmpdir}}/wheels {{env_python}}"
     assert section["system_site_packages"] == "true" and "PYTHON" in section["pass_env"].split()
+    assert section["commands"].strip().endswith(f"-m {accel} tests backends {{posargs}}")
+
+
+def test_accel_env_sh_installs_all_three_plugins_between_its_checks():
+    """On the H200, `tox -e cuda` with only the cuda plugin failed to collect four modules that import the rocm or
+    npu plugin (`ModuleNotFoundError: No module named 'hwgraph_npu'`), as ci/env.sh's venv never did."""
+    steps = [line for line in (CI / "accel_env.sh").read_text().splitlines() if line and not line.startswith(("#", " "))
+             and not line.startswith(("set ", "cd ", "if ", "fi", "ACCEL="))]
+    assert steps == ['bash ci/parent_venv.sh "$ENV_PYTHON"', '"$ENV_PYTHON" ci/accel_check.py deps "$ACCEL"',
+                     'PATH="$(dirname "$ENV_PYTHON"):$PATH" bash ci/install_extra.sh "$WHEELS" cuda,rocm,npu,test '
+                     '--offline', '"$ENV_PYTHON" ci/accel_check.py machine "$ACCEL"']
+
+
+def bare_env(tmp_path: Path) -> Path:
+    """A venv of the base interpreter without the system's site-packages: no torch, no transformers, no pytest."""
+    import sys
+
+    env = tmp_path / "bare"
+    subprocess.run([str(Path(sys.base_prefix) / "bin" / "python3"), "-m", "venv", "--without-pip", str(env)],
+                   check=True, timeout=120)
+    return env / "bin" / "python"
+
+
+def test_accel_env_sh_names_every_missing_requirement_before_installing(tmp_path):
+    """pip, offline, stopped at the first requirement it could not resolve (`No matching distribution found for
+    transformers>=5.0`), after three setuptools warnings, without saying the env installs offline by design."""
+    import sys
+
+    python = bare_env(tmp_path)
+    done = subprocess.run([BASH, str(CI / "accel_env.sh"), "rocm", str(tmp_path / "wheels"), str(python)],
+                          capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": str(Path(sys.base_prefix) / "bin" / "python3")})
+    assert done.returncode == 2, done.stderr
+    if sys.version_info < (3, 11):
+        pytest.skip("no tomllib before Python 3.11: the requirements are not checked")
+    for wanted in ("torch>=2.10 (not installed)", "transformers>=5.0 (not installed)", "pytest-xdist>=3 (not "
+                   "installed)", "a ROCm build of torch", "PYTHON=/path/to/venv/bin/python tox -e rocm"):
+        assert wanted in done.stderr, done.stderr
+    assert not (tmp_path / "wheels").exists()  # stopped before building anything
+
+
+def test_accel_check_names_a_requirement_too_old():
+    import sys
+
+    sys.path.insert(0, str(CI))
+    try:
+        import accel_check
+    finally:
+        sys.path.remove(str(CI))
+    assert accel_check.unmet(["packaging>=1", "pytest>=9999", "surely-no-such-distribution>=1"]) == [
+        f"pytest>=9999 (found {__import__('pytest').__version__})", "surely-no-such-distribution>=1 (not installed)"]
+
+
+@pytest.mark.parametrize("accel", ["cuda", "rocm", "npu"])
+def test_accel_check_refuses_a_machine_of_another_kind(accel):
+    """Run on a machine without the accelerator, the env passed with every test skipped (136 for cuda here)."""
+    import sys
+
+    from hwgraph.platform import detect
+
+    if detect().kind == accel:
+        pytest.skip(f"this is a {accel} machine")
+    done = subprocess.run([sys.executable, str(CI / "accel_check.py"), "machine", accel], cwd=CI.parent,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert f"hwgraph finds a {detect().kind} machine here" in done.stderr
+    assert f"every {accel} test would be skipped" in done.stderr
+
+
+@pytest.mark.parametrize("args", [["machine"], ["deps", "tpu"], ["install", "cuda"]])
+def test_accel_check_names_what_it_expects(args):
+    import sys
+
+    done = subprocess.run([sys.executable, str(CI / "accel_check.py"), *args], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1 and "expected deps|machine cuda|rocm|npu" in done.stderr, done.stderr
+
+
+def test_accel_env_sh_names_what_it_expects(tmp_path):
+    done = subprocess.run([BASH, str(CI / "accel_env.sh"), "tpu", str(tmp_path), "/usr/bin/python3"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "expected cuda|rocm|npu WHEELDIR ENV_PYTHON" in done.stderr, done.stderr
