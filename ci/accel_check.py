@@ -68,9 +68,10 @@ def check_machine(accel: str) -> int:
     found = detect()
     if found.kind != accel:
         notes = "".join(f"; {note}" for note in found.notes)
+        machine = f"{'an' if accel == 'npu' else 'a'} {accel} machine"
         print(f"tox -e {accel}: hwgraph finds a {found.kind} machine here (torch {torch.__version__} from "
-              f"{torch.__file__}{notes}), so every {accel} test would be skipped: run this env on a {accel} machine "
-              f"with {VENDOR_TORCH[accel]}, or tox -e cpu here", file=sys.stderr)
+              f"{torch.__file__}{notes}), so every {accel} test would be skipped: run this env on {machine} with "
+              f"{VENDOR_TORCH[accel]}, or tox -e cpu here", file=sys.stderr)
         return 2
     print(f"tox -e {accel}: {found.device_count} x {found.device_name} ({found.arch}), torch {torch.__version__}")
     return 0
