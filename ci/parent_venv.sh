@@ -18,7 +18,10 @@ fi
 PTH=$("$TARGET" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_hwgraph_parent_venv.pth
 PARENT=$("$PYTHON" -c 'import site, sys
 if sys.prefix != sys.base_prefix: print(*site.getsitepackages(), sep="\n")')
-if [ -n "$PARENT" ] && [ "$("$PYTHON" -c 'import sys; print(sys.prefix)')" != "$("$TARGET" -c 'import sys; print(sys.prefix)')" ]; then
+PREFIX='import sys; print(sys.prefix)'
+if [ -n "$PARENT" ] && [ "$("$PYTHON" -c "$PREFIX")" != "$("$TARGET" -c "$PREFIX")" ]; then
   echo "$PARENT" > "$PTH"
   echo "ci: $TARGET also sees the site-packages of $PYTHON's venv ($PTH)" >&2
+else
+  rm -f "$PTH"  # an earlier run's parent (a reused tox env), no longer the one named
 fi

@@ -154,6 +154,23 @@ def test_parent_venv_adds_nothing_where_the_python_is_no_venvs(tmp_path):
     assert not list(env.glob("lib/python*/site-packages/_hwgraph_parent_venv.pth"))
 
 
+def test_parent_venv_removes_an_earlier_parent_no_longer_named(tmp_path):
+    """A tox env is reused between runs: one run from the vendor venv, the next with PYTHON naming a python that is
+    no venv's, must not keep the first run's parent."""
+    import sys
+
+    parent_python, _ = vendor_venv(tmp_path)
+    env = tmp_path / "tox-env"
+    subprocess.run([str(parent_python), "-m", "venv", "--without-pip", "--system-site-packages", str(env)],
+                   check=True, timeout=120)
+    script = [BASH, str(CI / "parent_venv.sh"), str(env / "bin" / "python")]
+    for python in (parent_python, Path(sys.base_prefix) / "bin" / "python3"):
+        done = subprocess.run(script, capture_output=True, text=True, timeout=120,
+                              env={"PATH": "/usr/bin:/bin", "PYTHON": str(python)})
+        assert done.returncode == 0, done.stderr
+    assert torch_seen_by(env / "bin" / "python").returncode != 0
+
+
 def test_parent_venv_names_what_it_expects(tmp_path):
     done = subprocess.run([BASH, str(CI / "parent_venv.sh"), str(tmp_path / "missing" / "python")],
                           capture_output=True, text=True, timeout=60)
