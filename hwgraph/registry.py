@@ -111,6 +111,7 @@ def discovered() -> tuple[tuple[BackendSpec, ...], tuple[str, ...]]:
             if not isinstance(spec, BackendSpec):
                 raise TypeError(f"probe returned {type(spec).__name__}, expected BackendSpec")
         except Exception as exc:
+            log.debug("entry point %r (%s) failed to load", ep.name, ep.value, exc_info=True)  # for its author
             problems.append(f"entry point {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}")
             continue
         if any(s.name == spec.name for s in specs):
@@ -133,8 +134,10 @@ def spec_named(name: str) -> BackendSpec:
         if spec.name == name:
             return spec
     known = ", ".join(s.name for s in backend_specs())
+    problems = discovered()[1]
+    failed = f"; installed plugins that failed to load: {'; '.join(problems)}" if problems else ""
     raise SelectionError(f"unknown graph backend {name!r}; known: {known} "
-                         f"(plugins install with pip install 'hwgraph[cuda|rocm|npu]')")
+                         f"(plugins install with pip install 'hwgraph[cuda|rocm|npu]'){failed}")
 
 
 def list_backends(platform: PlatformInfo | None = None) -> list[tuple[BackendSpec, Capability]]:
@@ -163,8 +166,9 @@ def cpu_fallback(why: str) -> Selected:
 def choose_backend(name: str | None = None, platform: PlatformInfo | None = None) -> Selected:
     """Pick a graph backend: ``name``, else ``$HWGRAPH_GRAPH_BACKEND``, else the best available for the platform.
 
-    An explicit choice that fails its gate raises ``SelectionError`` with its reasons. An automatic choice that
-    finds nothing falls back to the CPU reference backend (eager-equivalent) and says why.
+    An explicit choice that fails its gate raises ``SelectionError`` with its reasons. An automatic choice, among
+    the backends of non-negative priority that serve the platform's kind, that finds nothing falls back to the CPU
+    reference backend (eager-equivalent) and says why.
     """
     platform = platform or detect()
     name = name or os.environ.get(GRAPH_BACKEND_ENV) or None
@@ -176,7 +180,7 @@ def choose_backend(name: str | None = None, platform: PlatformInfo | None = None
         return Selected(spec, "explicit")
     refused = []
     for spec in sorted(backend_specs(), key=lambda s: -s.priority):
-        if platform.kind not in spec.kinds:
+        if platform.kind not in spec.kinds or spec.priority < 0:  # a negative priority: chosen only by name
             continue
         cap = spec.capability(platform)
         if cap.ok:
@@ -195,17 +199,33 @@ def create_backend(name: str | None = None, device=None, mode: str | None = None
     The probe's gate judges the platform; the class then judges ``device`` itself (``GraphBackend.capability``: that
     it exists, that it is a device of its runtime, its architecture). A device it refuses raises ``SelectionError``
     with the reasons for an explicit choice; an automatic choice falls back to the CPU reference backend, as when no
-    gate accepts the platform, and says why."""
+    gate accepts the platform, and says why. So does an automatic choice whose class does not import (an explicit
+    one raises that ``ImportError``) or whose ``capability`` raises (a reason, as a gate's crash is)."""
     selected = choose_backend(name, platform)
-    cls = selected.spec.load()
-    if device is not None:
-        cap = cls.capability(device)
-        if not cap.ok:
-            refusal = f"graph backend {selected.spec.name!r} cannot capture on {device}: {cap.describe()}"
-            if selected.explicit:
-                raise SelectionError(refusal)
-            selected = cpu_fallback(refusal)
-            log.warning(selected.reason)
-            cls = selected.spec.load()
+    try:
+        cls = selected.spec.load()
+        refusal = device_refusal(selected.spec.name, cls, device)
+    except ImportError as exc:
+        if selected.explicit:
+            raise
+        cls, refusal = None, str(exc)
+    if refusal:
+        if selected.explicit:
+            raise SelectionError(refusal)
+        selected = cpu_fallback(refusal)
+        log.warning(selected.reason)
+        cls = selected.spec.load()
     log.info("graph backend %s (%s)", selected.spec.name, selected.reason)
     return cls(device=device, mode=mode)
+
+
+def device_refusal(name: str, cls, device) -> str | None:
+    """Why backend class ``cls`` (named ``name``) cannot capture on ``device``, or None (also for no device)."""
+    if device is None:
+        return None
+    try:
+        cap = cls.capability(device)
+    except Exception as exc:  # a crashing device check is a reason, not a crash
+        log.debug("graph backend %r: capability(%s) failed", name, device, exc_info=True)
+        cap = Capability.unavailable(f"its capability({device}) failed: {type(exc).__name__}: {exc}")
+    return None if cap.ok else f"graph backend {name!r} cannot capture on {device}: {cap.describe()}"

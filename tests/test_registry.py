@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import types
 from importlib.metadata import EntryPoint
@@ -186,6 +187,68 @@ def test_a_class_path_that_does_not_load_is_named_with_its_plugin(monkeypatch, c
     with pytest.raises(ImportError, match=rf"graph backend 'toy' \(distribution hwgraph-backend-toy\) declares "
                                           rf"class_path '{class_path}', which does not load: "):
         create_backend("toy", platform=platform_of("cpu"))
+
+
+class DeviceCheckRaises(CpuGraphBackend):
+    name = "raising"
+
+    @classmethod
+    def capability(cls, device=None):
+        raise RuntimeError("device query exploded")
+
+
+@pytest.mark.parametrize("class_path, reason", [
+    ("hwgraph_no_such_module.graphs:Backend", "declares class_path 'hwgraph_no_such_module.graphs:Backend', which "
+                                              "does not load"),
+    (f"{__name__}:DeviceCheckRaises", "cannot capture on cpu: its capability(cpu) failed: RuntimeError: device "
+                                      "query exploded")])
+def test_an_automatic_choice_that_cannot_load_or_check_the_device_falls_back_with_the_reason(
+        monkeypatch, caplog, class_path, reason):
+    """A plugin serving cpu above the reference backend, whose class does not import or whose device check raises:
+    every manager raised that error, while ``hwgraph info`` showed the plugin selected and available (found by a
+    plugin author's walkthrough). An explicit choice still raises."""
+    install_probes(monkeypatch, broken=lambda: BackendSpec("broken", class_path, ("cpu",),
+                                                           lambda p: Capability.available(), priority=5))
+    cpu = platform_of("cpu")
+    with caplog.at_level(logging.WARNING, logger="hwgraph.registry"):
+        backend = create_backend(device="cpu", platform=cpu)
+    assert type(backend) is CpuGraphBackend
+    [message] = [m for m in caplog.messages if "falling back" in m]
+    assert f"graph backend 'broken' {reason}" in message
+    with pytest.raises((ImportError, SelectionError), match=re.escape(reason)):
+        create_backend("broken", device="cpu", platform=cpu)
+
+
+def test_a_negative_priority_is_chosen_only_by_name(monkeypatch):
+    """README: a negative priority is chosen only by name. On a cuda machine without a cuda plugin, a plugin serving
+    cuda with priority -1 was chosen automatically."""
+    install_probes(monkeypatch, byname=lambda: spec("byname", "cuda", priority=-1))
+    selected = choose_backend(platform=platform_of("cuda"))
+    assert selected.spec.name == "cpu" and "no installed backend serves cuda" in selected.reason
+    assert choose_backend("byname", platform=platform_of("cuda")).spec.name == "byname"
+
+
+def test_an_unknown_name_also_names_the_plugins_that_failed_to_load(monkeypatch):
+    """Naming a plugin whose probe failed said only 'unknown graph backend ... pip install'."""
+    def broken():
+        raise ImportError("no module named 'toy_sdk'")
+
+    install_probes(monkeypatch, toy=broken)
+    with pytest.raises(SelectionError, match=r"unknown graph backend 'toy'; known: cpu .*; installed plugins that "
+                                             r"failed to load: entry point 'toy' .* ImportError: no module named "
+                                             r"'toy_sdk'"):
+        choose_backend("toy", platform=platform_of("cpu"))
+
+
+def test_a_failed_probes_traceback_is_logged_at_debug_level(monkeypatch, caplog):
+    def broken():
+        raise KeyError("sdk")
+
+    install_probes(monkeypatch, broken=broken)
+    with caplog.at_level(logging.DEBUG, logger="hwgraph.registry"):
+        registry.discovered()
+    [record] = [r for r in caplog.records if r.levelno == logging.DEBUG and "failed to load" in r.getMessage()]
+    assert record.exc_info[0] is KeyError
 
 
 class OneDeviceBackend(CpuGraphBackend):
