@@ -3,7 +3,7 @@ conformance results, the latency table, graph memory per budget and dispatch cou
 
 from __future__ import annotations
 
-from hwgraph.report import INTERLEAVED, dispatch_table, latency_table, md_table, memory_table, mode_note
+from hwgraph.report import dispatch_table, interleaved_note, latency_table, md_table, memory_table, mode_note
 from hwgraph.testing.results import failing_checks
 
 
@@ -77,7 +77,7 @@ def bench_section(report: dict) -> str:
     return "\n\n".join([
         f"## Latency\n\n{bench['timer']}, {bench['warmup']} warm-ups, {bench['samples']} samples per cell; ms as "
         f"median / p95; speedups are ratios of medians from this run"
-        f"{INTERLEAVED if bench.get('interleaved') else ''}.{note}",
+        f"{interleaved_note(bench)}.{note}",
         latency_table(bench), figure,
         "## Graph memory per budget (MiB)\n\n" + memory_table(bench),
         "## Dispatch: hits, misses, eager fallbacks\n\n" + dispatch_table(bench)])
