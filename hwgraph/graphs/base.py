@@ -42,7 +42,9 @@ class GraphBackend(ABC):
 
     ``capture(fn, pool)`` calls ``fn()`` (which reads only static input tensors and returns its outputs) to warm
     it up, then captures it; ``replay()`` reruns it on whatever the static inputs hold now, into the same output
-    tensors.
+    tensors. The manager calls ``capture`` inside ``torch.inference_mode()`` and ``replay()`` outside it: a backend
+    that emulates replay by writing into the captured (inference) outputs enters ``inference_mode`` in ``replay()``,
+    as ``CpuCapturedGraph`` does.
     """
 
     name: ClassVar[str]
