@@ -106,19 +106,24 @@ def discovered() -> tuple[tuple[BackendSpec, ...], tuple[str, ...]]:
     specs = [cpu_probe()]
     problems = []
     for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(getattr(ep, "dist", None), "name", None)
+        where = f"{ep.value}, distribution {dist}" if dist else ep.value
         try:
             spec = ep.load()()
             if not isinstance(spec, BackendSpec):
                 raise TypeError(f"probe returned {type(spec).__name__}, expected BackendSpec")
         except Exception as exc:
-            log.debug("entry point %r (%s) failed to load", ep.name, ep.value, exc_info=True)  # for its author
-            problems.append(f"entry point {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}")
+            log.debug("entry point %r (%s) failed to load", ep.name, where, exc_info=True)  # for its author
+            problems.append(f"entry point {ep.name!r} ({where}) failed to load: {type(exc).__name__}: {exc}")
             continue
-        if any(s.name == spec.name for s in specs):
-            problems.append(f"entry point {ep.name!r} repeats the backend name {spec.name!r}; ignored")
+        kept = next((s for s in specs if s.name == spec.name), None)
+        if kept is not None:
+            first = f" (distribution {kept.distribution})" if kept.distribution else ""
+            problems.append(f"entry point {ep.name!r} ({where}) repeats the backend name {spec.name!r}, which the "
+                            f"first found{first} keeps; ignored")
             continue
-        if spec.distribution is None and getattr(ep, "dist", None) is not None:
-            spec = dataclasses.replace(spec, distribution=ep.dist.name)  # reports name its version
+        if spec.distribution is None and dist is not None:
+            spec = dataclasses.replace(spec, distribution=dist)  # reports name its version
         specs.append(spec)
     for problem in problems:
         log.warning(problem)

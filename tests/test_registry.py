@@ -159,6 +159,29 @@ def test_a_repeated_backend_name_is_a_problem_and_ignored(monkeypatch):
     assert "repeats the backend name 'cpu'" in problems[0]
 
 
+def test_problems_name_the_distributions_involved(monkeypatch):
+    """Two distributions claiming one backend name: which one was kept depended on entry-point order, unsaid."""
+    def entry_point(name, dist, probe):
+        return types.SimpleNamespace(name=name, value=f"{dist.replace('-', '_')}.platform:probe",
+                                     dist=types.SimpleNamespace(name=dist), load=lambda: probe)
+
+    def broken():
+        raise ImportError("no module named 'bad_sdk'")
+
+    eps = [entry_point("toy", "hwgraph-backend-toy", lambda: spec("toy", "cpu")),
+           entry_point("toy", "hwgraph-backend-toy-fork", lambda: spec("toy", "cpu")),
+           entry_point("bad", "hwgraph-backend-bad", broken)]
+    monkeypatch.setattr(registry, "entry_points", lambda group: eps if group == registry.ENTRY_POINT_GROUP else [])
+    registry.discovered.cache_clear()
+    specs, problems = registry.discovered()
+    assert [(s.name, s.distribution) for s in specs] == [("cpu", None), ("toy", "hwgraph-backend-toy")]
+    assert problems == (
+        "entry point 'toy' (hwgraph_backend_toy_fork.platform:probe, distribution hwgraph-backend-toy-fork) repeats "
+        "the backend name 'toy', which the first found (distribution hwgraph-backend-toy) keeps; ignored",
+        "entry point 'bad' (hwgraph_backend_bad.platform:probe, distribution hwgraph-backend-bad) failed to load: "
+        "ImportError: no module named 'bad_sdk'")
+
+
 def test_a_gate_that_crashes_is_a_reason(monkeypatch):
     def crashing_gate(platform):
         raise KeyError("arch")
