@@ -18,6 +18,7 @@ from hwgraph_npu.attention import NPU
 from hwgraph_rocm.attention import ROCM_AITER_FA
 
 from hwgraph.attention import registry
+from hwgraph.attention.base import KernelSpec
 from hwgraph.attention.registry import choose_attention, kernel_named, list_kernels
 from hwgraph.capability import Capability
 from hwgraph.platform import PlatformInfo
@@ -285,6 +286,23 @@ def test_explicit_unavailable_choice_raises_naming_the_reasons(monkeypatch):
     with pytest.raises(SelectionError, match=r"'TRITON_ATTN' is unavailable: on CPU TRITON_ATTN runs only under "
                                              r"the Triton interpreter \(TRITON_INTERPRET=1\)"):
         choose_attention(platform=CPU)
+
+
+def test_a_plugin_kernel_that_does_not_import_is_passed_over_automatically_and_named_when_chosen(monkeypatch):
+    """A plugin's kernel ranked first whose impl_path does not import made every automatic choice on its platform
+    raise (found with the graph backends' twin in a plugin author's walkthrough)."""
+    broken = KernelSpec(name="TOY_ATTN", impl_path="hwgraph_toy_missing.attention:toy_attention", kinds=("cpu",),
+                        dtypes=(torch.float32,), head_dims=(1, 256), graph_safe=True,
+                        gate=lambda p: Capability.available(), priority=50)
+    specs = (BackendSpec(name="toy", class_path="unused:Backend", kinds=("cpu",),
+                         gate=lambda p: Capability.available(), attention=(broken,)),)
+    monkeypatch.setattr(registry, "backend_specs", lambda: specs)
+    chosen = choose_attention(platform=CPU, dtype=torch.float32, head_dim=72)
+    assert chosen.spec.name == "TORCH_SDPA"
+    assert ("TOY_ATTN: attention kernel 'TOY_ATTN' declares impl_path 'hwgraph_toy_missing.attention:toy_attention', "
+            "which does not load: ModuleNotFoundError") in chosen.reason
+    with pytest.raises(ImportError, match=r"attention kernel 'TOY_ATTN' declares impl_path"):
+        choose_attention("TOY_ATTN", platform=CPU, dtype=torch.float32, head_dim=72)
 
 
 def test_unknown_kernel_name_lists_the_known_ones():

@@ -68,9 +68,14 @@ class KernelSpec:
         return Capability(tuple(reasons))
 
     def load(self) -> VarlenAttention:
+        """The kernel's function. An ``impl_path`` that does not import is named in an ``ImportError``."""
         from hwgraph.registry import load_object
 
-        return load_object(self.impl_path)
+        try:
+            return load_object(self.impl_path)
+        except (ImportError, AttributeError) as exc:
+            raise ImportError(f"attention kernel {self.name!r} declares impl_path {self.impl_path!r}, which does not "
+                              f"load: {type(exc).__name__}: {exc}") from exc
 
 
 _host_cu_seqlens: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(

@@ -17,6 +17,7 @@ Elsewhere it runs its pointer kernel, which is slower than FLASH_ATTN (``benchma
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from hwgraph.attention.base import KernelSpec, VarlenAttention
 from hwgraph.capability import Capability
 from hwgraph.platform import PlatformInfo, detect
 from hwgraph.registry import SelectionError, backend_specs
+
+log = logging.getLogger(__name__)
 
 ATTENTION_ENV = "HWGRAPH_ATTENTION"
 
@@ -73,8 +76,9 @@ def choose_attention(name: str | None = None, platform: PlatformInfo | None = No
                      graph_safe: bool = False) -> SelectedKernel:
     """``name``, else ``$HWGRAPH_ATTENTION``, else the kernel of highest priority on this platform available here.
 
-    An explicit choice that is unavailable raises ``SelectionError`` naming its reasons; with nothing explicit,
-    TORCH_SDPA is always available. ``graph_safe=True`` chooses automatically only among kernels that may be captured
+    An explicit choice that is unavailable raises ``SelectionError`` naming its reasons (one that does not import,
+    ``ImportError``); with nothing explicit, TORCH_SDPA is always available, and a kernel that does not import is
+    passed over with the reason. ``graph_safe=True`` chooses automatically only among kernels that may be captured
     in a graph (the reason names those passed over); an explicit kernel is honoured either way.
     """
     platform = platform or detect()
@@ -94,7 +98,13 @@ def choose_attention(name: str | None = None, platform: PlatformInfo | None = No
             continue
         cap = spec.capability(platform, dtype, head_dim)
         if cap.ok:
+            try:
+                fn = spec.load()
+            except ImportError as exc:  # a plugin's kernel that does not import: the next one, with the reason
+                log.debug("attention kernel %s does not load", spec.name, exc_info=True)
+                refused.append(f"{spec.name}: {exc}")
+                continue
             why = f"best available for {platform.kind}" + (f" (refused: {'; '.join(refused)})" if refused else "")
-            return SelectedKernel(spec, spec.load(), why)
+            return SelectedKernel(spec, fn, why)
         refused.append(f"{spec.name}: {cap.describe()}")
     raise SelectionError("no attention kernel is available: " + "; ".join(refused))
