@@ -21,6 +21,7 @@ from hwgraph.attention import registry
 from hwgraph.attention.base import KernelSpec
 from hwgraph.attention.registry import choose_attention, kernel_named, list_kernels
 from hwgraph.capability import Capability
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower  # here, not under a fake torch_npu (see below)
 from hwgraph.platform import PlatformInfo
 from hwgraph.registry import BackendSpec, SelectionError
 from hwgraph.testing.simulate import simulate_aiter
@@ -59,6 +60,10 @@ def fake_aiter(monkeypatch):
 
 @pytest.fixture
 def fake_torch_npu(monkeypatch):
+    """A fake torch_npu in sys.modules. Its ``__spec__`` is None, so ``importlib.util.find_spec("torch_npu")``
+    raises ValueError while it is there: the tower's first import (transformers, triton) must not happen under it.
+    Run alone on the H200 (transformers 5.17), the tower test below failed with ``ValueError: torch_npu.__spec__ is
+    None`` when it imported the tower inside the test."""
     module = types.ModuleType("torch_npu")
     module.npu_fused_infer_attention_score = lambda *args, **kwargs: None
     monkeypatch.setitem(sys.modules, "torch_npu", module)
@@ -216,8 +221,6 @@ def test_graph_safe_automatic_choice_passes_over_npu_attention_and_says_why(fake
 
 
 def test_tower_remembers_that_a_graph_manager_wants_graph_safe_kernels(fake_torch_npu):
-    from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
-
     tower = Qwen3OmniVisionTower.from_preset("tiny").to(torch.float16)
     assert tower.set_attention("auto", platform=ASCEND).spec.name == "NPU"
     assert tower.set_attention("auto", platform=ASCEND, graph_safe=True).spec.name == "TORCH_SDPA"
