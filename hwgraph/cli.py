@@ -24,15 +24,30 @@ def table(rows: list[list[str]], headers: list[str]) -> str:
 
 
 def info_data() -> dict:
-    """What ``hwgraph info`` prints. ``selected_backend`` is None, and ``selection_reason`` the error, when no graph
-    backend can be chosen (``$HWGRAPH_GRAPH_BACKEND`` names an unknown or unavailable one)."""
+    """What ``hwgraph info`` prints. ``selected_backend`` is what a manager would take: None, and
+    ``selection_reason`` the error, when no graph backend can be chosen (``$HWGRAPH_GRAPH_BACKEND`` names an unknown
+    or unavailable one, or one whose class does not import); the CPU reference backend, with the reason, where the
+    automatic choice's class does not import."""
     from hwgraph.attention.registry import list_kernels
     from hwgraph.platform import detect
-    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend, discovered, list_backends
+    from hwgraph.registry import (
+        GRAPH_BACKEND_ENV,
+        SelectionError,
+        choose_backend,
+        cpu_fallback,
+        discovered,
+        list_backends,
+    )
 
     platform = detect()
     try:
         selected = choose_backend(platform=platform)
+        try:
+            selected.spec.load()
+        except ImportError as exc:  # as a manager does: a forced choice fails, an automatic one falls back
+            if selected.explicit:
+                raise SelectionError(str(exc)) from exc
+            selected = cpu_fallback(str(exc))
         selected_name, selection_reason = selected.spec.name, selected.reason
     except SelectionError as exc:  # info exists to say why: the tables below still say it for every candidate
         selected_name, selection_reason = None, f"${GRAPH_BACKEND_ENV}: {exc}"  # only a forced choice raises

@@ -183,6 +183,27 @@ def test_info_explains_a_forced_backend_that_cannot_be_selected_and_exits_1(monk
     assert not any(b["selected"] for b in data["graph_backends"])
 
 
+@pytest.mark.parametrize("forced", [False, True])
+def test_info_selects_what_a_manager_would_when_the_best_backends_class_does_not_import(monkeypatch, capsys, forced):
+    """info marked such a backend selected, while every manager fell back to the CPU reference backend (automatic)
+    or raised (forced)."""
+    from hwgraph import registry
+    from hwgraph.capability import Capability
+
+    broken = registry.BackendSpec("broken", "hwgraph_no_such_module.graphs:Backend", ("cpu",),
+                                  lambda p: Capability.available(), priority=5)
+    real = registry.discovered()
+    monkeypatch.setattr(registry, "discovered", lambda: ((*real[0], broken), real[1]))
+    if forced:
+        monkeypatch.setenv(GRAPH_BACKEND_ENV, "broken")
+    assert cli.main(["info", "--json"]) == (1 if forced else 0)
+    data = json.loads(capsys.readouterr().out)
+    assert data["selected_backend"] == (None if forced else "cpu")
+    assert "declares class_path 'hwgraph_no_such_module.graphs:Backend', which does not load" in \
+        data["selection_reason"]
+    assert [b["name"] for b in data["graph_backends"] if b["selected"]] == ([] if forced else ["cpu"])
+
+
 def backend_rows(text: str) -> dict[str, list[str]]:
     """The rows of the graph-backend table of ``hwgraph info``: backend name -> [marker, available, modes]."""
     table = text.split("Graph backends\n", 1)[1].split("\nselected: ", 1)[0].splitlines()[2:]
