@@ -16,6 +16,7 @@ from hwgraph_npu.graphs import NpuGraphBackend, clone_outputs
 from hwgraph_npu.platform import gate, probe
 
 from hwgraph.graphs import CaptureError, HostSyncError
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower  # here: its first import must not meet a fake torch_npu
 from hwgraph.platform import PlatformInfo, detect, npu_module
 from hwgraph.registry import SelectionError, choose_backend, create_backend
 from hwgraph.testing.simulate import FakeGraphRuntime, simulate_gpu
@@ -665,8 +666,6 @@ def test_the_tower_hands_npu_attention_its_host_boundaries_instead_of_a_read_per
     """The tower's host metadata holds ``cu_seqlens``: NPU attention takes it from there in every block, so an eager
     forward reads nothing back (27 device syncs a forward on the real tower otherwise)."""
     from hwgraph_npu.attention import warn_host_read
-
-    from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 
     tower = Qwen3OmniVisionTower.from_preset("tiny").to(torch.float16)
     assert tower.set_attention("NPU", platform=ASCEND).spec.reads_host_boundaries
