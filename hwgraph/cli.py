@@ -34,22 +34,16 @@ def info_data() -> dict:
         GRAPH_BACKEND_ENV,
         SelectionError,
         choose_backend,
-        cpu_fallback,
         discovered,
         list_backends,
+        loaded_class,
     )
 
     platform = detect()
-    try:
-        selected = choose_backend(platform=platform)
-        try:
-            selected.spec.load()
-        except ImportError as exc:  # as a manager does: a forced choice fails, an automatic one falls back
-            if selected.explicit:
-                raise SelectionError(str(exc)) from exc
-            selected = cpu_fallback(str(exc))
+    try:  # what a manager takes: a forced choice whose class does not import fails, an automatic one falls back
+        selected, _ = loaded_class(choose_backend(platform=platform))
         selected_name, selection_reason = selected.spec.name, selected.reason
-    except SelectionError as exc:  # info exists to say why: the tables below still say it for every candidate
+    except (SelectionError, ImportError) as exc:  # info exists to say why: the tables below say it for every one
         selected_name, selection_reason = None, f"${GRAPH_BACKEND_ENV}: {exc}"  # only a forced choice raises
     backends = [
         {"name": spec.name, "available": cap.ok, "reasons": list(cap.reasons), "kinds": list(spec.kinds),

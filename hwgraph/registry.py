@@ -206,22 +206,30 @@ def create_backend(name: str | None = None, device=None, mode: str | None = None
     with the reasons for an explicit choice; an automatic choice falls back to the CPU reference backend, as when no
     gate accepts the platform, and says why. So does an automatic choice whose class does not import (an explicit
     one raises that ``ImportError``) or whose ``capability`` raises (a reason, as a gate's crash is)."""
-    selected = choose_backend(name, platform)
-    try:
-        cls = selected.spec.load()
-        refusal = device_refusal(selected.spec.name, cls, device)
-    except ImportError as exc:
-        if selected.explicit:
-            raise
-        cls, refusal = None, str(exc)
+    chosen = choose_backend(name, platform)
+    selected, cls = loaded_class(chosen)
+    refusal = device_refusal(selected.spec.name, cls, device)
     if refusal:
         if selected.explicit:
             raise SelectionError(refusal)
         selected = cpu_fallback(refusal)
-        log.warning(selected.reason)
         cls = selected.spec.load()
+    if selected is not chosen:
+        log.warning(selected.reason)
     log.info("graph backend %s (%s)", selected.spec.name, selected.reason)
     return cls(device=device, mode=mode)
+
+
+def loaded_class(selected: Selected) -> tuple[Selected, type]:
+    """``selected`` and its backend class. Where the class does not import, an explicit choice raises that
+    ``ImportError`` and an automatic one falls back to the CPU reference backend, which says why."""
+    try:
+        return selected, selected.spec.load()
+    except ImportError as exc:
+        if selected.explicit:
+            raise
+        fallback = cpu_fallback(str(exc))
+        return fallback, fallback.spec.load()
 
 
 def device_refusal(name: str, cls, device) -> str | None:
