@@ -34,13 +34,14 @@ def unmet(requirements: list[str]) -> list[str]:
         Requirement = None
     out = []
     for line in requirements:
-        name = Requirement(line).name if Requirement else line.split(">")[0].split("=")[0].strip()
+        req = Requirement(line) if Requirement else None
+        name = req.name if req else line.split(">")[0].split("=")[0].strip()
         try:
             have = metadata.version(name)
         except metadata.PackageNotFoundError:
             out.append(f"{line} (not installed)")
             continue
-        if Requirement and not Requirement(line).specifier.contains(have, prereleases=True):
+        if req and not req.specifier.contains(have, prereleases=True):
             out.append(f"{line} (found {have})")
     return out
 
