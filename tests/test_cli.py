@@ -190,8 +190,10 @@ def test_info_selects_what_a_manager_would_when_the_best_backends_class_does_not
     from hwgraph import registry
     from hwgraph.capability import Capability
 
-    broken = registry.BackendSpec("broken", "hwgraph_no_such_module.graphs:Backend", ("cpu",),
-                                  lambda p: Capability.available(), priority=5)
+    # it serves this machine's kind and outranks the vendor plugins (priority 100), so it is the automatic choice on
+    # a GPU machine too (the test once assumed a CPU machine and failed on the H200)
+    broken = registry.BackendSpec("broken", "hwgraph_no_such_module.graphs:Backend", (registry.detect().kind,),
+                                  lambda p: Capability.available(), priority=1000)
     real = registry.discovered()
     monkeypatch.setattr(registry, "discovered", lambda: ((*real[0], broken), real[1]))
     if forced:
