@@ -32,7 +32,7 @@ import json
 import logging
 import math
 import os
-import tempfile
+import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -379,9 +379,17 @@ def cache_path() -> Path | None:
     """Where choices persist between processes: ``$HWGRAPH_CACHE_DIR`` (set empty: nowhere), else
     ``$XDG_CACHE_HOME/hwgraph``, else ``~/.cache/hwgraph``; the file is ``cublaslt-products.json``."""
     folder = os.environ.get("HWGRAPH_CACHE_DIR")
-    if folder is None:
-        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hwgraph"
-    return Path(folder) / "cublaslt-products.json" if folder else None
+    if folder == "":
+        return None
+    try:
+        if folder is None:
+            folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hwgraph"
+        # "~" is the shell's to expand (not done in Docker's ENV, systemd units or .env files), and a relative
+        # folder would move with the working directory between reads and writes
+        return Path(folder).expanduser().absolute() / "cublaslt-products.json"
+    except RuntimeError as exc:  # no $HOME and no passwd entry (a container's arbitrary user)
+        log.warning("measured products are not cached between processes: %s; set HWGRAPH_CACHE_DIR", exc)
+        return None
 
 
 class ChoiceCache:
@@ -395,19 +403,44 @@ class ChoiceCache:
         return f"{self.setting} | {label}"
 
     def entries(self) -> dict:
-        """The file's entries by key; {} if there is no file, or it is not a JSON object (logged)."""
+        """The file's entries by key; {} if there is no file, or it cannot be read or is not a JSON object (logged)."""
+        return self.read()[0]
+
+    def read(self) -> tuple[dict, bool]:
+        """``entries()``, and whether a write may replace the file: not one that exists but cannot be read (another
+        user's file, an I/O error), whose entries replacing it would drop. A damaged file is replaced."""
         if self.path is None or not self.path.exists():
-            return {}
+            return {}, True
         try:
             entries = json.loads(self.path.read_text())
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
-            return {}
+            return {}, False
+        except ValueError as exc:  # not JSON, or not UTF-8
+            log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
+            return {}, True
         if not isinstance(entries, dict):
             log.warning("ignoring the measured-products cache %s: it holds a JSON %s, not an object",
                         self.path, type(entries).__name__)
-            return {}
-        return entries
+            return {}, True
+        return entries, True
+
+    @contextlib.contextmanager
+    def locked(self):
+        """An exclusive lock on the cache's folder for a read, add and replace: another process's ``put`` between
+        this one's read and its replace would otherwise be lost (one process per GPU, parallel jobs). Where there
+        is no ``fcntl`` (Windows), no lock."""
+        try:
+            import fcntl
+        except ImportError:
+            yield
+            return
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def get(self, label: str) -> dict | None:
         entry = self.entries().get(self.key(label))
@@ -421,18 +454,25 @@ class ChoiceCache:
         if self.path is None:
             return
         try:
-            # TypeError, ValueError: an entry JSON cannot write; raised here, before any file is made
-            text = json.dumps(self.entries() | {self.key(label): entry}, indent=1, sort_keys=True)
+            json.dumps(entry)  # TypeError, ValueError: an entry JSON cannot write; raised here, before any file is made
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as file:
-                    file.write(text)
-                os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old file or the new one
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)  # a failed write (a full disk) leaves no temporary file behind
-                raise
+            with self.locked():
+                entries, replaceable = self.read()
+                if not replaceable:
+                    raise OSError("it exists but cannot be read, so replacing it would drop its entries")
+                text = json.dumps(entries | {self.key(label): entry}, indent=1, sort_keys=True)
+                # created with the umask's mode, as the file itself would be (mkstemp's 0600 would lock other users
+                # out of a shared folder); a unique name, since the lock may be missing
+                tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                try:
+                    with os.fdopen(fd, "w") as file:
+                        file.write(text)
+                    os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old file or the new one
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)  # a failed write (a full disk) leaves no temporary file behind
+                    raise
         except (OSError, TypeError, ValueError) as exc:
             log.warning("could not write the measured-products cache %s: %s", self.path, exc)
 
@@ -683,8 +723,10 @@ class MeasuredProducts:
         saved = sum(c.aten_us - c.chosen_us for c in other)
         phases = ", ".join(f"{name} {seconds - start.phases.get(name, 0.0):.1f} s"
                            for name, seconds in self.phases.items())
+        cached = (f"{recalled} from the cache {self.cache.path}" if self.cache.path is not None else
+                  "no cache between processes: HWGRAPH_CACHE_DIR is empty, or there is no home folder")
         described = (f"measured cuBLASLt algorithms: {len(choices)} shapes in {self.seconds - start.seconds:.1f} s "
-                     f"({recalled} from the cache {self.cache.path}; measuring: {phases}); {len(other)} run another "
+                     f"({cached}; measuring: {phases}); {len(other)} run another "
                      f"configuration than ATen's, {saved:.1f} µs faster per call of each together")
         return described if since is None else f"{described}; {len(self.choices)} shapes in this process in all"
 
