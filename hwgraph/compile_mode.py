@@ -26,7 +26,8 @@ def own_code_copy(fn):
 
 def pin_triton_cache_dir(device: torch.device) -> str | None:
     """Set ``TRITON_CACHE_DIR``, where it is unset, to the folder inductor switches it to, and return it (None on the
-    CPU, where compiled code is not Triton's, or where this torch has no such folder).
+    CPU, where compiled code is not Triton's, or where this torch has no such folder or cannot make it, which
+    is logged). A variable set empty counts as unset.
 
     Inductor sets the variable for the whole process when it first loads one of its Triton kernels
     (``CachingAutotuner``), so hwgraph's own Triton kernels (attention, rotary, LayerNorm) were cached in Triton's
@@ -38,12 +39,19 @@ def pin_triton_cache_dir(device: torch.device) -> str | None:
         return None
     if os.environ.get("TRITON_CACHE_DIR"):
         return os.environ["TRITON_CACHE_DIR"]
+    # Set empty, Triton would find no cache folder and refuse to compile, and inductor would hand back "" as its own.
+    os.environ.pop("TRITON_CACHE_DIR", None)
     try:
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+        # The graph backend's device, which names its index (torch.cuda backends resolve "cuda" to the current one).
+        folder = triton_cache_dir(device.index if device.index is not None else 0)
     except ImportError:  # another torch layout: inductor's own switch still applies
         return None
-    # The graph backend's device, which names its index (torch.cuda backends resolve "cuda" to the current one).
-    folder = os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device.index if device.index is not None else 0)
+    except OSError as exc:  # inductor's cache folder cannot be made (on import, or now): its compiles fail and fall
+        log.warning("Triton's cache folder for compiled mode is not set: %s", exc)  # back, with their reasons
+        return None
+    os.environ["TRITON_CACHE_DIR"] = folder
     log.debug("Triton's cache folder for compiled mode: %s", folder)
     return folder
 

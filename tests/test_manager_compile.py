@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -271,6 +273,29 @@ def test_triton_cache_folder_is_pinned_to_inductors_before_any_kernel_compiles(m
     assert triton_cache_dir(1).endswith(os.path.join("triton", "1"))
     os.environ["TRITON_CACHE_DIR"] = "/chosen"
     assert pin_triton_cache_dir(torch.device("cuda", 0)) == "/chosen" and os.environ["TRITON_CACHE_DIR"] == "/chosen"
+    os.environ["TRITON_CACHE_DIR"] = ""  # was kept, and Triton then refused to compile ("Could not create or locate
+    assert pin_triton_cache_dir(torch.device("cuda", 0)) == triton_cache_dir(0) != ""  # cache dir")
+    assert os.environ["TRITON_CACHE_DIR"] == triton_cache_dir(0)
+
+
+PIN_WITHOUT_AN_INDUCTOR_FOLDER = """
+import os, torch
+from hwgraph.compile_mode import pin_triton_cache_dir
+assert pin_triton_cache_dir(torch.device("cuda", 0)) is None and "TRITON_CACHE_DIR" not in os.environ
+"""
+
+
+@needs_inductor
+def test_an_inductor_cache_folder_that_cannot_be_made_leaves_the_triton_folder_unset(tmp_path):
+    """Importing inductor makes its cache folder: the OSError escaped ``capture()`` instead of failing the compiled
+    captures, which fall back. In a child: the failed import leaves dynamo half-imported in its process."""
+    (tmp_path / "file").write_text("a file where a folder should be")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "file" / "inductor")
+    done = subprocess.run([sys.executable, "-c", PIN_WITHOUT_AN_INDUCTOR_FOLDER], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Triton's cache folder for compiled mode is not set: " in done.stderr and "Not a directory" in done.stderr
 
 
 @needs_inductor
