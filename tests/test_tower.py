@@ -588,6 +588,30 @@ def test_from_pretrained_lists_missing_unexpected_and_misshapen_tensors(tmp_path
         from_pretrained(broken)
 
 
+def test_from_pretrained_refuses_a_tensor_in_two_unindexed_files_and_names_unreadable_files(tmp_path, source):
+    """A stray shard of another checkpoint silently won (the last file sorted); a broken index or shard raised
+    safetensors' or json's own error (``KeyError: 'weight_map'``), which did not name the file."""
+    _, state, vision = source
+    folder = write_checkpoint(tmp_path / "stray", state, vision)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    save_file({k: torch.zeros_like(v) for k, v in state.items()}, str(folder / "stale.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensor '.*' is in both model-00001-of-00001\.safetensors and "
+                                              r"stale\.safetensors in .*: remove the files of other checkpoints"):
+        from_pretrained(folder)
+    sharded = write_checkpoint(tmp_path / "sharded", state, vision, shards=2)
+    index = sharded / "model.safetensors.index.json"
+    for content, error in [("{}", "KeyError: 'weight_map'"), ("[1]", "TypeError"), ("{not json", "JSONDecodeError")]:
+        index.write_text(content)
+        with pytest.raises(CheckpointError, match=rf"{re.escape(str(index))} is not a safetensors index .*{error}"):
+            from_pretrained(sharded)
+    single = write_checkpoint(tmp_path / "truncated", state, vision)
+    data = (single / "model.safetensors").read_bytes()
+    (single / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(single / 'model.safetensors'))} is not a readable "
+                                              r"safetensors file: "):
+        from_pretrained(single)
+
+
 @pytest.mark.cpu_machine
 def test_from_pretrained_names_a_device_this_machine_lacks_before_reading(tmp_path, source):
     """It failed inside safetensors' pinned copy ("pin_memory=True requires a CUDA or other accelerator backend")."""

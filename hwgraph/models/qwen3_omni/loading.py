@@ -6,6 +6,7 @@ target device and dtype. The tower is built on the meta device first, so no memo
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -23,22 +24,44 @@ class CheckpointError(ValueError):
     """The checkpoint's tensors do not match the tower: the message lists what is missing or unexpected."""
 
 
-def tensor_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file that holds it."""
+@contextlib.contextmanager
+def opened(file: Path, device: str = "cpu"):
+    """``safetensors.safe_open(file)``; a file it cannot parse (truncated, empty, not safetensors) raises
+    ``CheckpointError`` naming it (safetensors' own error does not). A missing file raises its ``OSError``."""
     from safetensors import safe_open
 
+    try:
+        handle = safe_open(file, framework="pt", device=device)
+    except OSError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc
+    with handle as f:
+        yield f
+
+
+def tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file that holds it."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: folder / file for name, file in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index (a JSON object whose 'weight_map' maps tensor "
+                                  f"names to files): {type(exc).__name__}: {exc}") from None
     files = [folder / SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors in {folder}; "
                                 f"it holds {sorted(p.name for p in folder.iterdir())}")
     out = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            out.update((name, file) for name in f.keys())
+        with opened(file) as f:
+            for name in f.keys():
+                if name in out:  # a stray file of another checkpoint: which copy is meant cannot be told
+                    raise CheckpointError(f"tensor {name!r} is in both {out[name].name} and {file.name} in {folder}, "
+                                          f"which has no {INDEX_FILE}: remove the files of other checkpoints")
+                out[name] = file
     return out
 
 
@@ -62,8 +85,6 @@ def choose_prefix(available, wanted) -> str:
 def read_vision_tensors(folder: Path, expected: dict[str, torch.Size], device: torch.device,
                         dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The tower's tensors (names without prefix), checked against ``expected`` names and shapes."""
-    from safetensors import safe_open
-
     files = tensor_files(folder)
     prefix = choose_prefix(files, expected)
     found = {name[len(prefix):] for name in files if name.startswith(prefix)}
@@ -77,7 +98,7 @@ def read_vision_tensors(folder: Path, expected: dict[str, torch.Size], device: t
         by_file.setdefault(files[prefix + name], []).append(name)
     tensors, wrong = {}, []
     for file, names in by_file.items():
-        with safe_open(file, framework="pt", device=str(device)) as f:
+        with opened(file, str(device)) as f:
             for name in names:
                 shape = torch.Size(f.get_slice(prefix + name).get_shape())
                 if shape != expected[name]:
