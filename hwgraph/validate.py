@@ -174,6 +174,9 @@ def cmd_validate(args) -> int:
         print(f"hwgraph validate: --report {args.report!r}: cannot create the folder or write in it: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return 2
+    for name in ("report.json", "report.md", "latency.png"):  # an earlier run's verdict must not outlive this run
+        with contextlib.suppress(OSError):                    # when it is stopped (Ctrl-C, a CI job's time limit)
+            (out / name).unlink(missing_ok=True)
     started = time.perf_counter()
     device = device_for_backend(backend)
     args.preset = args.preset or (CPU_PRESET if device.type == "cpu" else ACCELERATOR_PRESET)
@@ -193,7 +196,7 @@ def cmd_validate(args) -> int:
             log.exception("benchmark failed")
             bench_error = f"{type(exc).__name__}: {exc}"
     plot_note = latency_plot(bench, out / "latency.png") if bench else (bench_error or "benchmark skipped")
-    if plot_note is not None:  # an earlier run's plot must not sit beside a report that says none was drawn
+    if plot_note is not None:  # a plot that failed part-way must not sit beside a report that says none was drawn
         with contextlib.suppress(OSError):
             (out / "latency.png").unlink(missing_ok=True)
     report = {"verdict": summary, "ok": ok, "backend": backend, "backend_reason": why,

@@ -363,6 +363,27 @@ def validate_in_process(monkeypatch):
     return run
 
 
+def test_a_stopped_validate_leaves_no_earlier_runs_verdict_in_its_folder(monkeypatch, tmp_path):
+    """Stopped (Ctrl-C, a CI job's time limit), a run left the previous run's PASS report.json and report.md beside
+    its own conformance.log: an artifact upload would publish a stale PASS."""
+    from hwgraph import cli
+    from hwgraph.testing import results
+
+    monkeypatch.delenv("HWGRAPH_GRAPH_BACKEND", raising=False)
+    out = tmp_path / "report"
+    out.mkdir()
+    for name, text in [("report.json", '{"ok": true}'), ("report.md", "**PASS**"), ("latency.png", "old")]:
+        (out / name).write_text(text)
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(results, "run_conformance", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["validate", "--backend", "cpu", "--report", str(out), "--no-bench"])
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
 def test_validate_reports_the_benchmark_its_kernels_and_the_emulation_and_lists_the_plot(validate_in_process,
                                                                                           tmp_path, capsys):
     out = tmp_path / "ci" / "h200" / "report"  # made with its parents
