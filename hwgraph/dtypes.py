@@ -20,10 +20,11 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def graph_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A tower's or a graph manager's ``dtype`` argument: a floating-point ``torch.dtype`` (float64 included, for
-    reference runs), or one of ``DTYPES``' names; ``ValueError`` naming the value otherwise."""
+    """A tower's or a graph manager's ``dtype`` argument: one of ``DTYPES``, as a ``torch.dtype`` or by name, or
+    ``torch.float64`` (for reference runs); ``ValueError`` naming the value otherwise (integer and float8 dtypes)."""
     if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating-point torch.dtype or its name, got {dtype!r}")
+        if dtype not in (*DTYPES.values(), torch.float64):  # float8 types are floating point, and nothing runs in them
+            raise ValueError(f"dtype must be a floating-point torch.dtype or its name, got {dtype!r}: expected one of "
+                             f"{', '.join(DTYPES)} or torch.float64")
         return dtype
     return parse_dtype(dtype)

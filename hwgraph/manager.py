@@ -98,7 +98,8 @@ class ManagerStats:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
 
-TOWER_METHODS = ("parameters", "set_attention", "weights_key", "prepare_metadata", "forward_with_metadata")
+TOWER_METHODS = ("parameters", "set_attention", "attention_choice", "weights_key", "prepare_metadata",
+                 "forward_with_metadata")
 
 
 def check_tower(tower) -> None:
@@ -183,6 +184,9 @@ class EncoderGraphManager:
         self.max_images = max_images_per_graph = int(max_images_per_graph)
         if slot_counts is not None:
             slot_counts = budget_rules.validate_slot_counts(slot_counts, max_images_per_graph)
+
+        # the kernel too: moving the tower (lossy to a narrower dtype) and then refusing its kernel there changed it
+        tower.attention_choice(attention, platform=platform, graph_safe=True, dtype=dtype)
 
         self.tower, self.device, self.dtype, self.platform, self.backend = tower, device, dtype, platform, backend
         if first.device != self.device or first.dtype != self.dtype:
@@ -434,6 +438,9 @@ class EncoderGraphManager:
         """
         with self._lock:
             self._check_tower("encode()")
+            if pixel_values is None:  # prepare_metadata checks pixels only when given some
+                raise ValueError(f"pixel_values must be a floating-point torch.Tensor [patches, "
+                                 f"{self.tower.patch_row_width}], got None")
             host = self.tower.prepare_metadata(grid_thw, pixel_values)  # pixels checked before the tables are built
             grid = host.grid_thw  # normalised: a tuple of (t, h, w) int triples
             tokens = int(host.num_tokens)

@@ -478,6 +478,15 @@ def test_pixels_that_are_not_a_floating_point_tensor_raise_value_errors(tower, m
         manager.encode(pixels.numpy(), grid)
     with pytest.raises(ValueError, match=r"got Tensor of torch.int64"):
         manager.encode(pixels.long(), grid)
+    for g in (grid, [(1, 8, 40)]):  # replayed, over budget: both raised AttributeError ('NoneType' ... 'shape')
+        with pytest.raises(ValueError, match=rf"pixel_values must be a floating-point torch.Tensor \[patches, "
+                                             rf"{tower.patch_row_width}\], got None"):
+            manager.encode(None, g)
+    # the eager forward took sparse pixels, and a replay's copy into its static buffer failed
+    with pytest.raises(ValueError, match=r"must be a dense \(strided\) tensor, got layout torch.sparse_coo"):
+        manager.encode(pixels.to_sparse(), grid)
+    with pytest.raises(ValueError, match=r"got layout torch.sparse_coo: pass pixel_values.to_dense\(\)"):
+        tower(pixels.to_sparse(), grid)
 
 
 def test_a_capture_that_failed_and_then_succeeded_is_no_longer_reported_as_failed(tower, monkeypatch):

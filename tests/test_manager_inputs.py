@@ -9,6 +9,7 @@ import torch
 
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+from hwgraph.registry import SelectionError
 
 
 @pytest.fixture
@@ -30,6 +31,15 @@ def manager(tower, **kwargs):
     ({"dtype": torch.complex64}, ValueError,
      r"dtype must be a floating-point torch\.dtype or its name, got torch\.complex64"),
     ({"dtype": torch.int32}, ValueError, r"dtype must be a floating-point torch\.dtype or its name, got torch\.int32"),
+    # float8 is floating point: the tower was moved to it (lossy), then nothing ran
+    ({"dtype": torch.float8_e4m3fn}, ValueError, r"got torch\.float8_e4m3fn: expected one of float32, bfloat16, "
+                                                 r"float16 or torch\.float64"),
+    # a kernel refused on the manager's platform or in its dtype: the tower was moved first, then the choice raised
+    ({"dtype": torch.bfloat16, "attention": "FLASH_ATTN"}, SelectionError,
+     r"'FLASH_ATTN' is unavailable: FLASH_ATTN runs on NVIDIA CUDA, this platform is cpu"),
+    ({"dtype": torch.float64, "attention": "TRITON_ATTN"}, SelectionError,  # judged in the manager's dtype
+     r"TRITON_ATTN supports dtypes float16, bfloat16, float32, got float64"),
+    ({"dtype": torch.float64, "attention": "NO_SUCH_KERNEL"}, SelectionError, r"unknown attention kernel"),
     ({"device": "meta"}, ValueError, r"device 'meta' cannot run a graph manager: expected an accelerator device"),
     ({"device": "xpu:3", "dtype": torch.float64}, ValueError, r"device 'xpu:3'"),
     ({"attention": 5}, TypeError, r"attention must be a kernel name, 'auto', a callable or None, got 5"),

@@ -231,6 +231,7 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         pixels = inputs[PIXELS]
         metadata = VisionMetadata(
             grid_thw=(), spatial_merge_size=self.tower.spatial_merge_size,  # buffers describe no image in particular
+            num_grid_per_side=self.tower.num_grid_per_side,
             max_seqlen=int(pixels.shape[0]), patch_counts=(), token_counts=(),
             **{k: inputs[k] for k in TENSOR_FIELDS},
         )

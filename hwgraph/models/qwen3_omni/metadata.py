@@ -37,12 +37,14 @@ class VisionMetadata:
     - ``cu_seqlens`` ``[S + 1]`` int32: cumulative frame lengths; every frame is one attention sequence;
     - ``max_seqlen`` host int: the longest sequence (after ``padded()``, the value graphs are captured with).
 
-    Host fields describe the real images: ``grid_thw``, per-image ``patch_counts`` (t*h*w) and ``token_counts``
-    (t*h*w / merge**2). Tensors live on the host until ``to(device)``.
+    ``spatial_merge_size`` and ``num_grid_per_side`` are those of the tower it was built for (a tower refuses
+    another's). Host fields describe the real images: ``grid_thw``, per-image ``patch_counts`` (t*h*w) and
+    ``token_counts`` (t*h*w / merge**2). Tensors live on the host until ``to(device)``.
     """
 
     grid_thw: Grid
     spatial_merge_size: int
+    num_grid_per_side: int  # the side of the learned position table that pos_indices index
     pos_indices: torch.Tensor
     pos_weights: torch.Tensor
     rotary_positions: torch.Tensor
@@ -281,6 +283,7 @@ def grid_metadata(grid: Grid, spatial_merge_size: int, num_grid_per_side: int) -
         return VisionMetadata(
             grid_thw=grid,
             spatial_merge_size=spatial_merge_size,
+            num_grid_per_side=num_grid_per_side,
             pos_indices=torch.from_numpy(np.concatenate(indices, axis=1)),
             pos_weights=torch.from_numpy(np.concatenate(weights, axis=1)),
             rotary_positions=torch.from_numpy(np.concatenate(rotary, axis=0)),

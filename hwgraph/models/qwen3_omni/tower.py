@@ -147,22 +147,28 @@ class Qwen3OmniVisionTower(nn.Module):
         setting). An explicit name is honoured either way. A request that raises changes nothing: the tower keeps
         its previous request and kernel.
         """
+        request, safe_only, selected = self.attention_choice(name, platform, graph_safe)
+        self._attention_request, self._attention_graph_safe = request, safe_only
+        self._attention = (selected.spec, selected.fn)
+        log.debug("tower attention %s (%s)", selected.spec.name, selected.reason)
+        return selected
+
+    def attention_choice(self, name: str | VarlenAttention | None = None, platform: PlatformInfo | None = None,
+                         graph_safe: bool | None = None, dtype: torch.dtype | None = None):
+        """What ``set_attention(name, platform, graph_safe)`` would choose for this tower in ``dtype`` (default: its
+        own), changing nothing: ``(request, graph_safe, SelectedKernel)``; raises as it would. A graph manager asks
+        before it moves a tower to its device and dtype, so that a kernel refused there leaves the tower as it was."""
         from hwgraph.attention.registry import SelectedKernel, choose_attention
 
         check_attention_request(name)
         request = self._attention_request if name is None else name
         safe_only = self._attention_graph_safe if graph_safe is None else graph_safe
         if callable(request):
-            spec = callable_spec(request)
-            selected = SelectedKernel(spec, request, "callable given to the tower")
-        else:
-            selected = choose_attention(None if request in (None, AUTO) else request,
-                                        platform or platform_for(self.device), dtype=self.dtype,
-                                        head_dim=self.head_dim, graph_safe=safe_only)
-        self._attention_request, self._attention_graph_safe = request, safe_only
-        self._attention = (selected.spec, selected.fn)
-        log.debug("tower attention %s (%s)", selected.spec.name, selected.reason)
-        return selected
+            return request, safe_only, SelectedKernel(callable_spec(request), request, "callable given to the tower")
+        selected = choose_attention(None if request in (None, AUTO) else request,
+                                    platform or platform_for(self.device), dtype=dtype or self.dtype,
+                                    head_dim=self.head_dim, graph_safe=safe_only)
+        return request, safe_only, selected
 
     @property
     def attention_spec(self) -> KernelSpec:
@@ -193,14 +199,23 @@ class Qwen3OmniVisionTower(nn.Module):
 
     def check_pixels(self, pixel_values: torch.Tensor, metadata: VisionMetadata) -> None:
         """``ValueError`` unless ``pixel_values`` is a ``[metadata.num_rows, patch_row_width]`` floating-point tensor
-        (shapes and type only)."""
+        (shapes and type only) and ``metadata`` was built for this tower's merge size and position table (another
+        tower's gave wrong embeddings, silently)."""
         self._check_pixels(pixel_values, metadata.grid_thw, metadata.num_rows)
+        built_for = (metadata.spatial_merge_size, metadata.num_grid_per_side)
+        if built_for != (self.spatial_merge_size, self.num_grid_per_side):
+            raise ValueError(f"metadata was built for spatial_merge_size {built_for[0]} and a position table of side "
+                             f"{built_for[1]}, but this tower has spatial_merge_size {self.spatial_merge_size} and "
+                             f"side {self.num_grid_per_side}: build it with this tower's prepare_metadata(grid_thw)")
 
     def _check_pixels(self, pixel_values: torch.Tensor, grid, rows: int) -> None:
         if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point():
             raise ValueError(f"pixel_values must be a floating-point torch.Tensor [patches, {self.patch_row_width}], "
                              f"got {type(pixel_values).__name__}"
                              + (f" of {pixel_values.dtype}" if isinstance(pixel_values, torch.Tensor) else ""))
+        if pixel_values.layout != torch.strided:  # a graph's static buffer cannot take a sparse copy: replay failed
+            raise ValueError(f"pixel_values must be a dense (strided) tensor, got layout {pixel_values.layout}: pass "
+                             f"pixel_values.to_dense()")
         if pixel_values.dim() != 2 or pixel_values.shape[1] != self.patch_row_width:
             c = self.config
             raise ValueError(f"pixel_values must be [patches, {self.patch_row_width}] (row width = in_channels "
