@@ -142,6 +142,17 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         return self.min_token_budget, max(high, self.min_token_budget)
 
     # ------------------------------------------------------------------ items (host only)
+    def encoder_cudagraph_accepts(self, mm_kwargs: dict[str, Any]) -> bool:
+        """hwgraph extension: whether the group has pixels to encode (a group of precomputed ``image_embeds``,
+        vLLM's ``enable_mm_embeds``, has none; the single-replay manager leaves it to ``embed_multimodal``)."""
+        return PIXELS in mm_kwargs
+
+    def pixels(self, mm_kwargs: dict[str, Any]) -> torch.Tensor:
+        if PIXELS not in mm_kwargs:
+            raise ValueError(f"mm_kwargs hold no {PIXELS!r} (keys: {sorted(mm_kwargs)}): a group of precomputed "
+                             f"image_embeds has nothing to encode; the model's embed_multimodal must take it")
+        return mm_kwargs[PIXELS]
+
     def host_grid(self, mm_kwargs: dict[str, Any]) -> tuple[tuple[int, int, int], ...]:
         """The image grids as host ints; ``ValueError`` for a device tensor (reading it would sync)."""
         if GRID not in mm_kwargs:
@@ -161,7 +172,7 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
 
     def select_encoder_cudagraph_items(self, mm_kwargs: dict[str, Any], indices: list[int]) -> dict[str, Any]:
         grid = self.host_grid(mm_kwargs)
-        pixels = mm_kwargs[PIXELS]
+        pixels = self.pixels(mm_kwargs)
         starts = [0]
         for t, h, w in grid:
             starts.append(starts[-1] + t * h * w)
@@ -216,9 +227,10 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         self._check_path(path)
         # The default copy zero-pads: missing rows would replay as zero pixels and give a wrong answer, not an error.
         # They are checked before the metadata's tables, which grow with the grids, are built.
-        metadata = self.tower.prepare_metadata(self.host_grid(mm_kwargs), mm_kwargs[PIXELS])
+        pixels = self.pixels(mm_kwargs)
+        metadata = self.tower.prepare_metadata(self.host_grid(mm_kwargs), pixels)
         metadata = metadata.to(self.tower.device)
-        return EncoderCudaGraphReplayBuffers(values={PIXELS: mm_kwargs[PIXELS], **metadata.tensors()})
+        return EncoderCudaGraphReplayBuffers(values={PIXELS: pixels, **metadata.tensors()})
 
     # ------------------------------------------------------------------ forwards
     def encoder_cudagraph_forward(self, inputs: dict[str, torch.Tensor], path: str = "default") -> torch.Tensor:
@@ -240,7 +252,7 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
     def encoder_eager_forward(self, mm_kwargs: dict[str, Any], path: str = "default") -> torch.Tensor:
         """The tower's eager forward on the group: ``[tokens, out_hidden_size]``."""
         self._check_path(path)
-        pixels = mm_kwargs[PIXELS].to(self.tower.dtype)
+        pixels = self.pixels(mm_kwargs).to(self.tower.dtype)
         return self.concat(self.tower.forward(pixels, self.host_grid(mm_kwargs)))
 
     def postprocess_encoder_output(

@@ -183,6 +183,14 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
         self._check_tower()  # every replay, from either dispatch (this one or upstream's packing)
         return super()._run_budget_graph(mm_kwargs, token_budget, path, axis_keys)
 
+    def execute(self, mm_kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
+        # None: vLLM's runners then call the model's embed_multimodal (gpu_model_runner, v2 encoder_runner), e.g. for
+        # a group of precomputed image_embeds, which has nothing to encode.
+        accepts = getattr(self.model, "encoder_cudagraph_accepts", None)
+        if accepts is not None and not accepts(mm_kwargs):
+            return None
+        return super().execute(mm_kwargs)
+
     def _execute_local(self, mm_kwargs: dict[str, Any]) -> list[torch.Tensor]:
         # Called by upstream's execute() for the whole step, or for this rank's share under DP.
         with torch.inference_mode():
@@ -204,6 +212,10 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
                 self.graph_misses += len(specs)
                 self.eager_groups += 1
                 self.eager_reasons[decision.reason] = self.eager_reasons.get(decision.reason, 0) + 1
+            if self.use_dp and output.dtype != self.dtype:
+                # vLLM's _dp_gather pads and all-gathers in self.dtype (a rank without images sends that): every
+                # rank must send the same dtype, whatever the tower's.
+                output = output.to(self.dtype)
             dest: dict[int, torch.Tensor] = {}
             # Replayed rows live in the graph's output buffer, which the next replay overwrites: clone them.
             self.model.postprocess_encoder_output({"default": output}, indices, tokens, dest,

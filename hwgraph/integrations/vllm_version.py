@@ -50,7 +50,7 @@ def check_vllm_version(found: str | None) -> Version:
 try:
     import vllm as _vllm
 except ImportError as exc:
-    if exc.name in ("vllm", None):
+    if exc.name == "vllm":  # only vllm itself missing; a bare ImportError raised inside vLLM has name None
         raise ImportError(f"hwgraph.integrations.vllm needs vLLM, which is not installed: {INSTALL_HINT} "
                           f"(vllm==0.33.0)") from exc
     raise ImportError(f"vLLM is installed but failed to import ({exc}); hwgraph.integrations.vllm needs a "

@@ -776,3 +776,40 @@ def test_real_capture_and_replay_on_cuda(manager_cls):
         assert m.graph_hits > 0
     finally:
         m.clear()
+
+
+
+def test_a_group_of_precomputed_image_embeddings_is_left_to_the_models_embed_multimodal(tower, adapter, manager):
+    """With ``enable_mm_embeds``, vLLM batches ``image_embeds`` items as their own image group (different fields:
+    vllm/multimodal/utils.py group_and_batch_mm_kwargs) and hands it to the manager; both runners fall back to
+    ``model.embed_multimodal`` when ``execute`` returns None. The group once raised KeyError: 'pixel_values'."""
+    kwargs = {"image_embeds": torch.randn(20, adapter.out_hidden_size), "image_grid_thw": torch.tensor([(1, 8, 8),
+                                                                                                     (1, 4, 4)])}
+    assert manager.execute(kwargs) is None
+    assert manager.graph_hits == 0 and manager.replays == 0 and manager.eager_groups == 0
+    with pytest.raises(ValueError, match=r"no 'pixel_values'.*image_embeds"):
+        adapter.prepare_encoder_cudagraph_replay_buffers(kwargs, MAX_ITEMS, MAX_ITEMS)  # vLLM's own manager
+    with pytest.raises(ValueError, match=r"no 'pixel_values'.*image_embeds"), torch.inference_mode():
+        adapter.encoder_eager_forward(kwargs)
+
+
+def test_under_encoder_dp_every_rank_gathers_in_the_managers_dtype(tower, adapter, monkeypatch):
+    """vLLM's _dp_gather pads and all-gathers in the manager's dtype (empty ranks send torch.empty(..., self.dtype));
+    a float32 tower under a bfloat16 manager made ranks with images send float32: all_gather inputs of different
+    dtypes and byte sizes across ranks."""
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.bfloat16, adapter,
+                                               graph_backend="cpu")
+    m.capture(graph_pool=None)
+    try:
+        m.use_dp = True
+        monkeypatch.setattr(upstream, "get_tensor_model_parallel_world_size", lambda: 2)
+        kwargs = mm_kwargs(tower, [(1, 8, 8)])
+        sent = {}
+        for rank in (0, 1):  # one image: rank 0 encodes it, rank 1 has none
+            monkeypatch.setattr(upstream, "get_tensor_model_parallel_rank", lambda r=rank: r)
+            monkeypatch.setattr(upstream, "tensor_model_parallel_all_gather",
+                                lambda t, dim=0, r=rank: (sent.__setitem__(r, t.dtype), torch.cat([t, t]))[1])
+            m.execute(kwargs)
+        assert sent == {0: torch.bfloat16, 1: torch.bfloat16}
+    finally:
+        m.clear()
