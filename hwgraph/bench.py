@@ -232,12 +232,13 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
                 plains[kernel] = new_manager(kernel, False, False)
                 plains[kernel].capture()
         rows = {kernel: {} for kernel in kernels}
+        profiled = []  # (row, eager call, replay call or None): profiled once every group is timed
         for group in groups:
             pixels, grid = inputs[group.label]
             calls = {}
             if reference is not None:
                 calls["transformers"] = reference[group.label]
-            entries, plain_entries = {}, {}
+            entries, plain_notes = {}, {}
             for kernel in kernels:
                 entries[kernel] = managers[kernel].select_graph(grid, group.total)
                 calls[f"{kernel} eager"] = lambda v=views[kernel], p=pixels, g=grid: eager_call(v, p, g)
@@ -245,9 +246,9 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
                 if entries[kernel][0] is not None or calibrate:
                     calls[f"{kernel} replay"] = lambda m=managers[kernel], p=pixels, g=grid: m.encode(p, g)
                     if kernel in plains:
-                        # only a plain replay: where the plain manager's capture failed, its encode() is eager
-                        plain_entries[kernel] = plains[kernel].select_graph(grid, group.total)
-                        if plain_entries[kernel][0] is not None:
+                        plain_notes[kernel] = plain_refusal(plains[kernel].select_graph(grid, group.total),
+                                                            entries[kernel][0])
+                        if plain_notes[kernel] is None:
                             plain = plains[kernel]
                             calls[f"{kernel} plain_replay"] = lambda m=plain, p=pixels, g=grid: m.encode(p, g)
             timed = measure_interleaved(calls, cfg.device, cfg.warmup, cfg.samples)
@@ -255,17 +256,19 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
                 row = {name: timed[f"{kernel} {name}"].as_dict() if f"{kernel} {name}" in timed else None
                        for name in ("eager", "replay", "plain_replay")}
                 row["transformers"] = timed["transformers"].as_dict() if reference is not None else None
-                if cfg.profile:
-                    row["profile"] = {"eager": kernel_time(calls[f"{kernel} eager"], cfg.device).as_dict(),
-                                      "replay": kernel_time(calls[f"{kernel} replay"], cfg.device).as_dict()
-                                      if row["replay"] else None}
+                if cfg.profile:  # after every group is timed: on CUDA the profiler slows the launches after it
+                    profiled.append((row, calls[f"{kernel} eager"], calls[f"{kernel} replay"] if row["replay"]
+                                     else None))
                 entry, why = entries[kernel]
                 row["budget"] = entry.budget if entry is not None else None
                 row["replay_note"] = "replay" if entry is not None else f"eager: {why}"
-                if kernel in plain_entries and plain_entries[kernel][0] is None:
-                    row["plain_note"] = f"not timed: plain capture eager ({plain_entries[kernel][1]})"
+                if plain_notes.get(kernel):
+                    row["plain_note"] = plain_notes[kernel]
                 rows[kernel][group.label] = row
                 progress.advance(note=f"{kernel} {group.label}")
+        for row, eager, replay in profiled:
+            row["profile"] = {"eager": kernel_time(eager, cfg.device).as_dict(),
+                              "replay": kernel_time(replay, cfg.device).as_dict() if replay is not None else None}
         results = []
         for kernel in kernels:
             manager = managers[kernel]
@@ -283,6 +286,20 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
     finally:
         for manager in (*managers.values(), *plains.values()):
             manager.close()
+
+
+def plain_refusal(plain: tuple, replayed) -> str | None:
+    """Why plain replay is not timed beside a group's replay (``replayed``: its ``BudgetGraph``, or None where
+    calibration left the group eager), given the plain manager's ``select_graph``; None: timed. Only a replay of the
+    same budget compares: where the plain manager's capture of it failed, it would replay a larger budget (more
+    padding), or run eagerly."""
+    entry, why = plain
+    if entry is None:
+        return f"not timed: plain capture eager ({why})"
+    if replayed is not None and entry.budget != replayed.budget:
+        return (f"not timed: the plain capture of budget {replayed.budget} failed, and plain replay would run "
+                f"budget {entry.budget}")
+    return None
 
 
 def device_name(device: torch.device) -> str | None:

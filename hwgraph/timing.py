@@ -42,24 +42,50 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.devi
     each. A host that speeds up or slows down during the run (the H200's shared host swings the same eager forward
     by 2x between minutes) then moves every callable's samples alike, so ratios of their medians hold.
 
-    Each round calls them in a new order, shuffled by a ``random.Random(seed)`` (``seed=None``: the given order
-    every round). A call's time depends on the call before it: on the H200 a replay right after an eager forward
-    took 1-7% longer than the same replay after another replay (a GPU that sat idle replays slower), so a fixed
-    order biased whichever callable followed a slow one (``benchmarks/replay_gaps.py --order``)."""
+    Each round calls them in a new order (``round_orders``: a balanced design drawn with ``random.Random(seed)``;
+    ``seed=None``: the given order every round). A call's time depends on the call before it: on the H200 a replay
+    right after an eager forward took 1-7% longer than the same replay after another replay (a GPU that sat idle
+    replays slower), so a fixed order biased whichever callable followed a slow one
+    (``benchmarks/replay_gaps.py --order``)."""
     device = torch.device(device)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     synchronize(device)
     out = {name: [] for name in fns}
-    order = list(fns)
-    rng = random.Random(seed)
-    for _ in range(samples):
-        if seed is not None:
-            rng.shuffle(order)
+    for order in round_orders(list(fns), samples, seed):
         for name in order:
             out[name].append(one_sample(fns[name], device))
     return {name: Latency(tuple(values)) for name, values in out.items()}
+
+
+def williams_orders(n: int) -> list[list[int]]:
+    """Orders of ``range(n)`` in which each item directly follows each other one equally often, and takes each
+    place equally often (a Williams design: n rows for an even n, 2n for an odd one)."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        if len(first) % 2:
+            first, low = first + [low], low + 1
+        else:
+            first, high = first + [high], high - 1
+    rows = [[(x + shift) % n for x in first] for shift in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
+def round_orders(names: list[str], samples: int, seed: int | None) -> list[list[str]]:
+    """The order of each of ``samples`` rounds: ``names`` as given every round (``seed=None``), else blocks of a
+    Williams design (``williams_orders``), each with its own random naming of the places and order of its rows. A
+    plain shuffle balances which callable follows which only on average: at the bench's one seed a compiled bench's
+    plain replay followed an eager call in 19 of 30 rounds, its compiled replay in 8."""
+    if seed is None or len(names) < 2:
+        return [list(names) for _ in range(samples)]
+    rng, orders = random.Random(seed), []
+    while len(orders) < samples:
+        labels = rng.sample(names, len(names))
+        block = [[labels[i] for i in row] for row in williams_orders(len(names))]
+        rng.shuffle(block)
+        orders += block
+    return orders[:samples]
 
 
 def one_sample(fn: Callable[[], object], device: torch.device) -> float:
