@@ -47,6 +47,10 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.devi
     right after an eager forward took 1-7% longer than the same replay after another replay (a GPU that sat idle
     replays slower), so a fixed order biased whichever callable followed a slow one
     (``benchmarks/replay_gaps.py --order``)."""
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be an int >= 1 (timed rounds), got {samples!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0 (untimed calls of each), got {warmup!r}")
     device = torch.device(device)
     for fn in fns.values():
         for _ in range(warmup):

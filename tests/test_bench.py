@@ -283,6 +283,20 @@ def test_round_orders_let_each_callable_follow_each_other_equally_often(n):
     assert round_orders(names, 30, seed=0) == orders and round_orders(names, 3, seed=None) == [names] * 3
 
 
+@pytest.mark.parametrize("kwargs, match", [({"samples": 0}, r"samples must be an int >= 1 \(timed rounds\), got 0"),
+                                           ({"samples": 2.5}, r"got 2\.5"),
+                                           ({"warmup": -1}, r"warmup must be an int >= 0 \(untimed calls of each\), "
+                                                            r"got -1")])
+def test_interleaved_timing_refuses_bad_counts_before_calling_anything(kwargs, match):
+    """samples=0 ran every warm-up, then failed with statistics' StatisticsError when the result was read."""
+    from hwgraph.timing import measure_interleaved
+
+    calls = []
+    with pytest.raises(ValueError, match=match):
+        measure_interleaved({"a": lambda: calls.append(1)}, "cpu", **{"warmup": 1, "samples": 1, **kwargs})
+    assert calls == []
+
+
 def test_plain_replay_is_timed_only_at_the_budget_the_replay_runs(monkeypatch):
     """Where the plain manager's capture of the group's budget failed, it replayed a larger one (more padding), and
     the row compared the two as "vs plain replay" under the replay's budget."""
