@@ -8,6 +8,7 @@ go eager. Outputs handed back are copies: a later replay never overwrites them a
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import threading
 import time
@@ -425,7 +426,8 @@ class EncoderGraphManager:
         """The smallest captured graph holding every image, or None and why the group goes eager."""
         budget, why = budget_rules.single_replay_budget(self.graphs, len(grid), tokens, self.max_images,
                                                         video=any(t != 1 for t, _, _ in grid),
-                                                        failed=self._stats.capture_failures)
+                                                        failed=[b for b in self._stats.capture_failures
+                                                                if b in self.budgets])
         return (None if budget is None else self.graphs[budget]), why
 
     def encode(self, pixel_values: torch.Tensor, grid_thw) -> list:
@@ -445,21 +447,21 @@ class EncoderGraphManager:
             grid = host.grid_thw  # normalised: a tuple of (t, h, w) int triples
             tokens = int(host.num_tokens)
             entry, why = self.select_graph(grid, tokens)
-            self._calls += 1
             if entry is None:
                 outputs = self._eager(pixel_values, host, why, len(grid))
             else:
                 outputs = self._replay(entry, pixel_values, host, tokens, len(grid))
+            self._calls += 1  # a served call: one replay or one eager group (a call that raised counts in neither)
             if self.log_every and self._calls % self.log_every == 0:
                 log.info("encoder graph stats after %d calls: %s", self._calls, self.stats())
             return outputs
 
     def _eager(self, pixel_values, host, why: str, count: int) -> list:
+        with torch.inference_mode():
+            out = self.tower.forward_with_metadata(self._to_device(pixel_values), host)
         self._stats.misses += count
         self._stats.eager_groups += 1
         self._stats.eager_reasons[why] = self._stats.eager_reasons.get(why, 0) + 1
-        with torch.inference_mode():
-            out = self.tower.forward_with_metadata(self._to_device(pixel_values), host)
         return out.split(list(host.token_counts))
 
     def _replay(self, entry: BudgetGraph, pixel_values, host, tokens: int, count: int) -> list:
@@ -533,14 +535,14 @@ class EncoderGraphManager:
         wins, and every budget up to it is kept (the rest are released, and with no winner every call runs
         eagerly). Returns the findings, per budget: ``eager_ms``, ``replay_ms``, ``kept``. Needs captured graphs
         (``capture()`` calibrates itself when ``calibrate`` is on)."""
-        self._check_tower("calibrate()")
-        if not self.graphs:
-            raise RuntimeError("calibrate() needs captured graphs: call capture() first (no budget is captured, so "
-                               "there is no replay to time against eager)")
         for name, value, low in (("warmup", warmup, 0), ("samples", samples, 1)):
             if not budget_rules.is_int(value) or value < low:
                 raise ValueError(f"calibrate(): {name} must be an int >= {low}, got {value!r}")
-        with self._lock:  # its replays fill the graphs' buffers, as encode() does
+        with self._lock:  # its replays fill the graphs' buffers, as encode() does; close() waits for it
+            self._check_tower("calibrate()")
+            if not self.graphs:
+                raise RuntimeError("calibrate() needs captured graphs: call capture() first (no budget is captured, "
+                                   "so there is no replay to time against eager)")
             return self._calibrate(warmup, samples)
 
     def _calibrate(self, warmup: int, samples: int) -> dict:
@@ -567,9 +569,7 @@ class EncoderGraphManager:
             f["kept"] = cap is not None and budget <= cap
             if not f["kept"]:
                 self.graphs.pop(budget).release()
-                for per_budget in (self._stats.capture_bytes_per_budget, self._stats.capture_seconds_per_budget,
-                                   self._stats.compile_seconds_per_budget):
-                    per_budget.pop(budget, None)
+                self._forget_costs(budget)
         self.budgets = sorted(b for b in self.budgets if cap is not None and b <= cap)
         self._stats.calibration = findings
         log.info("calibration on %s/%s: %s; cap %s", self.backend.name, self.tower.attention_kernel,
@@ -578,7 +578,15 @@ class EncoderGraphManager:
         if cap is None:
             log.warning("calibration on %s/%s: no budget's replay beat eager; every call runs eagerly",
                         self.backend.name, self.tower.attention_kernel)
-        return findings
+        return copy.deepcopy(findings)  # the caller's to change: stats() copies one level only
+
+    def _forget_costs(self, *budgets: int) -> None:
+        """Drop the memory and seconds of released budgets (all of them, given none) from the stats, which describe
+        the graphs held."""
+        for per_budget in (self._stats.capture_bytes_per_budget, self._stats.capture_seconds_per_budget,
+                           self._stats.compile_seconds_per_budget):
+            for budget in budgets or list(per_budget):
+                per_budget.pop(budget, None)
 
     # ---------------------------------------------------------------- bookkeeping
     def stats(self) -> dict:
@@ -589,15 +597,17 @@ class EncoderGraphManager:
         return out
 
     def close(self) -> None:
-        """Release every graph, its static buffers and the pool."""
-        for entry in self.graphs.values():
-            entry.release()
-        self.graphs.clear()
-        self._padded.clear()
-        self.pool = None
-        self.backend.synchronize()
-        self.backend.empty_cache()  # cuBLAS's per-stream workspaces stay: other live graphs may use them
-        self._closed = True
+        """Release every graph, its static buffers and the pool (after an encode() in flight has finished)."""
+        with self._lock:
+            for entry in self.graphs.values():
+                entry.release()
+            self.graphs.clear()
+            self._padded.clear()
+            self.pool = None
+            self._forget_costs()  # as calibrate() does for the budgets it releases
+            self.backend.synchronize()
+            self.backend.empty_cache()  # cuBLAS's per-stream workspaces stay: other live graphs may use them
+            self._closed = True
 
     def __enter__(self):
         return self

@@ -809,3 +809,89 @@ def test_encode_from_two_threads_gives_each_its_own_images_outputs(tower, monkey
     for t in threads:
         t.join()
     assert wrong == [] and m.stats()["replays"] == 40
+
+
+# ------------------------------------------------------------------ lifecycle and stats (a dispatch fuzz's findings)
+def test_close_waits_for_an_encode_in_flight(tower, monkeypatch):
+    """encode() calls from several threads take turns on the graphs' buffers; close() did not wait its turn and
+    released the graph under a call between its fill and its replay ("replay() of a released graph")."""
+    import threading
+    import time
+
+    m = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=1, graph_backend="cpu", attention="TORCH_SDPA")
+    m.capture()
+    fill, filled = m._fill, threading.Event()
+
+    def slow_fill(*args):
+        fill(*args)
+        filled.set()
+        time.sleep(0.2)
+
+    monkeypatch.setattr(m, "_fill", slow_fill)
+    grid, result = [(1, 4, 4)], []
+    worker = threading.Thread(target=lambda: result.append(m.encode(pixels_for(tower, grid, 1), grid)))
+    worker.start()
+    assert filled.wait(timeout=60)
+    m.close()
+    worker.join(timeout=60)
+    assert len(result) == 1 and m.stats()["replays"] == 1
+    with pytest.raises(RuntimeError, match=r"encode\(\) after close\(\)"):
+        m.encode(pixels_for(tower, grid, 1), grid)
+
+
+def test_a_call_that_raised_counts_neither_as_a_call_nor_in_a_group(tower, monkeypatch):
+    """calls == replays + eager groups: an eager forward that raised (out of memory on a huge group) was counted as
+    a call, in no group."""
+    m = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=1, graph_backend="cpu", attention="TORCH_SDPA")
+    m.capture()
+    forward = tower.forward_with_metadata
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    grid = [(1, 8, 12)]  # 24 tokens: over the budget, eager
+    monkeypatch.setattr(tower, "forward_with_metadata", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        m.encode(pixels_for(tower, grid, 1), grid)
+    monkeypatch.setattr(tower, "forward_with_metadata", forward)
+    m.encode(pixels_for(tower, grid, 1), grid)
+    s = m.stats()
+    assert s["calls"] == s["replays"] + s["eager_groups"] == 1 and s["misses"] == 1 and s["eager_reasons"] == {
+        "over budget": 1}
+
+
+def test_a_failed_budget_that_calibration_released_is_no_eager_reason(tower, monkeypatch):
+    """A group only a failed budget would hold goes eager as "capture failed"; once calibrate() had released that
+    budget (m.budgets no longer lists it), its groups still did, not "over budget"."""
+    m = EncoderGraphManager(tower, budgets=[8, 16, 32], max_images_per_graph=4, graph_backend="cpu",
+                            attention="TORCH_SDPA")
+    real, captured = m.backend.capture, []
+
+    def capture(fn, pool=None):
+        captured.append(fn)
+        if len(captured) == 2:  # largest first: 32, then 16 fails, then 8
+            raise CaptureError("simulated")
+        return real(fn, pool)
+
+    monkeypatch.setattr(m.backend, "capture", capture)
+    m.capture()
+    assert list(m.stats()["capture_failures"]) == [16]
+    times = iter([(1.0, 0.5), (1.0, 2.0)])  # budget 8's replay wins, 32's loses: the cap is 8
+    monkeypatch.setattr(m, "time_ms", lambda fns, warmup=3, samples=10: dict(zip(fns, next(times), strict=True)))
+    findings = m.calibrate()
+    assert m.budgets == [8] and sorted(m.graphs) == [8]
+    findings.clear()  # the caller's copy
+    assert sorted(m.stats()["calibration"]) == [8, 32]
+    for grid in ([(1, 4, 6)], [(1, 4, 12)]):  # 6 tokens: replays budget 8; 12: nothing configured holds it
+        m.encode(pixels_for(tower, grid, 1), grid)
+    assert m.stats()["eager_reasons"] == {"over budget": 1} and m.stats()["replays"] == 1
+
+
+def test_close_leaves_no_memory_or_seconds_of_the_graphs_it_released(tower):
+    m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=2, graph_backend="cpu",
+                            attention="TORCH_SDPA")
+    m.capture()
+    assert sorted(m.stats()["capture_bytes_per_budget"]) == [8, 16]
+    m.close()
+    s = m.stats()
+    assert s["budgets"] == [] and s["capture_bytes_per_budget"] == {} and s["capture_seconds_per_budget"] == {}
