@@ -376,7 +376,10 @@ class EncoderGraphManager:
         # (``products.chosen_by``); compiled graphs call it through its custom ops.
         choice = products.chosen_by(self._chooser) if self._chooser is not None else contextlib.nullcontext()
         try:
-            with torch.inference_mode(), compile_limits(len(self.budgets)), choice:
+            # (dynamo's limits only for a compiled capture: reading them imports dynamo, 1-5 s counted as the
+            # first plain budget's capture time)
+            limits = compile_limits(len(self.budgets)) if compiled else contextlib.nullcontext()
+            with torch.inference_mode(), limits, choice:
                 if compiled:
                     # The first call traces and compiles (or loads inductor's cached graphs). Made here, before
                     # capturing, it is the budget's compile time, less what a product chooser spent measuring
