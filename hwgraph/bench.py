@@ -3,10 +3,10 @@
 Every latency is measured in this process with ``hwgraph.timing.measure_interleaved`` (device events on CUDA/ROCm,
 wall clock elsewhere): median and p95 of ``samples`` calls after ``warmup`` calls. For each group, the transformers
 encoder and, for every attention kernel, the hwgraph eager tower and the replay are sampled in turn (one call of
-each per round, each round in a new seeded shuffled order, since a replay right after an eager forward runs slower
-than after another replay), so the ratios, between kernels too, compare calls made under the same host and device
-conditions; speedups are ratios of those medians. A group
-``NxT`` is N single-frame images of T merged tokens each, encoded as one call.
+each per round, in seeded orders in which each callable follows each other equally often, since a replay right
+after an eager forward runs slower than after another replay), so the ratios, between kernels too, compare calls
+made under the same host and device conditions; speedups are ratios of those medians. A group ``NxT`` is N
+single-frame images of T merged tokens each, encoded as one call.
 """
 
 from __future__ import annotations

@@ -527,7 +527,7 @@ class EncoderGraphManager:
     # ---------------------------------------------------------------- calibration
     def time_ms(self, fns: dict, warmup: int = 3, samples: int = 10) -> dict[str, float]:
         """Median milliseconds of each of ``fns`` on this backend (device events on accelerators, wall clock on CPU),
-        sampled side by side in shuffled rounds (``measure_interleaved``), so that neither is favoured by when it
+        sampled side by side in balanced rounds (``measure_interleaved``), so that neither is favoured by when it
         ran."""
         return {name: lat.median for name, lat in
                 measure_interleaved(fns, self.device, warmup=warmup, samples=samples).items()}

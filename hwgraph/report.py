@@ -179,10 +179,11 @@ def calibration_section(cal: dict | None) -> str | None:
     return "\n\n".join(filter(None, [f"### Calibrated budgets ({cal['kernel']}): kept {kept}", timed, found, rows]))
 
 
+BALANCED = "in orders in which each callable follows each other equally often"
 INTERLEAVED = (" (per group, {reference}every kernel's eager and replay are sampled in turn, one call of each "
-               "per round, each round in a new shuffled order)")
+               f"per round, {BALANCED})")
 INTERLEAVED_BESIDE_PLAIN = (" (per group, {reference}every kernel's eager, plain replay and {kind} are sampled "
-                            "in turn, one call of each per round, each round in a new shuffled order)")
+                            f"in turn, one call of each per round, {BALANCED})")
 
 
 def heading(result: dict) -> str:

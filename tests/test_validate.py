@@ -397,8 +397,8 @@ def test_validate_reports_the_benchmark_its_kernels_and_the_emulation_and_lists_
             "|---|---|---|\n| TORCH_SDPA | yes | - |\n| FLASH_ATTN | no | FLASH_ATTN runs on NVIDIA CUDA |") in md
     assert ("wall clock, 0 warm-ups, 1 samples per cell; ms as median / p95; speedups are ratios of medians from "
             "this run (per group, transformers and every kernel's eager and replay are sampled in turn, one call of "
-            "each per round, each round in a new shuffled order). The cpu backend emulates replay eagerly: no "
-            "speed-up is expected from it.") in md
+            "each per round, in orders in which each callable follows each other equally often). The cpu backend "
+            "emulates replay eagerly: no speed-up is expected from it.") in md
     assert "{reference}" not in md  # the unformatted note once stood here (found by a plugin author's walkthrough)
     assert "![latency against image tokens](latency.png)" in md
     bench["graph_backend_accelerates"] = True
