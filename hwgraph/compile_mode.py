@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 def compile_block_forward(fn):
     """``torch.compile(fn, dynamic=False)`` on a copy of ``fn`` with a code object of its own (``own_code_copy``)."""
-    return torch.compile(own_code_copy(fn), dynamic=False)
+    return torch.compile(own_code_copy(fn), dynamic=False, fullgraph=True)
 
 
 def own_code_copy(fn):
@@ -60,7 +60,12 @@ def pin_triton_cache_dir(device: torch.device) -> str | None:
 def compile_limits(num_budgets: int):
     """Room for every budget's compiled graphs (two per budget) under dynamo's recompile limit, and a hard error
     instead of a silent eager fallback if it is hit anyway (the capture then fails and is logged)."""
-    wanted = {"recompile_limit": max(8, 2 * num_budgets + 2), "fail_on_recompile_limit_hit": True}
+    wanted = {"recompile_limit": max(8, 2 * num_budgets + 2), "fail_on_recompile_limit_hit": True,
+              "suppress_errors": False}
     config = torch._dynamo.config
-    with config.patch({k: v for k, v in wanted.items() if hasattr(config, k)}):
+    import torch._inductor.config as inductor_config
+
+    # Round low-precision intermediates as eager does, so compiled bf16/fp16 replays equal eager's (invariant 3).
+    rounding = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
+    with config.patch({k: v for k, v in wanted.items() if hasattr(config, k)}), inductor_config.patch(rounding):
         yield

@@ -194,6 +194,7 @@ class EncoderGraphManager:
             tower.to(device=self.device, dtype=self.dtype)
         tower.eval()
         tower.set_attention(attention, platform=self.platform, graph_safe=True)
+        self._kernel = tower.attention_fn  # what the graphs run (see _check_tower)
         self._weights = tower.weights_key()  # where the weights the graphs read live (see _check_tower)
         self.calibrate_on_capture = calibrate
         if slot_counts is None:
@@ -242,6 +243,14 @@ class EncoderGraphManager:
                 f"{self.device} (the tower is now {self.tower.dtype} on {self.tower.device}; another manager with "
                 f"another dtype or device, or tower.to(), moves it), so its graphs would read freed memory. close() "
                 f"this manager and build a new one on the tower as it is now")
+        if self.tower.attention_fn is not self._kernel:
+            # Its eager calls would run the other kernel, and the CPU backend's replays (and compiled code's guards)
+            # too: a compiled replay recompiled on the replay path.
+            raise RuntimeError(
+                f"{what}: the tower's attention kernel is now {self.tower.attention_kernel}, not the one this "
+                f"manager's graphs run ({getattr(self._kernel, '__name__', self._kernel)}): another manager on the "
+                f"same tower chose another kernel, or tower.set_attention() was called. close() this manager and "
+                f"build one per kernel, on its own tower (e.g. hwgraph.bench.kernel_view)")
 
     def capture(self) -> dict[int, BudgetGraph]:
         """Capture every budget, largest first, into one shared pool; failures leave that budget eager.
@@ -350,7 +359,7 @@ class EncoderGraphManager:
 
         def slot_forward(slots: int):
             meta = static_meta.first_seqs(slots)
-            if compiled:
+            if compiled and len(self.slot_counts) > 1:
                 # Only the attention op (opaque to inductor) reads cu_seqlens' length: one compiled block per
                 # budget serves every slot count, instead of a recompilation per count.
                 torch._dynamo.mark_dynamic(meta.cu_seqlens, 0)

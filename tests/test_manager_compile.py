@@ -310,3 +310,112 @@ def test_only_a_compiled_capture_pins_the_triton_cache_folder_for_its_device(mon
     m = EncoderGraphManager(tower, budgets=[8], max_images_per_graph=1, graph_backend="cpu", compile=True)
     m.capture()
     assert pinned == [torch.device("cpu")] and sorted(m.graphs) == [8]
+
+
+# ------------------------------------------------------------------ compiled vs plain parity (an audit's findings)
+def tiny_tower(seed=0, **kw):
+    torch.manual_seed(seed)
+    return Qwen3OmniVisionTower.from_preset("tiny", **{"depth": 2, "deepstack_visual_indexes": [0], **kw}).eval()
+
+
+def encode_and_compare(tower, m, grid, guard=True):
+    pixels = torch.randn(sum(t * h * w for t, h, w in grid), tower.patch_row_width, dtype=tower.dtype)
+    with (m.backend.sync_guard() if guard else torch.no_grad()):
+        got = m.encode(pixels, grid)
+    want = tower.forward(pixels, grid).split([t * h * w // 4 for t, h, w in grid])
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a.tensors(), b.tensors(), strict=True):
+            torch.testing.assert_close(x, y)
+
+
+@needs_inductor
+def test_an_inductor_failure_is_a_recorded_compile_failure_even_where_dynamo_suppresses_errors(monkeypatch):
+    """suppress_errors (TORCHDYNAMO_SUPPRESS_ERRORS=1) swallowed the failure: stats said compiled, no reason kept."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("inductor exploded")
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", boom)
+    tower = tiny_tower()
+    m = EncoderGraphManager(tower, budgets=[8], max_images_per_graph=1, graph_backend="cpu", compile=True)
+    with torch._dynamo.config.patch(suppress_errors=True):  # as TORCHDYNAMO_SUPPRESS_ERRORS=1 sets it
+        m.capture()
+    s = m.stats()
+    assert set(s["compile_failures"]) == {8} and "inductor exploded" in s["compile_failures"][8]
+    assert s["compile_seconds_per_budget"] == {} and sorted(m.graphs) == [8]
+    m.close()
+
+
+@needs_inductor
+def test_a_kernel_that_breaks_the_graph_fails_the_compiled_capture_instead_of_sharing_caches(monkeypatch):
+    """A graph break in the kernel: dynamo traced VisionAttention.forward as a frame of its own, whose cache every
+    manager shares, so other managers' compilations counted against this one's recompile limit (5th manager failed),
+    and the kernel ran outside the compiled graph with nothing recorded."""
+    from hwgraph.attention.sdpa import sdpa_varlen_op
+
+    def breaking(q, k, v, cu_seqlens, max_seqlen, scale):
+        torch._dynamo.graph_break()
+        return sdpa_varlen_op(q, k, v, cu_seqlens, max_seqlen, float(scale))
+
+    tower = tiny_tower(depth=1)
+    m = EncoderGraphManager(tower, budgets=[4], max_images_per_graph=1, graph_backend="cpu", compile=True,
+                            attention=breaking)
+    m.capture()
+    assert "graph_break" in m.stats()["compile_failures"].get(4, ""), m.stats()["compile_failures"]
+    encode_and_compare(tower, m, [(1, 2, 8)])
+    m.close()
+
+
+@needs_inductor
+def test_a_compiled_manager_whose_towers_kernel_another_manager_changed_does_not_recompile_on_replay():
+    """Manager b set my_sdpa on the shared tower; a's CPU replay re-ran dynamo with the new kernel: its guards failed,
+    it recompiled on the replay path, and under the sync guard inductor's constant folding raised HostSyncError
+    (plain mode replayed). Expected: refused up front, as for moved weights (or replayed without recompiling)."""
+    from torch._dynamo.utils import counters
+
+    tower = tiny_tower()
+    a = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=2, graph_backend="cpu", compile=True,
+                            attention="TORCH_SDPA")
+    a.capture()
+    b = EncoderGraphManager(tower, budgets=[8], max_images_per_graph=2, graph_backend="cpu", compile=True,
+                            attention=my_sdpa)
+    b.capture()
+    counters.clear()
+    with pytest.raises(RuntimeError, match="attention kernel"):
+        encode_and_compare(tower, a, [(1, 8, 8)])
+    assert counters["stats"]["unique_graphs"] == 0  # nothing compiled on a's replay path
+    encode_and_compare(tower, b, [(1, 4, 8)])
+
+
+@needs_inductor
+def test_compiled_bf16_replay_equals_eager_as_closely_as_plain_replay():
+    """Invariant 3 (bf16: torch.testing's closeness). Plain replay of a filled budget equals eager; compiled replay
+    failed assert_close on every output (inductor keeps bf16 intermediates in float32)."""
+    tower = tiny_tower()
+    m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=2, graph_backend="cpu", compile=True,
+                            dtype=torch.bfloat16)
+    m.capture()
+    assert m.stats()["compile_failures"] == {}
+    torch.manual_seed(5)
+    for grid in ([(1, 4, 8)], [(1, 8, 8)], [(1, 4, 4), (1, 4, 4)]):
+        encode_and_compare(tower, m, grid)
+    m.close()
+
+
+@needs_inductor
+def test_a_kernel_that_specializes_on_the_slot_count_compiles_where_there_is_one_slot_count():
+    """cu_seqlens' length was marked dynamic even with one slot count: a kernel that loops over it failed with
+    ConstraintViolationError and the budget was captured plain."""
+    from hwgraph.attention.sdpa import sdpa_varlen
+
+    def looping(q, k, v, cu_seqlens, max_seqlen, scale):
+        slots = len([i for i in range(cu_seqlens.shape[0] - 1)])  # sizes something by the slot count
+        return sdpa_varlen(q, k, v, cu_seqlens, max_seqlen, scale) * (1.0 if slots else 0.0)
+
+    tower = tiny_tower()
+    m = EncoderGraphManager(tower, budgets=[8], max_images_per_graph=1, graph_backend="cpu", compile=True,
+                            attention=looping)
+    m.capture()
+    assert m.slot_counts == [1] and m.stats()["compile_failures"] == {}
+    encode_and_compare(tower, m, [(1, 4, 8)])

@@ -181,6 +181,13 @@ class Qwen3OmniVisionTower(nn.Module):
         """Name of the attention kernel the forward uses (chosen now if not yet)."""
         return self.attention_spec.name
 
+    @property
+    def attention_fn(self):
+        """The callable the forward runs as attention (chosen now if not yet)."""
+        if self._attention is None:
+            self.set_attention()
+        return self._attention[1]
+
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         if not callable(self._attention_request):
