@@ -95,6 +95,23 @@ def test_sdpa_keeps_non_finite_padding_rows_out_of_real_rows(poison):
     assert torch.equal(raw[:real], clean[:real])
 
 
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("which", [1, 2])  # k, v
+def test_sdpa_keeps_a_sequences_non_finite_k_or_v_out_of_the_other_sequences(poison, which):
+    """As for padding rows, between real sequences: one image's non-finite k or v reached every image packed in the
+    same call (a masked key's weight is 0, and 0 times NaN is NaN), as it does not with TRITON_ATTN. The sequence
+    that holds it comes out NaN in that head, as it would attending alone."""
+    batch = random_packed_batch([20, 3, 5], heads=2, head_dim=72, padding_rows=2, max_seqlen=32)
+    clean = sdpa_varlen(*batch.args())
+    batch.args()[which][20:23, 1] = poison  # the second sequence, head 1
+    with CpuGraphBackend().sync_guard():
+        out = sdpa_varlen(*batch.args())
+    others = torch.cat([torch.arange(20), torch.arange(23, 30)])
+    assert torch.equal(out[others], clean[others])
+    assert torch.equal(out[20:23, 0], clean[20:23, 0]) and torch.isnan(out[20:23, 1]).all()
+
+
 # ---------------------------------------------------------------- TRITON_ATTN under the interpreter
 
 

@@ -8,6 +8,7 @@ installed plugins bring the same kernels.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -108,8 +109,39 @@ def test_cpu_chooses_torch_sdpa_and_says_why_triton_was_refused():
 
 def test_cpu_under_the_triton_interpreter_prefers_triton_attn(monkeypatch):
     pytest.importorskip("triton")
+    from hwgraph.attention import triton_attn
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_attn, "imported_interpreted", lambda: True)  # as where it was set before triton
     assert choose_attention(platform=CPU).spec.name == "TRITON_ATTN"
+
+
+INTERPRETER_SET_LATE = """
+import os
+import triton  # another library imported it first: its @jit helpers are compiled ones
+os.environ["TRITON_INTERPRET"] = "1"
+from hwgraph.attention.registry import choose_attention
+from hwgraph.platform import PlatformInfo
+from hwgraph.testing.reference import random_packed_batch
+chosen = choose_attention(platform=PlatformInfo("cpu", None, None, "", None, None, 0))
+chosen.fn(*random_packed_batch([5, 7], heads=1, head_dim=72).args())  # it runs
+print(chosen.spec.name, "|", chosen.reason)
+"""
+
+
+def test_an_interpreter_set_after_triton_was_imported_leaves_triton_attn_out_on_cpu():
+    """TRITON_INTERPRET=1 set after triton's import: the gate said TRITON_ATTN ran, the automatic choice took it, and
+    its first call failed (InterpreterError: Cannot call @triton.jit'd outside of the scope of a kernel)."""
+    import subprocess
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETER_SET_LATE], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    name, reason = done.stdout.strip().splitlines()[-1].split(" | ")
+    assert name == "TORCH_SDPA"
+    assert "TRITON_INTERPRET=1 was set after triton was imported in this process" in reason
 
 
 def test_h200_prefers_triton_attn_then_flash_then_sdpa():

@@ -46,13 +46,22 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     pixel there must not reach the real rows of a later call.
     """
     tokens = q.shape[0]
-    mask = block_diagonal_mask(cu_seqlens, tokens)
+    seg = segment_ids(cu_seqlens, tokens)
+    mask = seg[:, None] == seg[None, :]
     real = valid_rows(cu_seqlens, tokens)[:, None, None]  # on the device: no host read
-    k, v = torch.where(real, k, 0), torch.where(real, v, 0)
+    # The same holds between real sequences: a non-finite k or v row of one sequence would reach every other
+    # sequence of the packed batch. So such rows are zeroed too, and the (sequence, head) pairs that held one
+    # come out NaN, as they would attending alone; every other sequence is untouched.
+    finite = torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1)  # [T, H]
+    poisoned = torch.zeros(cu_seqlens.shape[0], q.shape[1], dtype=torch.int32, device=q.device)
+    poisoned.index_add_(0, seg, (~finite).to(torch.int32))  # [slots + 1, H]: padding rows count in the last
+    keep = real & finite[:, :, None]
+    k, v = torch.where(keep, k, 0), torch.where(keep, v, 0)
     # [T, H, D] -> [1, H, T, D]: the packed batch is one SDPA "batch" whose mask keeps sequences apart.
     attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                           v.transpose(0, 1)[None], attn_mask=mask, scale=scale)
-    return attn[0].transpose(0, 1).contiguous()
+    out = attn[0].transpose(0, 1)
+    return torch.where((poisoned[seg] > 0)[:, :, None], float("nan"), out).contiguous()
 
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``; ``max_seqlen`` is

@@ -39,7 +39,27 @@ def triton_gate(platform: PlatformInfo) -> Capability:
     if platform.kind == "cpu" and not interpreter_enabled():
         return Capability.unavailable(
             "on CPU TRITON_ATTN runs only under the Triton interpreter (TRITON_INTERPRET=1)")
+    if platform.kind == "cpu" and not imported_interpreted():
+        return Capability.unavailable(
+            "TRITON_INTERPRET=1 was set after triton was imported in this process; triton decides at import "
+            "whether it interprets, so TRITON_ATTN cannot run on CPU here")
     return Capability.available()
+
+
+def imported_interpreted() -> bool:
+    """Whether what is already imported was built for the interpreter: triton's own ``@jit`` helpers (decorated
+    when triton is imported) and, once imported, TRITON_ATTN's kernels. True for what is not imported yet."""
+    import sys
+
+    triton = sys.modules.get("triton")
+    if triton is None:
+        return True
+    from triton.language import standard
+
+    if isinstance(standard.sum, triton.runtime.JITFunction):
+        return False
+    kernel = sys.modules.get("hwgraph.attention.triton_kernel")
+    return kernel is None or kernel.is_interpreted()
 
 
 def triton_priority(platform: PlatformInfo) -> int:
