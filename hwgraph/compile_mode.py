@@ -13,7 +13,10 @@ log = logging.getLogger(__name__)
 
 
 def compile_block_forward(fn):
-    """``torch.compile(fn, dynamic=False)`` on a copy of ``fn`` with a code object of its own (``own_code_copy``)."""
+    """``torch.compile(fn, dynamic=False, fullgraph=True)`` on a copy of ``fn`` with a code object of its own
+    (``own_code_copy``). A graph break fails the compiled capture, which falls back with the reason: without
+    ``fullgraph`` dynamo would trace the part after it (a tower module) as a frame of its own, shared by every
+    manager and counted against each one's recompile limit."""
     return torch.compile(own_code_copy(fn), dynamic=False, fullgraph=True)
 
 
@@ -58,8 +61,10 @@ def pin_triton_cache_dir(device: torch.device) -> str | None:
 
 @contextlib.contextmanager
 def compile_limits(num_budgets: int):
-    """Room for every budget's compiled graphs (two per budget) under dynamo's recompile limit, and a hard error
-    instead of a silent eager fallback if it is hit anyway (the capture then fails and is logged)."""
+    """Room for every budget's compiled graphs (two per budget) under dynamo's recompile limit, a hard error instead
+    of a silent eager fallback if it is hit anyway or inductor fails (``suppress_errors`` off: the capture then fails
+    and is logged), and bf16/fp16 intermediates rounded as eager rounds them (inductor's
+    ``emulate_precision_casts``), so that compiled replays equal eager as plain ones do."""
     wanted = {"recompile_limit": max(8, 2 * num_budgets + 2), "fail_on_recompile_limit_hit": True,
               "suppress_errors": False}
     config = torch._dynamo.config
