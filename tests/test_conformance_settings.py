@@ -146,11 +146,11 @@ CpuCapturedGraph.replay = lambda self: None  # outputs keep what capture left
 ''', 1)
     run = run_pytest(tmp_path, {}, module, select="TestReplayEqualsEager or TestPoolRelease")
     assert run.returncode == 1, run.stdout + run.stderr
-    # two checks through the manager fixture (errors at setup) and the pool-release check, which captures its own
+    # three checks through the manager fixture (errors at setup) and the pool-release check, which captures its own
     summary = run.stdout.strip().splitlines()[-1]
-    assert "1 failed" in summary and "2 errors" in summary and "passed" not in summary, run.stdout
+    assert "1 failed" in summary and "3 errors" in summary and "passed" not in summary, run.stdout
     assert run.stdout.count("the cpu graph backend failed to capture budgets [16, 32, 64], so the manager runs them "
-                            "eagerly: {") == 3, run.stdout
+                            "eagerly: {") == 4, run.stdout
     assert "replay differs from eager after capture" in run.stdout and "held no memory" not in run.stdout
 
 
@@ -311,3 +311,113 @@ def test_the_suite_allows_low_precision_rounding_up_to_its_widened_atol():
     with pytest.raises(AssertionError):
         torch.testing.assert_close(g, w)
     ConformanceSuite().assert_close(g, w, "embeddings")
+
+
+BROKEN_BACKENDS = {
+    # capture changes the tower's weights in place: eager changes with them, so every comparison with eager agreed
+    "weights": ('''
+import torch
+from hwgraph.graphs.cpu import CpuGraphBackend
+
+capture = CpuGraphBackend.capture
+
+
+def zeroing_capture(self, fn, pool=None):
+    for cell in fn.__closure__ or ():
+        if isinstance(cell.cell_contents, torch.nn.Module):
+            with torch.no_grad():
+                for name, p in cell.cell_contents.named_parameters():
+                    if name.endswith("bias"):
+                        p.zero_()
+    return capture(self, fn, pool)
+
+
+CpuGraphBackend.capture = zeroing_capture
+''', "TestReplayEqualsEager", "changed the tower's weights in place"),
+    # replay() writes new tensors instead of the static outputs (vLLM's integration reads those after every replay)
+    "fresh outputs": ('''
+import torch
+from hwgraph.graphs.cpu import CpuCapturedGraph
+
+
+def fresh_replay(self):
+    with torch.inference_mode():
+        self.outputs = self.fn()
+
+
+CpuCapturedGraph.replay = fresh_replay
+''', "TestReplayEqualsEager", "do not hold the replay's results (did replay() write new tensors instead?)"),
+    # a sync guard that rejects .item() only
+    "item only": ('''
+import contextlib
+import torch
+from hwgraph.graphs.base import HostSyncError
+from hwgraph.graphs.cpu import CpuGraphBackend
+
+
+@contextlib.contextmanager
+def item_only(self):
+    saved = torch.Tensor.item
+
+    def reject(*args, **kwargs):
+        raise HostSyncError(".item()")
+
+    torch.Tensor.item = reject
+    try:
+        yield
+    finally:
+        torch.Tensor.item = saved
+
+
+CpuGraphBackend.sync_guard = item_only
+''', "test_sync_guard_rejects_a_host_read",
+        "sync_guard() let .tolist(), .cpu(), bool(), int(), float() read device memory back to the host"),
+    # a sync guard that is never switched off again: other checks failed, pointing at the wrong place
+    "leaky guard": ('''
+import contextlib
+from hwgraph.graphs.cpu import CpuGraphBackend, RejectHostReads
+
+
+def leaky(self):
+    RejectHostReads().__enter__()
+    return contextlib.nullcontext()
+
+
+CpuGraphBackend.sync_guard = leaky
+''', "test_sync_guard_rejects_a_host_read", ".item() still raises after the sync_guard() block ended"),
+    # memory_in_use() counts only the latest graph: a bare "assert False"
+    "memory": ('''
+import weakref
+from hwgraph.graphs.cpu import CpuGraphBackend
+
+capture = CpuGraphBackend.capture
+
+
+def remembering_capture(self, fn, pool=None):
+    graph = capture(self, fn, pool)
+    self.latest = weakref.ref(graph)
+    return graph
+
+
+def latest_only(self):
+    graph = self.latest() if getattr(self, "latest", None) else None
+    return graph.nbytes() if graph is not None else 0
+
+
+CpuGraphBackend.capture = remembering_capture
+CpuGraphBackend.memory_in_use = latest_only
+''', "TestCapture and not overridden", "memory_in_use() fell while capturing these budgets (bytes): {"),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_BACKENDS))
+def test_the_suite_fails_a_backend_that_breaks_the_contract_and_says_how(tmp_path, broken):
+    """Found by a strength audit of the suite (26 broken backends): these five passed it, or failed it with a bare
+    assert or in other checks."""
+    patch, select, message = BROKEN_BACKENDS[broken]
+    module = VENDOR_MODULE.replace("import pytest\n", "import pytest\n" + patch, 1).replace(
+        "class TestCapture(TestCapture):\n    def test_every_budget_captures_and_reports_its_memory",
+        "class TestCapture(TestCapture):\n    def test_overridden")
+    run = run_pytest(tmp_path, {}, module, select=select)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert message in run.stdout, run.stdout[-4000:]
