@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hwgraph.budgets import is_int
 from hwgraph.platform import device_runtime
 
 
@@ -47,9 +48,9 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.devi
     right after an eager forward took 1-7% longer than the same replay after another replay (a GPU that sat idle
     replays slower), so a fixed order biased whichever callable followed a slow one
     (``benchmarks/replay_gaps.py --order``)."""
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+    if not is_int(samples) or samples < 1:
         raise ValueError(f"samples must be an int >= 1 (timed rounds), got {samples!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+    if not is_int(warmup) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0 (untimed calls of each), got {warmup!r}")
     device = torch.device(device)
     for fn in fns.values():

@@ -10,6 +10,7 @@ import json
 import logging
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (at collection: the first capture would otherwise spend 2 s importing it)
@@ -295,6 +296,9 @@ def test_interleaved_timing_refuses_bad_counts_before_calling_anything(kwargs, m
     with pytest.raises(ValueError, match=match):
         measure_interleaved({"a": lambda: calls.append(1)}, "cpu", **{"warmup": 1, "samples": 1, **kwargs})
     assert calls == []
+    # numpy's ints count, as calibrate() (which passes its own on) accepts them
+    timed = measure_interleaved({"a": lambda: calls.append(1)}, "cpu", warmup=np.int64(1), samples=np.int64(2))
+    assert len(timed["a"].samples_ms) == 2 and len(calls) == 3
 
 
 def test_plain_replay_is_timed_only_at_the_budget_the_replay_runs(monkeypatch):
