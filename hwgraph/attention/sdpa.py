@@ -25,13 +25,12 @@ def segment_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.bucketize(rows, cu_seqlens[1:], right=True)
 
 
-def block_diagonal_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Bool ``[tokens, tokens]``: True where query row and key row are in the same sequence.
+def block_diagonal_mask(seg: torch.Tensor) -> torch.Tensor:
+    """Bool ``[tokens, tokens]`` from ``segment_ids``: True where query row and key row are in the same sequence.
 
     Padding rows form one block of their own, so no row is fully masked (which would give NaN); their output
     is zeroed afterwards.
     """
-    seg = segment_ids(cu_seqlens, tokens)
     return seg[:, None] == seg[None, :]
 
 
@@ -46,8 +45,8 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     pixel there must not reach the real rows of a later call.
     """
     tokens = q.shape[0]
-    seg = segment_ids(cu_seqlens, tokens)
-    mask = seg[:, None] == seg[None, :]
+    seg = segment_ids(cu_seqlens, tokens)  # also counts each sequence's non-finite rows, below
+    mask = block_diagonal_mask(seg)
     real = valid_rows(cu_seqlens, tokens)[:, None, None]  # on the device: no host read
     # The same holds between real sequences: a non-finite k or v row of one sequence would reach every other
     # sequence of the packed batch. So such rows are zeroed too, and the (sequence, head) pairs that held one

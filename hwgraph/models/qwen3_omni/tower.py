@@ -170,11 +170,15 @@ class Qwen3OmniVisionTower(nn.Module):
                                     head_dim=self.head_dim, graph_safe=safe_only)
         return request, safe_only, selected
 
-    @property
-    def attention_spec(self) -> KernelSpec:
+    def _chosen_attention(self) -> tuple[KernelSpec, VarlenAttention]:
+        """(spec, callable) of the kernel the forward runs, chosen now if not yet (or again after ``to()``)."""
         if self._attention is None:
             self.set_attention()
-        return self._attention[0]
+        return self._attention
+
+    @property
+    def attention_spec(self) -> KernelSpec:
+        return self._chosen_attention()[0]
 
     @property
     def attention_kernel(self) -> str:
@@ -184,9 +188,7 @@ class Qwen3OmniVisionTower(nn.Module):
     @property
     def attention_fn(self):
         """The callable the forward runs as attention (chosen now if not yet)."""
-        if self._attention is None:
-            self.set_attention()
-        return self._attention[1]
+        return self._chosen_attention()[1]
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -241,9 +243,7 @@ class Qwen3OmniVisionTower(nn.Module):
         default), e.g. that function compiled once and shared by every block (``EncoderGraphManager(compile=True)``).
         """
         self.check_pixels(pixel_values, metadata)
-        if self._attention is None:
-            self.set_attention()
-        spec, kernel = self._attention
+        spec, kernel = self._chosen_attention()
         # A kernel taking host boundaries (NPU) gets them from host metadata, instead of a read in every block.
         boundaries = (host_cu_seqlens(metadata.cu_seqlens.tolist())
                       if spec.reads_host_boundaries and metadata.cu_seqlens.device.type == "cpu"
