@@ -454,12 +454,12 @@ class ChoiceCache:
         if self.path is None:
             return
         try:
-            json.dumps(entry)  # TypeError, ValueError: an entry JSON cannot write; raised here, before any file is made
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.locked():
                 entries, replaceable = self.read()
                 if not replaceable:
                     raise OSError("it exists but cannot be read, so replacing it would drop its entries")
+                # TypeError, ValueError: an entry JSON cannot write; raised here, before any file is made
                 text = json.dumps(entries | {self.key(label): entry}, indent=1, sort_keys=True)
                 # created with the umask's mode, as the file itself would be (mkstemp's 0600 would lock other users
                 # out of a shared folder); a unique name, since the lock may be missing
