@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import types
 
@@ -74,3 +75,54 @@ def compile_limits(num_budgets: int):
     rounding = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
     with config.patch({k: v for k, v in wanted.items() if hasattr(config, k)}), inductor_config.patch(rounding):
         yield
+
+
+_ROUNDING_PROBES: dict = {}
+
+
+def inductor_rounds_as_eager(device: torch.device, dtype: torch.dtype):
+    """Whether inductor's code for ``device`` rounds ``dtype`` (bf16, fp16) intermediates as eager does under
+    ``compile_limits`` (``emulate_precision_casts``): a ``Capability``, measured once per process, device and dtype.
+    Other dtypes need no rounding of their own and are not probed.
+
+    Eager rounds every op's result to the low-precision dtype; inductor fuses pointwise ops and, unless it emulates
+    eager's casts, rounds only once at the end. Triton's code (GPUs) emulates them; the CPU's C++ code ignored the
+    setting up to torch 2.11 (pytorch/pytorch#182882 and #185847), so compiled bf16 replays there were not within
+    bf16's closeness of eager (invariant 3) on any output. The probe computes ``x * 3 - x * 2`` on every bf16/fp16
+    mantissa pattern of a few exponents. Each fp32 step of it is exact, so eager and inductor differ only in whether
+    ``x * 3`` is rounded before the subtraction: unrounded, the result is ``x``; rounded as eager does, it is off by
+    one unit of ``x`` for about two values in three."""
+    from hwgraph.capability import Capability
+
+    if dtype not in (torch.bfloat16, torch.float16):
+        return Capability.available()
+    key = (device.type, device.index, dtype)
+    if key not in _ROUNDING_PROBES:
+        _ROUNDING_PROBES[key] = _probe_rounding(device, dtype)
+    return _ROUNDING_PROBES[key]
+
+
+def _probe_rounding(device: torch.device, dtype: torch.dtype):
+    from hwgraph.capability import Capability
+
+    def cancelling(x):
+        return x * 3 - x * 2
+
+    mantissa_bits = round(-math.log2(torch.finfo(dtype).eps))  # 7 (bf16), 10 (fp16)
+    x = (1 + torch.arange(2 ** mantissa_bits, dtype=torch.float32) / 2 ** mantissa_bits)  # [1, 2): every mantissa
+    x = torch.cat([x, -x / 4, x * 8]).to(dtype).to(device)
+    name = str(dtype).removeprefix("torch.")
+    try:
+        with compile_limits(1), torch.no_grad():
+            got = torch.compile(own_code_copy(cancelling), dynamic=False, fullgraph=True)(x)
+    except Exception as exc:  # the compiled capture would fail the same way; say why here
+        return Capability.unavailable(f"inductor failed to compile a {name} probe on {device.type}: "
+                                      f"{type(exc).__name__}: {exc}")
+    want = cancelling(x)
+    if torch.equal(got, want):
+        return Capability.available()
+    differ = int((got != want).sum())
+    return Capability.unavailable(
+        f"inductor on torch {torch.__version__} does not round {name} intermediates on {device.type} as eager "
+        f"does ({differ} of {x.numel()} probe values differ with emulate_precision_casts on), so compiled "
+        f"replays would not equal eager within {name}'s tolerance")

@@ -19,7 +19,7 @@ import torch
 from hwgraph import budgets as budget_rules
 from hwgraph import products
 from hwgraph.attention.base import check_attention_request
-from hwgraph.compile_mode import compile_block_forward, compile_limits, pin_triton_cache_dir
+from hwgraph.compile_mode import compile_block_forward, compile_limits, inductor_rounds_as_eager, pin_triton_cache_dir
 from hwgraph.dtypes import graph_dtype
 from hwgraph.graphs.base import CapturedGraph, CaptureError
 from hwgraph.hostmem import pinned_copy
@@ -125,8 +125,9 @@ class EncoderGraphManager:
     block shape, shared by the blocks) before capturing each budget (startup cost:
     ``stats()['capture_seconds_per_budget']``, of which ``compile_seconds_per_budget`` is the budget's first compiled
     forward, where dynamo traces and inductor compiles, less any measuring of products in it); where the backend
-    cannot compile (``compile_support()``, e.g. NPU) or a budget's compiled capture fails,
-    that capture is plain, and ``stats()`` says why (``compile_skipped``, ``compile_failures``).
+    cannot compile (``compile_support()``, e.g. NPU), where inductor's code would not round the tower's bf16/fp16
+    intermediates as eager does (``compile_mode.inductor_rounds_as_eager``: the CPU's up to torch 2.11), or a budget's
+    compiled capture fails, that capture is plain, and ``stats()`` says why (``compile_skipped``, ``compile_failures``).
 
     ``graph_backend``: a backend name (default ``$HWGRAPH_GRAPH_BACKEND``, else the best available for ``device``);
     ``graph_mode``: one of that backend's ``modes`` (default its first; e.g. npu: ``aclgraph``, or ``torchair``,
@@ -299,8 +300,11 @@ class EncoderGraphManager:
         return self.graphs
 
     def _compile_supported(self) -> bool:
-        """compile=True on a backend where inductor cannot run: plain capture, with the reason logged and kept."""
+        """compile=True on a backend where inductor cannot run, or where its code would not round this dtype's
+        intermediates as eager does (the CPU's up to torch 2.11): plain capture, with the reason logged and kept."""
         support = self.backend.compile_support()
+        if support.ok:
+            support = inductor_rounds_as_eager(self.backend.device, self.dtype)
         if not support.ok:
             self._stats.compile_skipped = support.describe()
             log.warning("compile=True on %s: %s; capturing without torch.compile", self.backend.name,
