@@ -109,8 +109,10 @@ def _probe_rounding(device: torch.device, dtype: torch.dtype):
         return x * 3 - x * 2
 
     mantissa_bits = round(-math.log2(torch.finfo(dtype).eps))  # 7 (bf16), 10 (fp16)
-    x = (1 + torch.arange(2 ** mantissa_bits, dtype=torch.float32) / 2 ** mantissa_bits)  # [1, 2): every mantissa
-    x = torch.cat([x, -x / 4, x * 8]).to(dtype).to(device)
+    # on the device given: under a caller's torch.set_default_device("meta") a bare arange was a meta tensor, and
+    # copying it to the device raised out of capture()
+    x = (1 + torch.arange(2 ** mantissa_bits, dtype=torch.float32, device=device) / 2 ** mantissa_bits)  # [1, 2)
+    x = torch.cat([x, -x / 4, x * 8]).to(dtype)
     name = str(dtype).removeprefix("torch.")
     try:
         with compile_limits(1), torch.no_grad():

@@ -35,6 +35,29 @@ PADDED_CACHE_SIZE = 64  # padded, pinned host metadata kept for this many recent
 VERIFY_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
+def caller_state_off(device: torch.device):
+    """The caller's autograd recording and autocast off, for the manager's work: a graph replays what it captured,
+    whatever the caller has on, so capture, eager calls and (emulated) replays all compute plainly in the manager's
+    dtype, and pixels with an autograd history never join the graphs' static buffers. Entered only where on."""
+    stack = contextlib.ExitStack()
+    if torch.is_grad_enabled():
+        stack.enter_context(torch.no_grad())
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        stack.enter_context(torch.autocast(device.type, enabled=False))
+    return stack
+
+
+def check_materialised(tower) -> None:
+    """``ValueError`` naming the tower's tensors on the meta device (built under ``torch.device("meta")`` and not
+    loaded): they hold no data, and a manager on them failed later on whatever touched them first."""
+    on_meta = [name for name, t in (*tower.named_parameters(), *tower.named_buffers()) if t.is_meta]
+    if on_meta:
+        more = f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else ""
+        raise ValueError(f"the tower's {', '.join(on_meta[:3])}{more} are on the meta device (no data: built under "
+                         f"torch.device('meta') or set_default_device('meta') and not loaded): load its weights first "
+                         f"(Qwen3OmniVisionTower.from_pretrained, or load_state_dict(..., assign=True))")
+
+
 def measuring_seconds() -> float:
     """What the active product chooser has spent measuring so far (0 without one)."""
     return getattr(products.ACTIVE, "seconds", 0.0)
@@ -162,6 +185,7 @@ class EncoderGraphManager:
                  graph_backend=None, attention=None, calibrate=None, max_budget=None, verify=True,
                  log_every=1000, compile=False, slot_counts=None, measure_products=False, graph_mode=None):
         check_tower(tower)
+        check_materialised(tower)
         check_attention_request(attention)
         if not budget_rules.is_int(log_every) or log_every < 0:
             raise ValueError(f"log_every must be an int >= 0 (0: never log stats), got {log_every!r}")
@@ -221,6 +245,12 @@ class EncoderGraphManager:
         runtime = device_runtime(self.device)
         self._runtime = runtime if hasattr(runtime, "Event") and hasattr(runtime, "current_stream") else None
         self._buffers_read = None  # recorded after the last replay's copy out, on its stream
+        self._rng = torch.Generator().manual_seed(0)  # capture's random inputs: the caller's global RNG stays as it was
+
+    def _random_pixels(self, rows: int) -> torch.Tensor:
+        """Random pixel rows for capture, verification and calibration, from the manager's own generator."""
+        return torch.randn(rows, self.tower.patch_row_width, generator=self._rng, device="cpu").to(self.device,
+                                                                                                    self.dtype)
 
     # ---------------------------------------------------------------- capture
     @property
@@ -260,6 +290,10 @@ class EncoderGraphManager:
         of other threads in the process: the capture stream and the DeepStack mergers' side stream are the process's
         (one per device), and with ``measure_products`` the product chooser is active for the whole process while it
         runs (``products.chosen_by``). ``encode()`` may be called from any thread once it has returned."""
+        with caller_state_off(self.device):
+            return self._capture()
+
+    def _capture(self) -> dict[int, BudgetGraph]:
         self._check_tower("capture()")
         refusal = self.capture_refusal()
         if refusal:
@@ -355,8 +389,11 @@ class EncoderGraphManager:
         num_patches = budget * self.merge_area
         grid = [budget_rules.filling_grid(budget, self.tower.spatial_merge_size)]
         host = self.tower.prepare_metadata(grid)
-        static_meta = host.padded(num_patches, self.max_images).to(self.device)
-        pixels = torch.randn(num_patches, self.tower.patch_row_width, device=self.device, dtype=self.dtype)
+        # Normal tensors even when the caller captures in inference mode: encode() fills them in place, and may run
+        # outside it (another thread, no_grad), where an inference tensor refuses in-place updates.
+        with torch.inference_mode(False):
+            static_meta = host.padded(num_patches, self.max_images).to(self.device)
+            pixels = self._random_pixels(num_patches)
         tower = self.tower
         block_forward = self._compiled_block_forward() if compiled else None
         entry = BudgetGraph(budget, num_patches, pixels, static_meta, {}, 0, 0.0)
@@ -425,7 +462,7 @@ class EncoderGraphManager:
 
     def _verify(self, entry: BudgetGraph, graph: CapturedGraph, host, grid) -> None:
         """Replay once on fresh inputs and compare with eager: a capture that replays wrongly is refused."""
-        pixels = torch.randn_like(entry.pixels)
+        pixels = self._random_pixels(entry.num_patches)
         self._fill(entry, pixels, host)
         graph.replay()
         with torch.inference_mode():
@@ -446,15 +483,20 @@ class EncoderGraphManager:
                                                                 if b in self.budgets])
         return (None if budget is None else self.graphs[budget]), why
 
+    # In a caller's compiled code: a graph break, never traced (host work, a lock, graphs' replays).
+    @torch.compiler.disable(reason="EncoderGraphManager.encode() replays device graphs and runs host work: it runs "
+                                   "eagerly, as a graph break (fullgraph=False)")
     def encode(self, pixel_values: torch.Tensor, grid_thw) -> list:
         """Encode one step's images; returns one ``VisionOutput`` per image, in the caller's order.
 
         ``pixel_values``: ``[patches, patch_row_width]`` rows of every image in order; ``grid_thw``: ``(t, h, w)``
         patch grids (host list or int tensor on the host). Work queues on the caller's current stream. Calls from
         several threads run one at a time, and a replay on one stream waits on the device for the previous replay's
-        copy out on another: the graphs' static buffers are the manager's.
+        copy out on another: the graphs' static buffers are the manager's. The caller's autocast and autograd do not
+        apply (a graph replays what it captured): outputs are in the manager's dtype, and inference tensors only when
+        the caller is in inference mode, whichever path served them.
         """
-        with self._lock:
+        with self._lock, caller_state_off(self.device):
             self._check_tower("encode()")
             if pixel_values is None:  # prepare_metadata checks pixels only when given some
                 raise ValueError(f"pixel_values must be a floating-point torch.Tensor [patches, "
@@ -473,8 +515,9 @@ class EncoderGraphManager:
             return outputs
 
     def _eager(self, pixel_values, host, why: str, count: int) -> list:
-        with torch.inference_mode():
-            out = self.tower.forward_with_metadata(self._to_device(pixel_values), host)
+        # no_grad (encode's), not inference mode: outputs like the replay path's copies, which a caller outside
+        # inference mode may update in place or use with autograd
+        out = self.tower.forward_with_metadata(self._to_device(pixel_values), host)
         self._stats.misses += count
         self._stats.eager_groups += 1
         self._stats.eager_reasons[why] = self._stats.eager_reasons.get(why, 0) + 1
@@ -554,7 +597,8 @@ class EncoderGraphManager:
         for name, value, low in (("warmup", warmup, 0), ("samples", samples, 1)):
             if not budget_rules.is_int(value) or value < low:
                 raise ValueError(f"calibrate(): {name} must be an int >= {low}, got {value!r}")
-        with self._lock:  # its replays fill the graphs' buffers, as encode() does; close() waits for it
+        # its replays fill the graphs' buffers, as encode() does; close() waits for it
+        with self._lock, caller_state_off(self.device):
             self._check_tower("calibrate()")
             if not self.graphs:
                 raise RuntimeError("calibrate() needs captured graphs: call capture() first (no budget is captured, "
@@ -567,7 +611,7 @@ class EncoderGraphManager:
             entry = self.graphs[budget]
             grid = [budget_rules.filling_grid(budget, self.tower.spatial_merge_size)]
             host = self.tower.prepare_metadata(grid)
-            pixels = torch.randn_like(entry.pixels)
+            pixels = self._random_pixels(entry.num_patches)
 
             def eager(pixels=pixels, host=host):
                 with torch.inference_mode():

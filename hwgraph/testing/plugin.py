@@ -54,17 +54,18 @@ def pytest_configure(config):
     for name, text in {**ACCELERATOR_MARKERS, **OTHER_MARKERS}.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     rewrite_suite_asserts()
-    share_cpu_threads()
 
 
 def share_cpu_threads() -> None:
-    """Give each pytest-xdist worker its share of the cores for torch's CPU threads.
+    """Give each pytest-xdist worker its share of the cores for torch's CPU threads, in a session that collected
+    hwgraph's conformance suite (``SUITE_MODULE``): the plugin loads in every pytest session of an environment with
+    hwgraph installed, and other projects' suites keep their process's torch settings.
 
     Every worker otherwise starts one thread per core; oversubscribed OpenMP threads spin against each other and
     made the tiny tower's CPU forward ~100x slower on a 2-core machine. ``OMP_NUM_THREADS`` set by the user wins.
     """
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if not workers or "OMP_NUM_THREADS" in os.environ:
+    if not workers or "OMP_NUM_THREADS" in os.environ or SUITE_MODULE not in sys.modules:
         return
     import torch
 
@@ -72,6 +73,7 @@ def share_cpu_threads() -> None:
 
 
 def pytest_collection_modifyitems(config, items):
+    share_cpu_threads()  # after collection: whether the suite is among the tests is known, none has run yet
     for item in items:
         for marker, need in ACCELERATOR_MARKERS.items():
             if item.get_closest_marker(marker) is not None and detected_kind() != marker:

@@ -45,6 +45,16 @@ def callable_spec(fn: VarlenAttention) -> KernelSpec:
     )
 
 
+def rotary_after_load(tower: Qwen3OmniVisionTower, incompatible_keys) -> None:
+    """After ``load_state_dict``: the rotary frequencies (non-persistent, in no checkpoint) on the weights' device.
+    A tower built under ``torch.device("meta")`` and loaded with ``assign=True`` (meta init, then load) had real
+    weights and frequencies still on meta, and its forward failed ("Tensor on device meta is not on the expected
+    device cpu!")."""
+    weight = tower.patch_embed.proj.weight
+    if tower.rotary_pos_emb.inv_freq.is_meta and not weight.is_meta:
+        tower.rotary_pos_emb.reset(weight.device)
+
+
 OVERLAP_MAX_ROWS = 512  # patch rows up to which DeepStack mergers overlap the blocks (merge_stream)
 
 
@@ -78,6 +88,7 @@ class Qwen3OmniVisionTower(nn.Module):
         self._attention: tuple[KernelSpec, VarlenAttention] | None = None
         # DeepStack mergers on a second stream (CUDA and ROCm), overlapping the blocks after them; see merge_stream.
         self.overlap_deepstack = True
+        self.register_load_state_dict_post_hook(rotary_after_load)
 
     @classmethod
     def from_preset(cls, name: str, attention: str | VarlenAttention | None = None,
