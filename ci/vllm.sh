@@ -25,7 +25,7 @@ if [ "$(installed vllm)" != "$VLLM_PIN" ]; then
 fi
 # hwgraph's own dependencies (torch, transformers, numpy, packaging, safetensors) come with vllm; --no-deps keeps
 # pip from swapping vllm's torch for another build. Only what vllm does not bring is added, when missing.
-for req in "numpy>=1.24" "packaging>=23" "safetensors>=0.4" "pytest>=8"; do
+for req in "numpy>=1.24" "packaging>=23" "safetensors>=0.8" "pytest>=8"; do
   name="${req%%[<>=]*}"
   [ -n "$(installed "$name")" ] || $PIP install "$req"
 done

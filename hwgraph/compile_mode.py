@@ -88,8 +88,10 @@ def inductor_rounds_as_eager(device: torch.device, dtype: torch.dtype):
     Eager rounds every op's result to the low-precision dtype; inductor fuses pointwise ops and, unless it emulates
     eager's casts, rounds only once at the end. Triton's code (GPUs) emulates them; the CPU's C++ code ignored the
     setting up to torch 2.11 (pytorch/pytorch#182882 and #185847), so compiled bf16 replays there were not within
-    bf16's closeness of eager (invariant 3) on any output. The probe computes ``x * 3 - x * 2`` on every bf16/fp16
-    mantissa pattern of a few exponents. Each fp32 step of it is exact, so eager and inductor differ only in whether
+    bf16's closeness of eager (invariant 3) on any output; torch 2.10's fails to compile them at all
+    (``CppVecOverrides.to_dtype() got an unexpected keyword argument 'use_compute_types'``), and the manager
+    captures plain there too. The probe computes ``x * 3 - x * 2`` on every bf16/fp16 mantissa pattern of a few
+    exponents. Each fp32 step of it is exact, so eager and inductor differ only in whether
     ``x * 3`` is rounded before the subtraction: unrounded, the result is ``x``; rounded as eager does, it is off by
     one unit of ``x`` for about two values in three."""
     from hwgraph.capability import Capability

@@ -211,17 +211,17 @@ def bare_env(tmp_path: Path) -> Path:
 
 def test_accel_env_sh_names_every_missing_requirement_before_installing(tmp_path):
     """pip, offline, stopped at the first requirement it could not resolve (`No matching distribution found for
-    transformers>=5.0`), after three setuptools warnings, without saying the env installs offline by design."""
+    transformers>=5.17`), after three setuptools warnings, without saying the env installs offline by design."""
     import sys
 
+    if sys.version_info < (3, 11):
+        pytest.skip("no tomllib before Python 3.11: the requirements are not checked")
     python = bare_env(tmp_path)
     done = subprocess.run([BASH, str(CI / "accel_env.sh"), "rocm", str(tmp_path / "wheels"), str(python)],
                           capture_output=True, text=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "PYTHON": str(Path(sys.base_prefix) / "bin" / "python3")})
     assert done.returncode == 2, done.stderr
-    if sys.version_info < (3, 11):
-        pytest.skip("no tomllib before Python 3.11: the requirements are not checked")
-    for wanted in ("torch>=2.10 (not installed)", "transformers>=5.0 (not installed)", "pytest-xdist>=3 (not "
+    for wanted in ("torch>=2.10 (not installed)", "transformers>=5.17 (not installed)", "pytest-xdist>=3 (not "
                    "installed)", "a ROCm build of torch", "PYTHON=/path/to/venv/bin/python tox -e rocm"):
         assert wanted in done.stderr, done.stderr
     assert not (tmp_path / "wheels").exists()  # stopped before building anything

@@ -400,6 +400,8 @@ def test_compiled_bf16_replay_equals_eager_as_closely_as_plain_replay():
     assert s["compile_skipped"] == (None if rounding.ok else rounding.describe())
     if Version(torch.__version__).release >= (2, 13):  # inductor's C++ code emulates eager's casts from here on
         assert rounding.ok, rounding.describe()
+    elif Version(torch.__version__).release < (2, 11):  # torch 2.10's C++ vec code fails on emulated casts
+        assert not rounding.ok and "inductor failed to compile a bfloat16 probe on cpu" in rounding.describe()
     elif Version(torch.__version__).release < (2, 12):
         assert not rounding.ok and "does not round bfloat16 intermediates on cpu" in rounding.describe()
     check_against_eager(tower, m, [[(1, 4, 8)], [(1, 8, 8)], [(1, 4, 4), (1, 4, 4)]], guard=True)
