@@ -10,6 +10,8 @@ import types
 
 import torch
 
+from hwgraph.capability import Capability
+
 log = logging.getLogger(__name__)
 
 
@@ -94,8 +96,6 @@ def inductor_rounds_as_eager(device: torch.device, dtype: torch.dtype):
     exponents. Each fp32 step of it is exact, so eager and inductor differ only in whether
     ``x * 3`` is rounded before the subtraction: unrounded, the result is ``x``; rounded as eager does, it is off by
     one unit of ``x`` for about two values in three."""
-    from hwgraph.capability import Capability
-
     if dtype not in (torch.bfloat16, torch.float16):
         return Capability.available()
     key = (device.type, device.index, dtype)
@@ -105,8 +105,6 @@ def inductor_rounds_as_eager(device: torch.device, dtype: torch.dtype):
 
 
 def _probe_rounding(device: torch.device, dtype: torch.dtype):
-    from hwgraph.capability import Capability
-
     def cancelling(x):
         return x * 3 - x * 2
 
@@ -118,7 +116,7 @@ def _probe_rounding(device: torch.device, dtype: torch.dtype):
     name = str(dtype).removeprefix("torch.")
     try:
         with compile_limits(1), torch.no_grad():
-            got = torch.compile(own_code_copy(cancelling), dynamic=False, fullgraph=True)(x)
+            got = compile_block_forward(cancelling)(x)  # compiled as the managers' block forwards are
     except Exception as exc:  # the compiled capture would fail the same way; say why here
         return Capability.unavailable(f"inductor failed to compile a {name} probe on {device.type}: "
                                       f"{type(exc).__name__}: {exc}")
