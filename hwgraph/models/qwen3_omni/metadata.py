@@ -13,16 +13,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
 
+from hwgraph.bounded_cache import bounded_cache
 from hwgraph.hostmem import pinned_copy
 
 Grid = tuple[tuple[int, int, int], ...]
 
 TENSOR_FIELDS = ("pos_indices", "pos_weights", "rotary_positions", "cu_seqlens")
+
+# Bounds of each metadata cache (``frame_tables``, ``grid_metadata``): at most CACHE_BYTES of tables, and no result
+# over CACHE_ENTRY_BYTES kept. A patch row holds 64 bytes (4 int64 indices, 4 float32 weights, 2 int64 rotary
+# positions), so an entry of 1 MiB is 16,384 rows: 4,096 merged tokens, twice the largest calibrated budget. Larger
+# images and videos rebuild their tables at each call, which costs far less than their forward.
+CACHE_BYTES = 32 << 20
+CACHE_ENTRY_BYTES = 1 << 20
 
 
 # eq=False: comparing tensors would call bool() on them, a device read; the repr stays one line for logs.
@@ -242,11 +249,20 @@ def axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.n
     return tap0, tap1, weight0, weight1
 
 
-@lru_cache(maxsize=512)
+def _arrays_bytes(arrays) -> int:
+    return sum(a.nbytes for a in arrays)
+
+
+def _metadata_bytes(meta: VisionMetadata) -> int:
+    return sum(t.nbytes for t in meta.tensors().values())
+
+
+@bounded_cache(maxsize=512, max_bytes=CACHE_BYTES, max_entry_bytes=CACHE_ENTRY_BYTES, size_of=_arrays_bytes)
 def frame_tables(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-frame tables in merge order: position indices ``[4, h*w]``, weights ``[4, h*w]``, rotary ``[h*w, 2]``.
 
-    Cached: a server sees the same few image sizes again and again. The arrays are read-only.
+    Cached (least recently used out, within ``CACHE_BYTES``): a server sees the same few image sizes again and again.
+    The arrays are read-only.
     """
     rows, cols = merge_order_coords(h, w, merge)
     r0, r1, rw0, rw1 = axis_taps(rows, h, side)
@@ -262,12 +278,13 @@ def frame_tables(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np.
 def prepare_metadata(grid_thw, spatial_merge_size: int, num_grid_per_side: int) -> VisionMetadata:
     """Host metadata for images of ``grid_thw`` (see ``VisionMetadata``); numpy only, never the device.
 
-    Cached per grid (a server sees the same groups of image sizes again and again; building them cost about
-    45 us of host time per call on the H200's host, ahead of every replay): treat the result as read-only."""
+    Cached per grid, least recently used out, within ``CACHE_BYTES`` (a server sees the same groups of image sizes
+    again and again; building them cost about 45 us of host time per call on the H200's host, ahead of every
+    replay): treat the result as read-only."""
     return grid_metadata(normalize_grid(grid_thw, spatial_merge_size), spatial_merge_size, num_grid_per_side)
 
 
-@lru_cache(maxsize=256)
+@bounded_cache(maxsize=256, max_bytes=CACHE_BYTES, max_entry_bytes=CACHE_ENTRY_BYTES, size_of=_metadata_bytes)
 def grid_metadata(grid: Grid, spatial_merge_size: int, num_grid_per_side: int) -> VisionMetadata:
     indices, weights, rotary, seqlens = [], [], [], []
     for t, h, w in grid:
