@@ -95,6 +95,18 @@ def filling_grid(tokens: int, merge: int) -> tuple[int, int, int]:
     return (1, a * merge, (tokens // a) * merge)
 
 
+#: Why a group runs eagerly when the graph that would hold it was captured under other numerics settings than the
+#: graph backend's now (``GraphBackend.numerics_settings``): its replay would keep the old ones.
+NUMERICS_CHANGED = "numerics settings changed since capture"
+
+
+def settings_changes(then: tuple, now: tuple) -> str:
+    """``name: old -> new`` for each setting of two ``numerics_settings()`` readings that differs."""
+    old, new = dict(then), dict(now)
+    return ", ".join(f"{name}: {old.get(name)!r} -> {new.get(name)!r}" for name in dict.fromkeys([*old, *new])
+                     if old.get(name) != new.get(name))
+
+
 def single_replay_budget(budgets, images: int, tokens: int, max_images: int, video: bool,
                          failed=()) -> tuple[int | None, str]:
     """The single-replay rule for one group of images: the smallest captured budget holding all ``tokens`` when

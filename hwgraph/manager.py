@@ -84,6 +84,8 @@ class BudgetGraph:
     capture_seconds: float  # the budget's whole startup: compiling (compiled captures) and capturing
     filled_grid: tuple | None = None  # the grid whose metadata the static buffers hold now (None: unknown)
     compile_seconds: float | None = None  # compiled captures: the part of capture_seconds spent compiling
+    numerics: tuple = ()  # the backend's numerics_settings() when it was captured, which its replays keep
+    numerics_warned: bool = False  # a replay refused for changed settings was logged
 
     def graph_for(self, num_seqs: int) -> tuple[int, CapturedGraph]:
         """The graph with the fewest slots holding ``num_seqs`` sequences, and its slot count."""
@@ -310,12 +312,19 @@ class EncoderGraphManager:
             # the chooser is the process's: this manager's stats describe what it did from here on
             self._products_mark = self._chooser.mark() if self._chooser is not None else None
             self._stats.products_measured = self._chooser is not None
+        numerics = self.backend.numerics_settings(self.dtype)
         for budget in sorted(self.budgets, reverse=True):
             if budget in self.graphs:
-                continue
+                if self.graphs[budget].numerics == numerics:
+                    continue
+                log.info("budget %d was captured under other numerics settings (%s): capturing it again", budget,
+                         budget_rules.settings_changes(self.graphs[budget].numerics, numerics))
+                self.graphs.pop(budget).release()
+                self._forget_costs(budget)
             try:
                 self.graphs[budget] = self._capture_budget_compiled(budget) if compiled else \
                     self._capture_budget(budget)
+                self.graphs[budget].numerics = numerics
                 self._stats.capture_failures.pop(budget, None)  # an earlier capture() may have failed it
             except Exception as exc:  # a failed capture is a logged fallback, never a wrong answer
                 reason = f"{type(exc).__name__}: {exc}"
@@ -476,12 +485,25 @@ class EncoderGraphManager:
 
     # ---------------------------------------------------------------- dispatch
     def select_graph(self, grid: tuple[tuple[int, int, int], ...], tokens: int) -> tuple[BudgetGraph | None, str]:
-        """The smallest captured graph holding every image, or None and why the group goes eager."""
+        """The smallest captured graph holding every image, or None and why the group goes eager: also when that
+        graph was captured under other numerics settings than the backend's now (``numerics_settings``, e.g. CUDA's
+        TF32 setting changed since), since its replay would keep the old ones."""
         budget, why = budget_rules.single_replay_budget(self.graphs, len(grid), tokens, self.max_images,
                                                         video=any(t != 1 for t, _, _ in grid),
                                                         failed=[b for b in self._stats.capture_failures
                                                                 if b in self.budgets])
-        return (None if budget is None else self.graphs[budget]), why
+        if budget is None:
+            return None, why
+        entry = self.graphs[budget]
+        numerics = self.backend.numerics_settings(self.dtype)
+        if entry.numerics != numerics:
+            if not entry.numerics_warned:
+                entry.numerics_warned = True
+                log.warning("budget %d was captured under other numerics settings than now (%s): its groups run "
+                            "eagerly until capture() captures it again", budget,
+                            budget_rules.settings_changes(entry.numerics, numerics))
+            return None, budget_rules.NUMERICS_CHANGED
+        return entry, why
 
     # In a caller's compiled code: a graph break, never traced (host work, a lock, graphs' replays).
     @torch.compiler.disable(reason="EncoderGraphManager.encode() replays device graphs and runs host work: it runs "

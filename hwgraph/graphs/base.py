@@ -107,6 +107,15 @@ class GraphBackend(ABC):
         ``products_support()`` is ok."""
         raise NotImplementedError(f"the {self.name} graph backend has no product chooser")
 
+    def numerics_settings(self, dtype: torch.dtype) -> tuple:
+        """The process-wide settings that decide how this backend's kernels compute in ``dtype`` and that a captured
+        graph keeps from its capture, as ``(name, value)`` pairs (e.g. CUDA's TF32 setting for float32 products).
+        The manager reads them when it captures a budget and before each replay: a graph captured under other
+        settings is not replayed (its group runs eagerly, under the settings of now) until ``capture()`` captures
+        it again. Cheap (host reads only, no device). ``()`` by default: nothing kept (an emulating backend runs the
+        forward at each replay)."""
+        return ()
+
     @abstractmethod
     def sync_guard(self) -> contextlib.AbstractContextManager:
         """A context inside which any device-to-host synchronisation raises."""

@@ -29,6 +29,29 @@ log = logging.getLogger(__name__)
 #: The oldest torch the device backends support (the core's own requirement).
 MIN_TORCH = "2.10"
 
+#: Settings of ``torch.backends.cuda.matmul`` that decide how cuBLAS (hipBLASLt on ROCm) computes a product in each
+#: dtype: TF32 for float32, reduced-precision reductions (and split-K's) for bf16 and fp16, fp16 accumulation. ATen
+#: reads them when it launches a product, so a captured graph keeps the values of its capture.
+MATMUL_SETTINGS = {
+    torch.float32: ("fp32_precision",),
+    torch.bfloat16: ("allow_bf16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction_split_k"),
+    torch.float16: ("allow_fp16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction_split_k",
+                    "allow_fp16_accumulation"),
+}
+
+
+def matmul_settings(dtype: torch.dtype) -> tuple:
+    """``(name, value)`` of each cuBLAS setting that applies to ``dtype``'s products (``MATMUL_SETTINGS``); a setting
+    this torch lacks reads None. For float32 also the generic ``torch.backends.fp32_precision`` that a matmul
+    precision of "none" defers to. Only the new precision API is read: the legacy ``allow_tf32`` raises once both
+    APIs were used, while ``fp32_precision`` reflects either."""
+    matmul = torch.backends.cuda.matmul
+    settings = tuple((f"torch.backends.cuda.matmul.{name}", getattr(matmul, name, None))
+                     for name in MATMUL_SETTINGS.get(dtype, ()))
+    if dtype == torch.float32:
+        settings += (("torch.backends.fp32_precision", getattr(torch.backends, "fp32_precision", None)),)
+    return settings
+
 
 def torch_build() -> tuple[str, str | None]:
     """Which runtime this torch was built for: ``("rocm", hip)``, ``("cuda", cuda)`` or ``("cpu", None)``."""
@@ -309,6 +332,9 @@ class TorchCudaGraphBackend(GraphBackend):
         # Not the math libraries' per-stream workspaces (torch._C._cuda_clearCublasWorkspaces): captured graphs
         # anywhere in the process may write to them (see _capture_streams).
         self.runtime().empty_cache()
+
+    def numerics_settings(self, dtype: torch.dtype) -> tuple:
+        return matmul_settings(dtype)
 
     def memory_in_use(self) -> int:
         # Reserved, not allocated: a graph's private pool keeps its blocks reserved between replays even while no

@@ -20,7 +20,7 @@ from hwgraph.integrations.vllm_version import VLLM_VERSION  # noqa: F401  (the v
 from vllm.v1.worker.encoder_cudagraph import BudgetGraphMetadata, EncoderCudaGraphManager
 from vllm.v1.worker.encoder_cudagraph_defs import EncoderItemSpec
 
-from hwgraph.budgets import single_replay_budget
+from hwgraph.budgets import NUMERICS_CHANGED, settings_changes, single_replay_budget
 from hwgraph.platform import platform_for
 from hwgraph.registry import create_backend
 
@@ -69,6 +69,8 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
         self.backend = create_backend(graph_backend, device=device, mode=graph_mode, platform=platform_for(device))
         self.capture_failures: dict[int, str] = {}  # budget -> why the last capture() left it eager
         self._captured_tower: tuple | None = None  # (weights_key, dtype, device) of the tower at capture
+        self._captured_numerics: tuple | None = None  # the backend's numerics_settings() at capture
+        self._numerics_warned = False
         tower = self._tower()
         if tower is not None:  # as EncoderGraphManager: automatic choice among graph-safe kernels (on NPU, SDPA)
             tower.set_attention(platform=platform_for(device), graph_safe=True)
@@ -98,6 +100,8 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
         tower = self._tower()
         # The graphs read the weights where they live now; replay checks that they did not move (_check_tower).
         self._captured_tower = None if tower is None else (tower.weights_key(), tower.dtype, tower.device)
+        # ... and keep the numerics settings of now (decide() replays only under them)
+        self._captured_numerics, self._numerics_warned = self._numerics(), False
         if graph_pool is None or not self.backend.accelerates:
             graph_pool = self.backend.new_pool()
         super().capture(graph_pool)
@@ -135,12 +139,18 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
                 meta.graph.release()
         super().clear()
         self.capture_failures = {}
-        self._captured_tower = None
+        self._captured_tower = self._captured_numerics = None
 
     def _tower(self):
         """The model's hwgraph tower, or None for a model of vLLM's own (the tower guards then do not apply)."""
         tower = getattr(self.model, "tower", None)
         return tower if hasattr(tower, "weights_key") else None
+
+    def _numerics(self) -> tuple:
+        """The backend's numerics settings for the dtype the graphs compute in: the tower's where there is one (vLLM
+        gives the manager its model's dtype, which the tower need not share)."""
+        tower = self._tower()
+        return self.backend.numerics_settings(self.dtype if tower is None else tower.dtype)
 
     def capture_refusal(self) -> str | None:
         """Why nothing may be captured for this model, or None."""
@@ -169,13 +179,24 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
     # ------------------------------------------------------------------ dispatch
     def decide(self, item_specs: list[EncoderItemSpec], modality: str = "image",
                frames: list[int] | None = None) -> ReplayDecision:
-        """The single-replay rule for one group (host values only)."""
+        """The single-replay rule for one group (host values only); eager too while the backend's numerics settings
+        differ from those of the capture (``GraphBackend.numerics_settings``: e.g. CUDA's TF32 setting changed
+        since), which the graphs keep, until ``clear()`` and ``capture()``."""
         if not item_specs:
             return ReplayDecision(None, "empty")
         tokens = sum(spec.output_tokens for spec in item_specs)
         budget, reason = single_replay_budget(
             self.captured_budgets(), len(item_specs), tokens, self.max_batch_size,
             video=modality != "image" or bool(frames and max(frames) > 1), failed=self.capture_failures)
+        if budget is not None and self._captured_numerics is not None:
+            numerics = self._numerics()
+            if numerics != self._captured_numerics:
+                if not self._numerics_warned:
+                    self._numerics_warned = True
+                    log.warning("encoder graphs were captured under other numerics settings than now (%s): groups "
+                                "run eagerly until clear() and capture()",
+                                settings_changes(self._captured_numerics, numerics))
+                return ReplayDecision(None, NUMERICS_CHANGED)
         return ReplayDecision(budget, reason)
 
     def _run_budget_graph(self, mm_kwargs: dict[str, Any], token_budget: int, path: str = "default",

@@ -159,6 +159,18 @@ class TestCapture(ConformanceSuite):
         negative = {b: n for b, n in stats["capture_bytes_per_budget"].items() if n < 0}
         assert not negative, f"memory_in_use() fell while capturing these budgets (bytes): {negative}"
 
+    def test_graphs_record_the_numerics_settings_they_keep(self, manager):
+        """``numerics_settings(dtype)``: ``(name, value)`` pairs, hashable, the same on every read while nothing
+        changes them, and what each graph was captured under (the manager replays a graph only under them)."""
+        now = manager.backend.numerics_settings(manager.dtype)
+        malformed = [p for p in now if not (isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str))]
+        assert isinstance(now, tuple) and not malformed, \
+            f"numerics_settings() must return a tuple of (name, value) pairs, got {now!r}"
+        hash(now)  # compared before every replay
+        assert manager.backend.numerics_settings(manager.dtype) == now, "numerics_settings() changed between reads"
+        kept = {b: entry.numerics for b, entry in manager.graphs.items() if entry.numerics != now}
+        assert not kept, f"graphs recorded other settings than the backend's now ({now!r}): {kept}"
+
 
 class TestReplayEqualsEager(ConformanceSuite):
     @pytest.mark.parametrize("fill", ["full", "padded"])

@@ -423,6 +423,40 @@ def test_a_manager_in_another_dtype_than_the_towers_replays_what_eager_computes(
         m.clear()
 
 
+def test_graphs_captured_under_other_numerics_settings_are_not_replayed(tower, adapter, monkeypatch, caplog):
+    """As EncoderGraphManager: a graph keeps its capture's numerics settings (CUDA's TF32, say), so while the
+    backend's differ the group runs eagerly, with the reason; clear() and capture() replay again. The settings are
+    read for the tower's dtype (float32), not the manager's (bfloat16)."""
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.bfloat16, adapter,
+                                               graph_backend="cpu")
+    setting = {"value": "ieee"}
+    asked = []
+    monkeypatch.setattr(m.backend, "numerics_settings",
+                        lambda dtype: (asked.append(dtype), (("matmul precision", setting["value"]),))[1])
+    m.capture(graph_pool=None)
+    try:
+        kwargs = mm_kwargs(tower, [(1, 8, 8)], seed=12)
+        specs = adapter.get_encoder_cudagraph_item_specs(kwargs)
+        assert m.decide(specs).replay
+        setting["value"] = "tf32"
+        with caplog.at_level(logging.WARNING, logger="hwgraph.integrations.vllm_manager"):
+            assert m.decide(specs).reason == "numerics settings changed since capture"
+            got = m.execute(kwargs)
+        assert_matches_eager(adapter, got, eager_per_image(tower, kwargs))
+        stats = m.get_cumulative_stats()
+        assert stats["replays"] == 0 and stats["eager_reasons"] == {"numerics settings changed since capture": 1}
+        [warning] = [r.getMessage() for r in caplog.records if "numerics settings" in r.getMessage()]  # once
+        assert "matmul precision: 'ieee' -> 'tf32'" in warning
+        m.clear()
+        m.capture(graph_pool=None)
+        assert m.decide(specs).replay
+        m.execute(kwargs)
+        assert m.get_cumulative_stats()["replays"] == 1
+        assert set(asked) == {torch.float32}
+    finally:
+        m.clear()
+
+
 def test_a_capture_that_leaves_every_budget_eager_is_logged_as_a_warning(adapter, monkeypatch, caplog):
     m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
                                                graph_backend="cpu")

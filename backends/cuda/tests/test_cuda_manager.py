@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from hwgraph.budgets import NUMERICS_CHANGED
 from hwgraph.manager import EncoderGraphManager, relative_error
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 
@@ -361,3 +362,45 @@ def test_a_second_manager_in_another_dtype_stops_the_first_from_replaying_freed_
             with torch.inference_mode():
                 want = tower.forward(half, grid)
             torch.testing.assert_close(got[0].embeds, want.embeds, rtol=1e-2, atol=1e-2)
+
+
+def test_a_float32_graph_captured_without_tf32_is_not_replayed_once_tf32_is_on():
+    """cuBLAS reads the TF32 setting when a product is launched, so a graph keeps its capture's. Turned on after
+    capture, replays would stay IEEE beside TF32 eager calls: the manager runs such groups eagerly until capture()
+    captures them again."""
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=2, deepstack_visual_indexes=[0]).to(
+        "cuda", torch.float32).eval()
+    grid = [(1, 16, 16)]  # 64 tokens: budget 64, no padding
+    pix = torch.randn(256, 1536, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+
+    def eager():
+        with torch.inference_mode():
+            return tower.forward(pix, grid).tensors()
+
+    def close(got, want):
+        for g, w in zip(got[0].tensors(), want, strict=True):
+            torch.testing.assert_close(g, w)  # float32's tolerances
+
+    try:
+        matmul.fp32_precision = "ieee"
+        with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1) as m:
+            m.capture()
+            assert sorted(m.graphs) == [64], m.stats()["capture_failures"]
+            ieee_replay = m.encode(pix, grid)
+            close(ieee_replay, eager())
+            matmul.fp32_precision = "tf32"
+            tf32 = eager()
+            # The setting matters here: the IEEE replay is not within float32's closeness of TF32 eager.
+            with pytest.raises(AssertionError):
+                close(ieee_replay, tf32)
+            close(m.encode(pix, grid), tf32)
+            stats = m.stats()
+            assert stats["replays"] == 1 and stats["eager_reasons"] == {NUMERICS_CHANGED: 1}
+            m.capture()  # again, under TF32
+            close(m.encode(pix, grid), tf32)
+            assert m.stats()["replays"] == 2
+    finally:
+        matmul.fp32_precision = saved

@@ -125,6 +125,13 @@ class NpuGraphBackend(TorchCudaGraphBackend):
         return Capability.unavailable(f"torch.compile's inductor generates no NPU code; torchair is the NPU compiler: "
                                       f"{hint}")
 
+    def numerics_settings(self, dtype: torch.dtype) -> tuple:
+        """torch.backends.cuda's settings do not apply on Ascend. torch_npu's HF32 setting for matrix products
+        (``torch.npu.matmul.allow_hf32``, as CUDA's ``allow_tf32``) does, in float32."""
+        if dtype != torch.float32:
+            return ()
+        return (("torch.npu.matmul.allow_hf32", getattr(getattr(self.runtime(), "matmul", None), "allow_hf32", None)),)
+
     def capture(self, fn, pool=None) -> CapturedGraph:
         if self.mode == "torchair":
             return self.compile_torchair(fn)

@@ -680,3 +680,19 @@ def test_the_tower_hands_npu_attention_its_host_boundaries_instead_of_a_read_per
         warn_host_read.cache_clear()
     assert caplog.records == []
     assert fused_attention_calls == [[16, 24, 32]] * len(tower.blocks)  # one image, then a video's two frames
+
+
+def test_graphs_keep_the_hf32_setting_of_their_capture_in_float32_only(npu):
+    """torch_npu's HF32 products, as CUDA's TF32: a float32 graph keeps the setting of its capture, so the manager
+    compares it before each replay. CUDA's settings do not apply here; bf16 and fp16 keep none of them."""
+    npu.matmul = types.SimpleNamespace(allow_hf32=False)
+    backend = NpuGraphBackend()
+    before = backend.numerics_settings(torch.float32)
+    assert before == (("torch.npu.matmul.allow_hf32", False),)
+    npu.matmul.allow_hf32 = True
+    assert backend.numerics_settings(torch.float32) == (("torch.npu.matmul.allow_hf32", True),) != before
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        assert backend.numerics_settings(torch.bfloat16) == backend.numerics_settings(torch.float16) == ()
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
