@@ -229,7 +229,7 @@ def test_the_pytest_plugin_leaves_other_suites_torch_threads_alone(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delitem(sys.modules, plugin.SUITE_MODULE, raising=False)
     monkeypatch.setattr(plugin, "rewrite_suite_asserts", lambda: None)
-    config = types.SimpleNamespace(addinivalue_line=lambda *args: None)
+    config = types.SimpleNamespace(addinivalue_line=lambda *args: None, getini=lambda name: False)
     try:
         torch.set_num_threads(2)
         plugin.pytest_configure(config)

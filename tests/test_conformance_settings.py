@@ -261,12 +261,16 @@ class FakeItem:
         self.skips.append(mark.kwargs["reason"])
 
 
+def ini(hwgraph_markers: bool):
+    return types.SimpleNamespace(getini=lambda name: {plugin.INI_OPTION: hwgraph_markers}[name])
+
+
 @pytest.mark.parametrize("machine", ["cpu", "cuda", "rocm", "npu"])
 def test_accelerator_markers_skip_off_their_accelerator_and_cpu_machine_off_a_cpu(monkeypatch, machine):
     monkeypatch.setattr(plugin, "detected_kind", lambda: machine)
     items = {name: FakeItem(name) for name in ("cuda", "rocm", "npu", "cpu_machine")}
     items["plain"] = FakeItem()
-    plugin.pytest_collection_modifyitems(None, list(items.values()))
+    plugin.pytest_collection_modifyitems(ini(True), list(items.values()))
     for name, item in items.items():
         runs = name == "plain" or name == machine or (name == "cpu_machine" and machine == "cpu")
         if runs:
@@ -274,6 +278,36 @@ def test_accelerator_markers_skip_off_their_accelerator_and_cpu_machine_off_a_cp
         else:
             need = {**plugin.ACCELERATOR_MARKERS, "cpu_machine": plugin.CPU_MACHINE_NEED}[name]
             assert item.skips == [f"{need}; this machine is {machine}"]
+
+
+@pytest.mark.parametrize("suite_collected", [False, True])
+def test_the_markers_skip_only_in_a_session_that_opted_in_or_collected_the_suite(monkeypatch, suite_collected):
+    """pytest loads the plugin in every session of an environment with hwgraph installed: another project's test
+    marked ``cuda`` was skipped on its CPU machine ('needs an NVIDIA GPU ...'), and its session imported torch. Without
+    ``hwgraph_markers = true`` the skips apply only where the conformance suite was collected (a vendor's tests)."""
+    monkeypatch.setattr(plugin, "detected_kind", lambda: "cpu")
+    if not suite_collected:
+        monkeypatch.delitem(sys.modules, plugin.SUITE_MODULE)
+    item = FakeItem("cuda")
+    plugin.pytest_collection_modifyitems(ini(False), [item])
+    assert item.skips == ([f"{plugin.ACCELERATOR_MARKERS['cuda']}; this machine is cpu"] if suite_collected else [])
+
+
+def test_another_projects_cuda_test_runs_in_its_own_pytest_session(tmp_path):
+    """End to end, in a fresh pytest process: a project without the ini option, whose test is marked ``cuda`` and
+    asserts nothing about GPUs, passes on this CPU machine and its session never imports torch."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: the project's own meaning\n")
+    (tmp_path / "test_other.py").write_text(textwrap.dedent("""\
+        import sys
+        import pytest
+
+        @pytest.mark.cuda
+        def test_runs():
+            assert "torch" not in sys.modules
+        """))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          "test_other.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
 
 
 def test_the_plugin_registers_every_marker_it_documents(monkeypatch):

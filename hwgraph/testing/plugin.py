@@ -3,6 +3,11 @@
 A test marked ``cuda``, ``rocm`` or ``npu`` runs only where ``hwgraph.platform.detect()`` finds that
 accelerator; elsewhere it is skipped with the reason, never reported as passed. A test marked ``cpu_machine`` asserts
 what hwgraph finds on a machine without an accelerator (detection, refused gates), so it runs only there.
+
+pytest loads this plugin in every session of an environment where hwgraph is installed, other projects' included. It
+only registers the markers there; the skips (and the torch import that detection needs) apply in a session that
+collected hwgraph's conformance suite, or whose ini sets ``hwgraph_markers = true`` (hwgraph's own, and its backend
+plugins'). Another project's own ``cuda`` marker keeps its meaning.
 """
 
 from __future__ import annotations
@@ -50,6 +55,20 @@ def detected_kind() -> str:
     return detect().kind
 
 
+INI_OPTION = "hwgraph_markers"
+
+
+def pytest_addoption(parser):
+    parser.addini(INI_OPTION, type="bool", default=False,
+                  help="skip tests marked cuda/rocm/npu off that accelerator and cpu_machine off a CPU machine, with "
+                       "the reason (on without it in a session that collected hwgraph.testing.suite)")
+
+
+def skips_apply(config) -> bool:
+    """Whether this session is hwgraph's: its ini opted in, or it collected the conformance suite."""
+    return SUITE_MODULE in sys.modules or bool(config.getini(INI_OPTION))
+
+
 def pytest_configure(config):
     for name, text in {**ACCELERATOR_MARKERS, **OTHER_MARKERS}.items():
         config.addinivalue_line("markers", f"{name}: {text}")
@@ -74,6 +93,8 @@ def share_cpu_threads() -> None:
 
 def pytest_collection_modifyitems(config, items):
     share_cpu_threads()  # after collection: whether the suite is among the tests is known, none has run yet
+    if not skips_apply(config):
+        return
     for item in items:
         for marker, need in ACCELERATOR_MARKERS.items():
             if item.get_closest_marker(marker) is not None and detected_kind() != marker:
