@@ -124,8 +124,8 @@ class ManagerStats:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
 
-TOWER_METHODS = ("parameters", "set_attention", "attention_choice", "weights_key", "prepare_metadata",
-                 "forward_with_metadata")
+TOWER_METHODS = ("parameters", "set_attention", "attention_choice", "apply_attention_choice", "weights_key",
+                 "prepare_metadata", "forward_with_metadata")
 
 
 def check_tower(tower) -> None:
@@ -214,13 +214,14 @@ class EncoderGraphManager:
             slot_counts = budget_rules.validate_slot_counts(slot_counts, max_images_per_graph)
 
         # the kernel too: moving the tower (lossy to a narrower dtype) and then refusing its kernel there changed it
-        tower.attention_choice(attention, platform=platform, graph_safe=True, dtype=dtype)
+        choice = tower.attention_choice(attention, platform=platform, graph_safe=True, dtype=dtype)
 
         self.tower, self.device, self.dtype, self.platform, self.backend = tower, device, dtype, platform, backend
         if first.device != self.device or first.dtype != self.dtype:
             tower.to(device=self.device, dtype=self.dtype)
         tower.eval()
-        tower.set_attention(attention, platform=self.platform, graph_safe=True)
+        # chosen above for this platform and dtype (the head dim does not move): applied, not chosen a second time
+        tower.apply_attention_choice(choice)
         self._kernel = tower.attention_fn  # what the graphs run (see _check_tower)
         self._weights = tower.weights_key()  # where the weights the graphs read live (see _check_tower)
         self.calibrate_on_capture = calibrate

@@ -97,3 +97,28 @@ def test_calibrate_needs_captured_graphs_and_a_live_manager(tower):
     m.close()
     with pytest.raises(RuntimeError, match=r"calibrate\(\) after close\(\)"):
         m.calibrate()
+
+
+@pytest.mark.parametrize("attention, dtype", [("auto", torch.bfloat16), ("TORCH_SDPA", torch.float64),
+                                              (None, None)])
+def test_a_manager_asks_the_registry_for_its_kernel_once_and_the_tower_runs_that_kernel(tower, monkeypatch,
+                                                                                       attention, dtype):
+    """The manager chooses before it moves the tower (so a refused kernel leaves the tower as it was) and applies that
+    choice after the move: the registry, whose gates may probe the device, is asked once per manager."""
+    import hwgraph.attention.registry as registry
+
+    asked = []
+    real = registry.choose_attention
+
+    def counting(*args, **kwargs):
+        asked.append(kwargs.get("dtype"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "choose_attention", counting)
+    m = manager(tower, attention=attention, dtype=dtype)
+    assert asked == [m.dtype]  # once, judged in the manager's dtype
+    assert tower.dtype == m.dtype and tower.attention_fn is m._kernel
+    # the same kernel a tower already in that dtype chooses for itself
+    fresh = Qwen3OmniVisionTower.from_preset("tiny").to(m.dtype)
+    fresh.set_attention(attention, graph_safe=True)
+    assert tower.attention_kernel == fresh.attention_kernel

@@ -158,7 +158,13 @@ class Qwen3OmniVisionTower(nn.Module):
         setting). An explicit name is honoured either way. A request that raises changes nothing: the tower keeps
         its previous request and kernel.
         """
-        request, safe_only, selected = self.attention_choice(name, platform, graph_safe)
+        return self.apply_attention_choice(self.attention_choice(name, platform, graph_safe))
+
+    def apply_attention_choice(self, choice):
+        """Make ``choice``, what ``attention_choice`` returned, the tower's request and kernel; returns its
+        ``SelectedKernel``. A graph manager chooses once, for its device and dtype, before it moves the tower there,
+        and applies that choice after the move, instead of asking the registry a second time."""
+        request, safe_only, selected = choice
         self._attention_request, self._attention_graph_safe = request, safe_only
         self._attention = (selected.spec, selected.fn)
         log.debug("tower attention %s (%s)", selected.spec.name, selected.reason)
