@@ -40,8 +40,14 @@ def sdists(tmp_path_factory) -> dict[str, list[str]]:
                        capture_output=True, timeout=300)
         (archive,) = out.glob("*.tar.gz")
         with tarfile.open(archive) as tar:
-            members[dist] = [m.split("/", 1)[1] for m in tar.getnames() if "/" in m]
+            names = tar.getnames()
+            (info,) = [m for m in names if m.count("/") == 1 and m.endswith("/PKG-INFO")]
+            members[dist] = [m.split("/", 1)[1] for m in names if "/" in m]
+            PKG_INFO[dist] = tar.extractfile(info).read().decode()
     return members
+
+
+PKG_INFO: dict[str, str] = {}  # each sdist's PKG-INFO, filled by the sdists fixture
 
 
 @pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
@@ -51,6 +57,19 @@ def test_every_sdist_carries_its_license_and_its_tests(sdists, dist):
     for needed in DISTRIBUTIONS[dist]:
         assert any(n == needed or n.startswith(needed + "/") for n in names), f"{dist}: sdist lacks {needed}"
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")], f"{dist}: sdist carries bytecode"
+
+
+@pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
+def test_every_distribution_describes_itself_on_its_index_page(sdists, dist):
+    """The README is the long description (what PyPI shows): each plugin names itself and what it provides."""
+    assert "README.md" in sdists[dist], f"{dist}: sdist lacks README.md"
+    info = PKG_INFO[dist]
+    assert "Description-Content-Type: text/markdown" in info, f"{dist}: no markdown long description"
+    name = next(line.split(": ", 1)[1] for line in info.splitlines() if line.startswith("Name: "))
+    body = info.split("\n\n", 1)[1]
+    assert body.startswith(f"# {name}\n"), f"{dist}: long description does not start with the distribution's name"
+    if dist != ".":
+        assert "pytest backends/" in body and "tox -e" in body, f"{dist}: readme does not say how to test it"
 
 
 def test_the_license_files_are_the_apache_2_0_text_they_declare():
