@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -21,10 +22,15 @@ DISTRIBUTIONS = {".": ("tests/conftest.py", "tests/plugins", "ci/env.sh", "tox.i
                  "backends/npu": ("tests/test_npu_conformance.py",)}
 
 
+class Sdist(NamedTuple):
+    names: list[str]  # member names without the top folder
+    pkg_info: str  # its PKG-INFO: the metadata an index shows
+
+
 @pytest.fixture(scope="module")
-def sdists(tmp_path_factory) -> dict[str, list[str]]:
-    """Each distribution's sdist member names (without the top folder), built from a copy of the checkout so the
-    build writes no egg-info beside the tests that run meanwhile."""
+def sdists(tmp_path_factory) -> dict[str, Sdist]:
+    """Each distribution's sdist, built from a copy of the checkout so the build writes no egg-info beside the tests
+    that run meanwhile."""
     work = tmp_path_factory.mktemp("sdist")
     listed = subprocess.run([GIT, "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout.split("\0")
@@ -42,17 +48,14 @@ def sdists(tmp_path_factory) -> dict[str, list[str]]:
         with tarfile.open(archive) as tar:
             names = tar.getnames()
             (info,) = [m for m in names if m.count("/") == 1 and m.endswith("/PKG-INFO")]
-            members[dist] = [m.split("/", 1)[1] for m in names if "/" in m]
-            PKG_INFO[dist] = tar.extractfile(info).read().decode()
+            members[dist] = Sdist([m.split("/", 1)[1] for m in names if "/" in m],
+                                  tar.extractfile(info).read().decode())
     return members
-
-
-PKG_INFO: dict[str, str] = {}  # each sdist's PKG-INFO, filled by the sdists fixture
 
 
 @pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
 def test_every_sdist_carries_its_license_and_its_tests(sdists, dist):
-    names = sdists[dist]
+    names = sdists[dist].names
     assert "LICENSE" in names, f"{dist}: declares Apache-2.0 but ships no LICENSE"
     for needed in DISTRIBUTIONS[dist]:
         assert any(n == needed or n.startswith(needed + "/") for n in names), f"{dist}: sdist lacks {needed}"
@@ -62,8 +65,8 @@ def test_every_sdist_carries_its_license_and_its_tests(sdists, dist):
 @pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
 def test_every_distribution_describes_itself_on_its_index_page(sdists, dist):
     """The README is the long description (what PyPI shows): each plugin names itself and what it provides."""
-    assert "README.md" in sdists[dist], f"{dist}: sdist lacks README.md"
-    info = PKG_INFO[dist]
+    assert "README.md" in sdists[dist].names, f"{dist}: sdist lacks README.md"
+    info = sdists[dist].pkg_info
     assert "Description-Content-Type: text/markdown" in info, f"{dist}: no markdown long description"
     name = next(line.split(": ", 1)[1] for line in info.splitlines() if line.startswith("Name: "))
     body = info.split("\n\n", 1)[1]
