@@ -11,6 +11,15 @@ CALIBRATION_CAP = 2048
 DEFAULT_MAX_IMAGES = 8
 
 
+def check_flag(name: str, value, allow_none: bool = False) -> None:
+    """``ValueError`` naming ``name`` and ``value`` unless it is a bool (or None, where that means "decide for me"):
+    a string such as ``"no"`` would otherwise count as on."""
+    if isinstance(value, bool) or (allow_none and value is None):
+        return
+    expected = "True, False or None" if allow_none else "True or False"
+    raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
 def is_int(value) -> bool:
     """An integer of any kind (Python's, numpy's), but not a bool, which Python counts as one."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -37,7 +46,8 @@ def auto_budgets(cap: int = DEFAULT_CAP, start: int = MIN_AUTO_BUDGET) -> list[i
 def int_list(name: str, values, what: str) -> list[int]:
     """``values`` (any iterable of integers: a list, a tuple, a range, a numpy array) as a list of ints;
     ``ValueError`` naming ``name``, the value and ``what`` each must be, when it is not one."""
-    if isinstance(values, (str, bytes, numbers.Number)) or not hasattr(values, "__iter__"):
+    zero_dim = getattr(values, "ndim", None) == 0  # a numpy or torch scalar: iterable in type, not in fact
+    if isinstance(values, (str, bytes, numbers.Number)) or zero_dim or not hasattr(values, "__iter__"):
         raise ValueError(f"{name} must be a list of ints ({what}), got {values!r}")
     values = list(values)
     bad = [v for v in values if not is_int(v)]

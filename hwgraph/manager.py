@@ -189,6 +189,9 @@ class EncoderGraphManager:
         check_tower(tower)
         check_materialised(tower)
         check_attention_request(attention)
+        budget_rules.check_flag("calibrate", calibrate, allow_none=True)
+        for name, flag in (("verify", verify), ("compile", compile), ("measure_products", measure_products)):
+            budget_rules.check_flag(name, flag)
         if not budget_rules.is_int(log_every) or log_every < 0:
             raise ValueError(f"log_every must be an int >= 0 (0: never log stats), got {log_every!r}")
         first = next(tower.parameters())

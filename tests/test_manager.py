@@ -487,6 +487,12 @@ def test_pixels_that_are_not_a_floating_point_tensor_raise_value_errors(tower, m
         manager.encode(pixels.to_sparse(), grid)
     with pytest.raises(ValueError, match=r"got layout torch.sparse_coo: pass pixel_values.to_dense\(\)"):
         tower(pixels.to_sparse(), grid)
+    # rows without data: torch's "Cannot copy out of meta tensor" on the replay and the eager path alike
+    for g in (grid, [(1, 8, 40)]):  # replayed, over budget
+        rows = g[0][0] * g[0][1] * g[0][2]
+        with pytest.raises(ValueError, match=rf"pixel_values is on the meta device \(shape \({rows}, "
+                                             rf"{tower.patch_row_width}\), no data\)"):
+            manager.encode(torch.empty(rows, tower.patch_row_width, device="meta"), g)
 
 
 def test_a_capture_that_failed_and_then_succeeded_is_no_longer_reported_as_failed(tower, monkeypatch):

@@ -46,6 +46,16 @@ def manager(tower, **kwargs):
     ({"log_every": "x"}, ValueError, r"log_every must be an int >= 0 \(0: never log stats\), got 'x'"),
     ({"log_every": -1}, ValueError, r"log_every must be an int >= 0"),
     ({"max_images_per_graph": True}, ValueError, r"max_images_per_graph must be a positive int, got True"),
+    # on/off options: a string such as "no" counted as on (calibrate="no" calibrated, compile="no" compiled)
+    ({"calibrate": "no"}, ValueError, r"calibrate must be True, False or None, got 'no'"),
+    ({"verify": "no"}, ValueError, r"verify must be True or False, got 'no'"),
+    ({"compile": "no", "dtype": torch.float64}, ValueError, r"compile must be True or False, got 'no'"),
+    ({"measure_products": 1}, ValueError, r"measure_products must be True or False, got 1"),
+    ({"verify": None}, ValueError, r"verify must be True or False, got None"),
+    # a 0-d array or tensor is iterable by type only: "iteration over a 0-d array", naming nothing
+    ({"budgets": np.array(16)}, ValueError, r"budgets must be a list of ints \(merged-token counts\), got array\(16\)"),
+    ({"budgets": torch.tensor(16)}, ValueError, r"budgets must be a list of ints .*got tensor\(16\)"),
+    ({"slot_counts": np.array(2)}, ValueError, r"slot_counts must be a list of ints .*got array\(2\)"),
 ])
 def test_a_bad_argument_is_refused_by_name_and_leaves_the_tower_as_it_was(tower, kwargs, error, match):
     kernel, weights, dtype = tower.attention_kernel, tower.weights_key(), tower.dtype

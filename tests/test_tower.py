@@ -370,6 +370,11 @@ def test_registry_kernel_is_chosen_for_the_towers_dtype_and_equals_the_reference
     ((1, 4, 4), r"is not a \(t, h, w\) row"),
     ([(1.0, 4, 4)], "must hold ints"),
     (torch.tensor([[1.0, 4, 4]]), "must hold integers"),
+    # whole-grid tensors were turned to numpy unchecked: numpy's or torch's own error, naming neither
+    (torch.tensor([[1, 4, 4]], dtype=torch.bfloat16), r"grid_thw must hold integers, got dtype torch\.bfloat16"),
+    (torch.tensor([[1.0, 4, 4]], requires_grad=True), r"grid_thw must hold integers, got dtype torch\.float32"),
+    (torch.tensor([[1, 4, 4]]).to_sparse(), r"grid_thw must be a dense \(strided\) tensor, got layout "
+                                             r"torch\.sparse_coo"),
     ("1x4x4", "must be a list of"),
     (torch.tensor([1, 4, 4]), r"must be \[images, 3\]"),
     ([torch.tensor([1.0, 4, 4])], r"grid_thw\[0\] = \[1\.0, 4\.0, 4\.0\] must hold ints, got dtype torch\.float32"),

@@ -47,6 +47,10 @@ from hwgraph.models.qwen3_omni.output import VisionOutput  # noqa: E402
 
 PIXELS = "pixel_values"
 GRID = "image_grid_thw"
+DEVICE_GRID_FIX = (f"declare {GRID} as MultiModalFieldConfig.batched(\"image\", keep_on_cpu=True) in the model's "
+                   f"multimodal processor (_get_mm_fields_config), as vLLM's Qwen3-VL does; vLLM's Qwen-Omni thinker "
+                   f"processor declares batched(\"image\"), which moves it to the device, and reading it back would "
+                   f"synchronise every step with the device")
 BUFFER_KEYS = (PIXELS, *TENSOR_FIELDS)  # pixel rows + pos_indices, pos_weights, rotary_positions, cu_seqlens
 
 
@@ -82,8 +86,10 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
     """vLLM's ``SupportsEncoderCudaGraph`` for a ``Qwen3OmniVisionTower`` (image modality, one ``default`` path).
 
     ``mm_kwargs`` are vLLM's image kwargs: ``pixel_values`` ``[patches, patch_row_width]`` (device, merge order)
-    and ``image_grid_thw`` on the host (vLLM keeps it on the CPU for Qwen-Omni; a device grid is refused rather
-    than read back). Auto-inferred budgets run from ``min_token_budget`` (64: the smallest image the processor
+    and ``image_grid_thw`` on the host. vLLM moves a multimodal field to the device unless the model's processor
+    declares it ``keep_on_cpu=True`` (its Qwen3-VL processor does; its Qwen-Omni thinker processor declares
+    ``batched("image")``), so the model that wires the adapter must declare the grid so: a device grid is refused
+    rather than read back (``DEVICE_GRID_FIX``). Auto-inferred budgets run from ``min_token_budget`` (64: the smallest image the processor
     makes) to ``max_token_budget`` (default hwgraph's uncalibrated cap, 256), clipped to the scheduler's token
     budget; beyond that cap replay is not known to beat eager.
     """
@@ -158,6 +164,11 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         if GRID not in mm_kwargs:
             raise KeyError(f"mm_kwargs hold no {GRID!r} (image modality only); keys: {sorted(mm_kwargs)}")
         grid = mm_kwargs[GRID]
+        rows = [grid] if isinstance(grid, torch.Tensor) else grid if isinstance(grid, (list, tuple)) else []
+        on_device = {str(t.device) for t in rows if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+        if on_device:
+            raise ValueError(f"mm_kwargs[{GRID!r}] is on {', '.join(sorted(on_device))}, not the host: "
+                             f"{DEVICE_GRID_FIX}")
         if len(grid) == 0:  # len() of a tensor is its host shape: no device read
             return ()
         return normalize_grid(grid, self.tower.spatial_merge_size)

@@ -206,11 +206,19 @@ def test_item_specs_come_from_the_host_grid(tower, adapter, grid_as):
     assert adapter.get_encoder_cudagraph_item_frames(kwargs) == [1, 1, 1]
 
 
-def test_a_device_grid_is_refused_rather_than_read_back(tower, adapter):
-    kwargs = {"pixel_values": torch.zeros(4, tower.patch_row_width), "image_grid_thw": torch.empty(1, 3, device="meta",
-                                                                                                dtype=torch.int64)}
-    with pytest.raises(ValueError, match="on the host"):
-        adapter.get_encoder_cudagraph_item_specs(kwargs)
+@pytest.mark.parametrize("as_rows", [False, True], ids=["stacked", "per-image rows"])
+def test_a_device_grid_is_refused_with_the_field_declaration_that_keeps_it_on_the_host(tower, adapter, as_rows):
+    # vLLM moves image_grid_thw to the device unless the processor declares keep_on_cpu=True (its Qwen-Omni processor
+    # does not); every protocol method that reads the grid, the eager fallback's too, must say how to keep it there
+    grid = torch.empty(2, 3, device="meta", dtype=torch.int64)
+    kwargs = {"pixel_values": torch.zeros(4, tower.patch_row_width), "image_grid_thw": list(grid) if as_rows else grid}
+    calls = [adapter.get_encoder_cudagraph_item_specs, adapter.get_encoder_cudagraph_item_frames,
+             lambda kw: adapter.select_encoder_cudagraph_items(kw, [0]), adapter.encoder_eager_forward]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"mm_kwargs\['image_grid_thw'\] is on meta, not the host: declare "
+                                             r"image_grid_thw as MultiModalFieldConfig\.batched\(\"image\", "
+                                             r"keep_on_cpu=True\) in the model's multimodal processor"):
+            call(kwargs)
 
 
 def test_select_slices_pixels_by_patch_offsets(tower, adapter):

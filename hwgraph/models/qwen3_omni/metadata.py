@@ -190,6 +190,11 @@ def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
         if grid_thw.device.type != "cpu":
             raise ValueError(f"grid_thw is on {grid_thw.device}; pass it on the host (a list or a CPU tensor): "
                              f"reading a device tensor would synchronise with the device")
+        if grid_thw.is_floating_point() or grid_thw.is_complex() or grid_thw.dtype == torch.bool:
+            raise ValueError(f"grid_thw must hold integers, got dtype {grid_thw.dtype}")
+        if grid_thw.layout != torch.strided:
+            raise ValueError(f"grid_thw must be a dense (strided) tensor, got layout {grid_thw.layout}: pass "
+                             f"grid_thw.to_dense()")
         grid_thw = grid_thw.numpy()
     if isinstance(grid_thw, np.ndarray):
         if grid_thw.dtype.kind not in "iu":

@@ -239,6 +239,9 @@ class Qwen3OmniVisionTower(nn.Module):
             raise ValueError(f"pixel_values must be a floating-point torch.Tensor [patches, {self.patch_row_width}], "
                              f"got {type(pixel_values).__name__}"
                              + (f" of {pixel_values.dtype}" if isinstance(pixel_values, torch.Tensor) else ""))
+        if pixel_values.is_meta:  # shapes without data: the copy into a graph's buffer (or the eager call) fails
+            raise ValueError(f"pixel_values is on the meta device (shape {tuple(pixel_values.shape)}, no data): pass "
+                             f"pixel rows with values, on the host or the tower's device")
         if pixel_values.layout != torch.strided:  # a graph's static buffer cannot take a sparse copy: replay failed
             raise ValueError(f"pixel_values must be a dense (strided) tensor, got layout {pixel_values.layout}: pass "
                              f"pixel_values.to_dense()")
