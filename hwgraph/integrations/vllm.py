@@ -89,9 +89,11 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
     and ``image_grid_thw`` on the host. vLLM moves a multimodal field to the device unless the model's processor
     declares it ``keep_on_cpu=True`` (its Qwen3-VL processor does; its Qwen-Omni thinker processor declares
     ``batched("image")``), so the model that wires the adapter must declare the grid so: a device grid is refused
-    rather than read back (``DEVICE_GRID_FIX``). Auto-inferred budgets run from ``min_token_budget`` (64: the smallest image the processor
-    makes) to ``max_token_budget`` (default hwgraph's uncalibrated cap, 256), clipped to the scheduler's token
-    budget; beyond that cap replay is not known to beat eager.
+    rather than read back (``DEVICE_GRID_FIX``).
+
+    Auto-inferred budgets run from ``min_token_budget`` (64: the smallest image the processor makes) to
+    ``max_token_budget`` (default hwgraph's uncalibrated cap, 256), clipped to the scheduler's token budget; beyond
+    that cap replay is not known to beat eager.
     """
 
     supports_encoder_cudagraph: ClassVar[Literal[True]] = True
