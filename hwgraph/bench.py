@@ -54,6 +54,11 @@ class Group:
         return [budget_rules.filling_grid(self.tokens, merge)] * self.count
 
 
+def ascii_digits(text: str) -> bool:
+    """Only 0-9: ``str.isdigit`` also takes superscripts such as '²', which ``int`` then refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_groups(spec: str) -> list[Group]:
     """``"1x49,2x49,4x64"`` -> groups; ``ValueError`` naming the bad entry."""
     groups = []
@@ -61,7 +66,7 @@ def parse_groups(spec: str) -> list[Group]:
         if not item:
             continue
         count, sep, tokens = item.lower().partition("x")
-        if not sep or not count.isdigit() or not tokens.isdigit() or int(count) < 1 or int(tokens) < 1:
+        if not sep or not ascii_digits(count) or not ascii_digits(tokens) or int(count) < 1 or int(tokens) < 1:
             raise ValueError(f"bad group {item!r} in {spec!r}: expected COUNTxTOKENS with positive ints, e.g. 2x49")
         group = Group(int(count), int(tokens))
         if group in groups:
@@ -424,15 +429,18 @@ def parsed(option: str, parse, value):
 
 
 def check_kernels(names: list[str] | None) -> None:
-    """``ValueError`` naming the first attention kernel in ``names`` that no installed package brings."""
+    """``ValueError`` naming the first attention kernel in ``names`` that no installed package brings, or one named
+    twice (in any case): each kernel is one row of the tables and one manager."""
     from hwgraph.attention.registry import kernel_named
     from hwgraph.registry import SelectionError
 
     try:
-        for name in names or ():
-            kernel_named(name)
+        canonical = [kernel_named(name).name for name in names or ()]
     except SelectionError as exc:
         raise ValueError(f"--attention: {exc}") from None
+    repeated = sorted({name for name in canonical if canonical.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--attention {' '.join(names)}: {repeated[0]} repeats; give each kernel once")
 
 
 def check_backend(name: str | None, device: torch.device) -> None:
@@ -525,9 +533,10 @@ def cmd_bench(args) -> int:
     except SelectionError as exc:  # a requested kernel that cannot run this tower's dtype or head dim here
         print(f"hwgraph bench: {exc}", file=sys.stderr)
         return 2
+    if json_path is not None:  # first: a reader that closes stdout early (| head) must not cost the results
+        json_path.write_text(json.dumps(result, indent=2, default=str))
     print(bench_markdown(result))
     if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2, default=str))
         print(f"\nJSON report: {json_path}")
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -41,6 +42,8 @@ def check_arguments(args) -> None:
     from hwgraph.dtypes import parse_dtype
     from hwgraph.models.qwen3_omni.config import preset_config
 
+    if not args.report:  # Path("") is the current folder: its report.md would be replaced
+        raise ValueError(f"--report {args.report!r}: expected a folder path")
     for tokens in args.tokens or ():
         at_least("--tokens", tokens, 1)
     repeated = sorted({t for t in args.tokens or () if args.tokens.count(t) > 1})
@@ -115,7 +118,10 @@ def device_for_backend(name: str) -> torch.device:
     return torch.device(DEVICE_TYPE[platform.kind] if platform.kind in kinds else "cpu")
 
 
-def verdict(conformance: dict) -> tuple[bool, str]:
+def verdict(conformance: dict, requested: list[str] | None = None) -> tuple[bool, str]:
+    """PASS when no check failed, some passed, and each kernel of ``requested`` (``--attention``) passed some: one
+    asked for by name whose checks were all skipped (unavailable here, say) fails the run rather than passing it."""
+    from hwgraph.attention.registry import kernel_named
     from hwgraph.testing.results import failing_checks
 
     counts = conformance["counts"]
@@ -125,6 +131,12 @@ def verdict(conformance: dict) -> tuple[bool, str]:
     if counts["passed"] == 0:
         reasons = sorted({r["message"] for r in conformance["results"] if r["outcome"] == "skipped"})
         return False, "FAIL: no conformance check ran" + (f" ({'; '.join(reasons)})" if reasons else "")
+    for name in (kernel_named(n).name for n in requested or ()):
+        own = [r for r in conformance["results"] if re.search(rf"\[[^\]]*-{name}-", r["check"])]
+        if not any(r["outcome"] == "passed" for r in own):
+            reasons = sorted({r["message"] for r in own if r["outcome"] == "skipped"})
+            why = "; ".join(reasons) if reasons else "the suite has no case for it on this machine"
+            return False, f"FAIL: attention kernel {name} was asked for and none of its checks ran ({why})"
     if conformance["exit_code"] not in (0, 5):
         return False, f"FAIL: pytest exited with status {conformance['exit_code']} (see conformance.log)"
     return True, f"PASS: {counts['passed']} checks passed, {counts['skipped']} skipped"
@@ -183,7 +195,7 @@ def cmd_validate(args) -> int:
     with tempfile.TemporaryDirectory(prefix="hwgraph-validate-") as tmp, Progress("conformance") as bar:
         conformance = run_conformance(Path(tmp), backend, args.preset, args.attention, args.dtype, progress=bar,
                                       log_path=out / "conformance.log", graph_mode=args.graph_mode)
-    ok, summary = verdict(conformance)
+    ok, summary = verdict(conformance, args.attention)
     bench, bench_error = None, None
     if not args.no_bench:
         bench_error = bench_refusal(backend, device)
@@ -218,9 +230,9 @@ def cmd_validate(args) -> int:
 
 def register_cli(sub) -> None:
     p = sub.add_parser("validate", help="conformance suite + short benchmark -> report.md, report.json, latency.png",
-                       epilog="Exit status 0 when the suite passes; 1 when a check fails or none ran; 2, before "
-                              "anything runs, for a bad option, a missing pytest (pip install 'hwgraph[test]') or "
-                              "a graph backend that cannot be chosen.")
+                       epilog="Exit status 0 when the suite passes; 1 when a check fails, none ran, or none of a "
+                              "kernel named by --attention ran; 2, before anything runs, for a bad option, a missing "
+                              "pytest (pip install 'hwgraph[test]') or a graph backend that cannot be chosen.")
     p.add_argument("--report", default="hwgraph-report", metavar="DIR", help="output folder (default hwgraph-report)")
     p.add_argument("--backend", help="graph backend to validate (default: the one hwgraph chooses here)")
     p.add_argument("--graph-mode", help="its graph mode (default: its first; npu: aclgraph or torchair)")

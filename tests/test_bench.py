@@ -17,7 +17,7 @@ import torch._dynamo  # noqa: F401  (at collection: the first capture would othe
 from torch.autograd import DeviceType
 
 from hwgraph import cli, timing
-from hwgraph.bench import BenchConfig, Group, covering_budgets, flatten_rows, parse_groups, run_bench
+from hwgraph.bench import BenchConfig, Group, cmd_bench, covering_budgets, flatten_rows, parse_groups, run_bench
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.platform import detect
 from hwgraph.profiling import kernel_time
@@ -98,6 +98,22 @@ def test_bench_command_prints_markdown_and_writes_json(tmp_path, capsys):
     assert "sampled in turn" in out
     data = json.loads(path.read_text())
     assert data["rows"][0]["group"] == "1x4" and data["budgets"] == [8] and data["interleaved"] is True
+
+
+def test_bench_writes_its_json_before_printing_so_a_closed_stdout_does_not_lose_it(tmp_path, monkeypatch):
+    # `hwgraph bench --json f | head -1`: the print raised BrokenPipeError before the results reached the file
+    from hwgraph import report
+
+    def closed_stdout(result):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(report, "bench_markdown", closed_stdout)
+    path = tmp_path / "bench.json"
+    args = cli.build_parser().parse_args(["bench", "--groups", "1x4", "--warmup", "0", "--samples", "1", "--budgets",
+                                          "8", "--no-transformers", "--json", str(path)])
+    with pytest.raises(BrokenPipeError):  # cmd_bench itself: cli.main would point this process's stdout at devnull
+        cmd_bench(args)
+    assert json.loads(path.read_text())["rows"][0]["group"] == "1x4"
 
 
 def test_bench_command_rejects_a_bad_group_spec(capsys):

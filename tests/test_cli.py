@@ -70,6 +70,9 @@ def test_any_other_dtype_is_refused_naming_it_and_the_accepted_names(name):
     (["--groups", "1x"], ["--groups", "bad group '1x'", "COUNTxTOKENS"]),
     (["--groups", "2x49,0x16"], ["bad group '0x16'"]),
     (["--groups", ","], ["--groups", "no groups in ','"]),
+    (["--groups", "\u00b2x4"], ["--groups", "bad group '\u00b2x4'", "COUNTxTOKENS"]),  # int() refused '²'
+    # one manager per name: the second replaced the first, which was never closed, and its rows repeated
+    (["--attention", "TORCH_SDPA", "torch_sdpa"], ["--attention TORCH_SDPA torch_sdpa: TORCH_SDPA repeats"]),
 ])
 def test_bench_refuses_a_bad_option_naming_its_value(argv, expected, capsys):
     err = refused(["bench", *argv], capsys)
@@ -137,13 +140,16 @@ def test_bench_accepts_good_options_and_creates_the_json_folder(tmp_path):
     (["--backend", "cpu", "--graph-mode", "torchair"],
      ["--graph-mode 'torchair': graph backend 'cpu' has modes emulated"]),
     (["--tokens", "16", "4", "16"], ["--tokens 16 4 16: 16 repeats; give each size once"]),
+    (["--attention", "TORCH_SDPA", "torch_sdpa"], ["--attention TORCH_SDPA torch_sdpa: TORCH_SDPA repeats"]),
+    (["--report", ""], ["--report '': expected a folder path"]),  # the current folder: its report.md replaced
 ])
-def test_validate_refuses_a_bad_option_before_anything_runs(argv, expected, tmp_path, capsys):
+def test_validate_refuses_a_bad_option_before_anything_runs(argv, expected, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --report '' was the current folder: a regression must not write into the checkout
     report = tmp_path / "report"
     err = refused(["validate", "--report", str(report), *argv], capsys)
     for part in expected:
         assert part in err, err
-    assert not report.exists()
+    assert not report.exists() and not (tmp_path / "report.md").exists()
 
 
 def test_validate_says_why_no_backend_can_be_chosen(monkeypatch, tmp_path, capsys):

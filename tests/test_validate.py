@@ -109,6 +109,37 @@ def test_the_verdict_fails_when_no_check_ran():
     assert not ok and "no conformance check ran" in summary and "cuda" in summary
 
 
+@pytest.mark.parametrize("requested, ok", [(None, True), (["torch_sdpa"], True), (["TORCH_SDPA", "TRITON_ATTN"], False),
+                                           (["TORCH_SDPA", "FLASH_ATTN"], False)])
+def test_the_verdict_fails_a_kernel_asked_for_by_name_whose_checks_all_skipped(requested, ok):
+    # `--attention TORCH_SDPA TRITON_ATTN` on CPU passed on TORCH_SDPA's checks alone, TRITON_ATTN's all skipped; a
+    # kernel for another accelerator (FLASH_ATTN on a CPU backend) has no case at all
+    skip = "attention kernel TRITON_ATTN is unavailable: on CPU TRITON_ATTN runs only under the Triton interpreter"
+    results = [{"check": "TestA::t[cpu-TORCH_SDPA-float32]", "outcome": "passed", "message": ""},
+               {"check": "TestA::t[cpu-TORCH_SDPA-float32-padded]", "outcome": "passed", "message": ""},
+               {"check": "TestA::t[cpu-TRITON_ATTN-float32]", "outcome": "skipped", "message": skip},
+               {"check": "TestA::t[cpu-TRITON_ATTN-float32-padded]", "outcome": "skipped", "message": skip}]
+    conformance = {"exit_code": 0, "counts": {"passed": 2, "failed": 0, "error": 0, "skipped": 2}, "results": results}
+    passed, summary = verdict(conformance, requested)
+    assert passed is ok, summary
+    if ok:
+        assert summary == "PASS: 2 checks passed, 2 skipped"
+    elif "TRITON_ATTN" in requested:
+        assert summary == f"FAIL: attention kernel TRITON_ATTN was asked for and none of its checks ran ({skip})"
+    else:
+        assert summary == ("FAIL: attention kernel FLASH_ATTN was asked for and none of its checks ran (the suite "
+                           "has no case for it on this machine)")
+
+
+def test_validate_fails_a_requested_kernel_that_cannot_run_here(tmp_path, capsys):
+    from hwgraph import cli
+
+    code = cli.main(["validate", "--report", str(tmp_path / "r"), "--attention", "TORCH_SDPA", "TRITON_ATTN",
+                     "--no-bench"])
+    assert code == 1, capsys.readouterr()
+    assert "FAIL: attention kernel TRITON_ATTN was asked for" in capsys.readouterr().out
+
+
 def test_the_generated_suite_module_names_backend_preset_and_kernels():
     text = suite_module("rocm", "tiny", ["triton_attn"], "bfloat16")
     assert "from hwgraph.testing.suite import *" in text
