@@ -48,9 +48,8 @@ from hwgraph.models.qwen3_omni.output import VisionOutput  # noqa: E402
 PIXELS = "pixel_values"
 GRID = "image_grid_thw"
 DEVICE_GRID_FIX = (f"declare {GRID} as MultiModalFieldConfig.batched(\"image\", keep_on_cpu=True) in the model's "
-                   f"multimodal processor (_get_mm_fields_config), as vLLM's Qwen3-VL does; vLLM's Qwen-Omni thinker "
-                   f"processor declares batched(\"image\"), which moves it to the device, and reading it back would "
-                   f"synchronise every step with the device")
+                   f"multimodal processor (_get_mm_fields_config), as vLLM 0.33's Qwen-Omni thinker processor does; "
+                   f"reading a device grid back would synchronise every step with the device")
 BUFFER_KEYS = (PIXELS, *TENSOR_FIELDS)  # pixel rows + pos_indices, pos_weights, rotary_positions, cu_seqlens
 
 
@@ -86,10 +85,10 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
     """vLLM's ``SupportsEncoderCudaGraph`` for a ``Qwen3OmniVisionTower`` (image modality, one ``default`` path).
 
     ``mm_kwargs`` are vLLM's image kwargs: ``pixel_values`` ``[patches, patch_row_width]`` (device, merge order)
-    and ``image_grid_thw`` on the host. vLLM moves a multimodal field to the device unless the model's processor
-    declares it ``keep_on_cpu=True`` (its Qwen3-VL processor does; its Qwen-Omni thinker processor declares
-    ``batched("image")``), so the model that wires the adapter must declare the grid so: a device grid is refused
-    rather than read back (``DEVICE_GRID_FIX``).
+    and ``image_grid_thw`` on the host: vLLM moves a multimodal field to the device unless the model's processor
+    declares it ``keep_on_cpu=True``, which vLLM 0.33's Qwen-Omni thinker processor does for the grid (checked in its
+    source). A device grid (a processor that overrides that declaration) is refused rather than read back
+    (``DEVICE_GRID_FIX``).
 
     Auto-inferred budgets run from ``min_token_budget`` (64: the smallest image the processor makes) to
     ``max_token_budget`` (default hwgraph's uncalibrated cap, 256), clipped to the scheduler's token budget; beyond

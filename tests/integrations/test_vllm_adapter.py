@@ -208,8 +208,9 @@ def test_item_specs_come_from_the_host_grid(tower, adapter, grid_as):
 
 @pytest.mark.parametrize("as_rows", [False, True], ids=["stacked", "per-image rows"])
 def test_a_device_grid_is_refused_with_the_field_declaration_that_keeps_it_on_the_host(tower, adapter, as_rows):
-    # vLLM moves image_grid_thw to the device unless the processor declares keep_on_cpu=True (its Qwen-Omni processor
-    # does not); every protocol method that reads the grid, the eager fallback's too, must say how to keep it there
+    # vLLM moves image_grid_thw to the device unless the processor declares keep_on_cpu=True (vLLM 0.33's Qwen-Omni
+    # processor does; an override may not): every protocol method that reads the grid, the eager fallback's too, must
+    # say how to keep it on the host
     grid = torch.empty(2, 3, device="meta", dtype=torch.int64)
     kwargs = {"pixel_values": torch.zeros(4, tower.patch_row_width), "image_grid_thw": list(grid) if as_rows else grid}
     calls = [adapter.get_encoder_cudagraph_item_specs, adapter.get_encoder_cudagraph_item_frames,
