@@ -131,6 +131,7 @@ def test_the_verdict_fails_a_kernel_asked_for_by_name_whose_checks_all_skipped(r
                            "has no case for it on this machine)")
 
 
+@pytest.mark.cpu_machine  # TRITON_ATTN runs on the CUDA backend's machines (the verdict's own test runs anywhere)
 def test_validate_fails_a_requested_kernel_that_cannot_run_here(tmp_path, capsys):
     from hwgraph import cli
 
