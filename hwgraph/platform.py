@@ -6,6 +6,7 @@ vendor SDK. ROCm is told from CUDA by ``torch.version.hip``; an NPU by an import
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -56,7 +57,11 @@ def npu_info(notes: list[str]) -> PlatformInfo | None:
     if count == 0:
         notes.append("torch_npu imports but sees no NPU device")
         return None
-    name = npu.get_device_name(0) if hasattr(npu, "get_device_name") else "Ascend NPU"
+    try:  # a runtime that counts its devices may still fail to describe them: a note, as a failed count is
+        name = npu.get_device_name(0) if hasattr(npu, "get_device_name") else "Ascend NPU"
+    except Exception as exc:
+        notes.append(f"torch_npu counts {count} NPU(s) but cannot name the first ({exc})")
+        return None
     soc = getattr(npu, "get_soc_version", None)
     arch = str(name).split()[0] if name else None
     cann = getattr(getattr(mod, "version", None), "cann", None) or getattr(mod, "__version__", None)
@@ -77,7 +82,11 @@ def cuda_info(notes: list[str]) -> PlatformInfo | None:
     if count == 0:
         notes.append(f"torch is a {'ROCm' if hip else 'CUDA'} build but no device is visible")
         return None
-    props = torch.cuda.get_device_properties(0)
+    try:
+        props = torch.cuda.get_device_properties(0)
+    except Exception as exc:
+        notes.append(f"torch.cuda counts {count} device(s) but cannot read the first one's properties ({exc})")
+        return None
     if hip:
         arch = getattr(props, "gcnArchName", None) or None
         return PlatformInfo("rocm", props.name, arch, torch.__version__, "HIP", str(hip), count, tuple(notes))
@@ -117,10 +126,21 @@ def checked_device(spec: str | torch.device, name: str = "device", purpose: str 
 
 
 def platform_for(device: torch.device | str) -> PlatformInfo:
-    """The platform that serves ``device``: a CPU (or meta) tensor on a GPU machine is a CPU job."""
+    """The platform that serves ``device``: a CPU (or meta) tensor on a GPU machine is a CPU job, and a GPU named by
+    index is described by its own name and architecture (``detect()`` describes device 0; a host may mix GPUs, and
+    gates judge the architecture)."""
     info = detect()
-    if torch.device(device).type in ("cpu", "meta") and info.kind != "cpu":
+    device = torch.device(device)
+    if device.type in ("cpu", "meta") and info.kind != "cpu":
         return PlatformInfo("cpu", "cpu", None, info.torch_version, None, None, 0)
+    if info.kind in ("cuda", "rocm") and device.type == "cuda" and device.index not in (None, 0):
+        try:
+            props = torch.cuda.get_device_properties(device.index)
+        except Exception:  # an index this machine lacks: the backend's device check says so
+            return info
+        arch = (getattr(props, "gcnArchName", None) or None) if info.kind == "rocm" else \
+            f"sm_{props.major}{props.minor}"
+        return dataclasses.replace(info, device_name=props.name, arch=arch)
     return info
 
 

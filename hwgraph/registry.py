@@ -17,7 +17,7 @@ from functools import lru_cache
 from importlib.metadata import entry_points
 
 from hwgraph.capability import Capability
-from hwgraph.platform import PlatformInfo, detect
+from hwgraph.platform import PlatformInfo, detect, platform_for
 
 log = logging.getLogger(__name__)
 
@@ -162,10 +162,12 @@ class Selected:
         return self.reason == "explicit"
 
 
+FALLBACK = "falling back to the cpu reference backend"
+
+
 def cpu_fallback(why: str) -> Selected:
     """The CPU reference backend, chosen because ``why`` rules out the automatic choice."""
-    return Selected(spec_named("cpu"), f"falling back to the cpu reference backend (eager-equivalent, no speed-up): "
-                                       f"{why}")
+    return Selected(spec_named("cpu"), f"{FALLBACK} (eager-equivalent, no speed-up): {why}")
 
 
 def choose_backend(name: str | None = None, platform: PlatformInfo | None = None) -> Selected:
@@ -205,7 +207,11 @@ def create_backend(name: str | None = None, device=None, mode: str | None = None
     it exists, that it is a device of its runtime, its architecture). A device it refuses raises ``SelectionError``
     with the reasons for an explicit choice; an automatic choice falls back to the CPU reference backend, as when no
     gate accepts the platform, and says why. So does an automatic choice whose class does not import (an explicit
-    one raises that ``ImportError``) or whose ``capability`` raises (a reason, as a gate's crash is)."""
+    one raises that ``ImportError``), whose ``capability`` raises (a reason, as a gate's crash is), or whose
+    construction refuses its graph mode with ``SelectionError`` (npu's ``aclgraph`` on a torch_npu without its graph
+    API). A ``mode`` meant for the backend an automatic choice could not use raises ``ValueError`` with the reason."""
+    if platform is None and device is not None:
+        platform = platform_for(device)  # that device's architecture (a host may mix GPUs), not device 0's
     chosen = choose_backend(name, platform)
     selected, cls = loaded_class(chosen)
     refusal = device_refusal(selected.spec.name, cls, device)
@@ -214,8 +220,23 @@ def create_backend(name: str | None = None, device=None, mode: str | None = None
             raise SelectionError(refusal)
         selected = cpu_fallback(refusal)
         cls = selected.spec.load()
+    if selected is chosen and not selected.reason.startswith(FALLBACK):
+        try:
+            backend = cls(device=device, mode=mode)
+        except SelectionError as exc:
+            if selected.explicit:
+                raise
+            selected = cpu_fallback(str(exc))
+            cls = selected.spec.load()
+        else:
+            log.info("graph backend %s (%s)", selected.spec.name, selected.reason)
+            return backend
     if selected is not chosen:
         log.warning(selected.reason)
+    if mode is not None and selected.reason.startswith(FALLBACK) and mode not in cls.modes:
+        # the mode was meant for the backend the automatic choice could not use: say why, not just the cpu's modes
+        raise ValueError(f"graph mode {mode!r} is not a mode of the cpu reference backend (modes "
+                         f"{list(cls.modes)}), and the automatic choice is {selected.reason}")
     log.info("graph backend %s (%s)", selected.spec.name, selected.reason)
     return cls(device=device, mode=mode)
 

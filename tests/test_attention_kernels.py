@@ -21,6 +21,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -580,6 +581,26 @@ def test_kernels_reject_bad_inputs_naming_the_value(kernel, index, value, messag
         kernel(*args)
 
 
+@pytest.mark.parametrize("kernel, dtype, message", [
+    # a bare KeyError: torch.float64 from the Triton launcher, and SDPA's "value cannot be converted to type int"
+    (triton_varlen, torch.float64, r"TRITON_ATTN: q, k, v must be float16, bfloat16, float32, got torch\.float64"),
+    (triton_varlen, torch.int32, r"TRITON_ATTN: q, k, v must be float16, bfloat16, float32, got torch\.int32"),
+    (sdpa_varlen, torch.int32, r"TORCH_SDPA: q, k, v must be float32, float16, bfloat16, float64, got torch\.int32"),
+], ids=["triton-float64", "triton-int32", "sdpa-int32"])
+def test_kernels_reject_a_dtype_outside_their_spec_naming_the_ones_they_take(kernel, dtype, message):
+    q, k, v, cu, max_seqlen, scale = valid_args()
+    with pytest.raises(ValueError, match=message):
+        kernel(q.to(dtype), k.to(dtype), v.to(dtype), cu, max_seqlen, scale)
+
+
+def test_kernels_take_numpy_host_scalars_as_python_ones():
+    # np.int64 max_seqlen and np.float32 scale were refused as "not a host int / float"
+    args = valid_args()
+    q, k, v, cu, max_seqlen, scale = args
+    torch.testing.assert_close(sdpa_varlen(q, k, v, cu, np.int64(max_seqlen), np.float32(scale)),
+                               sdpa_varlen(q, k, v, cu, max_seqlen, float(np.float32(scale))), rtol=0, atol=0)
+
+
 def test_kernels_reject_cu_seqlens_on_another_device():
     q, k, v, cu, max_seqlen, scale = valid_args()
     with pytest.raises(ValueError, match=r"one device.*cu_seqlens meta"):
@@ -691,7 +712,7 @@ def test_torch_varlen_attn_without_a_scale_argument_gets_the_scale_folded_into_q
     monkeypatch.setattr(torch_varlen, "varlen_attn", varlen_attn)
     for head_dim in (36, 72):
         batch = random_packed_batch([9, 4], heads=2, head_dim=head_dim, zero_length=1, padding_rows=3,
-                                    dtype=torch.float32, scale=0.3)
+                                    dtype=torch.bfloat16, scale=0.3)  # FLASH_ATTN's dtypes: fp16, bf16
         assert_matches_reference(attention.flash_varlen(*batch.args()), batch)
     assert widths == [40, 72]
 
@@ -751,7 +772,7 @@ def test_npu_adapter_hands_the_kernel_contiguous_tensors(fake_torch_npu, head_di
 def test_npu_padding_unspecified_variant_skips_only_the_zeroing(fake_torch_npu):
     from hwgraph_npu.attention import host_cu_seqlens, npu_varlen
 
-    batch = random_packed_batch([9, 4], heads=2, head_dim=72, zero_length=1, padding_rows=6, dtype=torch.float32)
+    batch = random_packed_batch([9, 4], heads=2, head_dim=72, zero_length=1, padding_rows=6, dtype=torch.bfloat16)
     with CpuGraphBackend().sync_guard(), host_cu_seqlens([0, 9, 13, 13]):
         public = npu_varlen(*batch.args())
         raw = npu_varlen.padding_unspecified(*batch.args())

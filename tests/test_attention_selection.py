@@ -186,6 +186,20 @@ def test_hopper_with_a_triton_without_host_descriptors_keeps_flash_attn_first(mo
     assert choose_attention(platform=H200, dtype=torch.bfloat16, head_dim=72).spec.name == "FLASH_ATTN"
 
 
+def test_a_triton_that_fails_to_import_with_another_error_is_ranked_without_crashing_automatic_choice(monkeypatch):
+    # a triton built for another torch raises RuntimeError (undefined symbol) on import, not ImportError: the gate
+    # said so, but ranking TRITON_ATTN raised it out of every automatic choice on Hopper
+    from hwgraph.attention import triton_attn
+
+    def broken(name, *args):
+        raise RuntimeError("libtriton.so: undefined symbol _ZN4mlir")
+
+    monkeypatch.setattr(triton_attn.importlib.util, "find_spec", broken)
+    assert kernel_named("TRITON_ATTN").rank(H200) == 20  # raised RuntimeError
+    chosen = choose_attention(platform=H200, dtype=torch.bfloat16, head_dim=72)  # so did this
+    assert chosen.reason.startswith("best available for cuda")
+
+
 def test_triton_attn_keeps_its_static_priority_off_cuda():
     for plat in (CPU, MI300X, ASCEND):
         assert kernel_named("TRITON_ATTN").rank(plat) == kernel_named("TRITON_ATTN").priority == 20
@@ -309,6 +323,31 @@ def test_env_var_names_the_kernel_case_insensitively(monkeypatch):
     monkeypatch.setenv(registry.ATTENTION_ENV, "torch_sdpa")
     chosen = choose_attention(platform=H200, dtype=torch.bfloat16)
     assert chosen.spec.name == "TORCH_SDPA" and chosen.reason == "explicit"
+
+
+@pytest.mark.parametrize("value", ["auto", "AUTO", " auto "])
+def test_env_var_auto_asks_for_automatic_choice_as_a_tower_takes_it(monkeypatch, value):
+    monkeypatch.setenv(registry.ATTENTION_ENV, value)  # was "unknown attention kernel 'auto'"
+    chosen = choose_attention(platform=H200, dtype=torch.bfloat16, head_dim=72)
+    assert chosen.reason.startswith("best available for cuda")
+    assert chosen.spec.name == choose_attention(platform=H200, dtype=torch.bfloat16, head_dim=72).spec.name
+
+
+def test_a_plugin_kernel_that_repeats_a_known_name_is_ignored_with_a_warning(monkeypatch, caplog):
+    from hwgraph.attention.triton_attn import TRITON_ATTN
+
+    impostor = KernelSpec(name="TRITON_ATTN", impl_path="hwgraph_toy.attention:toy", kinds=("cpu",),
+                          dtypes=(torch.float32,), head_dims=(1, 256), graph_safe=True,
+                          gate=lambda p: Capability.available(), priority=50)
+    specs = (BackendSpec(name="toy", class_path="unused:Backend", kinds=("cpu",),
+                         gate=lambda p: Capability.available(), attention=(impostor,)),)
+    monkeypatch.setattr(registry, "backend_specs", lambda: specs)
+    monkeypatch.setattr(registry, "_REPEATS_WARNED", set())
+    with caplog.at_level("WARNING", logger="hwgraph.attention.registry"):
+        assert kernel_named("TRITON_ATTN") is TRITON_ATTN
+        registry.kernel_specs()  # warned once, not at every lookup
+    assert caplog.messages == ["graph backend 'toy' brings an attention kernel named TRITON_ATTN, which "
+                               "hwgraph.attention.triton_attn:triton_varlen already has; ignored"]
 
 
 def test_argument_overrides_env_var(monkeypatch):

@@ -93,6 +93,41 @@ def test_torch_npu_without_a_device_is_cpu_with_a_note(monkeypatch):
     assert any("sees no NPU" in note for note in info.notes)
 
 
+def test_an_npu_that_cannot_be_named_is_cpu_with_a_note(monkeypatch):
+    simulate_npu(monkeypatch)
+
+    def broken(index=0):
+        raise RuntimeError("ACL stream synchronize failed, error code 507035")
+
+    monkeypatch.setattr(torch.npu, "get_device_name", broken)
+    info = detect()  # raised the runtime's error, where a failed device count is a note
+    assert info.kind == "cpu"
+    assert info.notes == ("torch_npu counts 1 NPU(s) but cannot name the first (ACL stream synchronize failed, "
+                          "error code 507035)",)
+
+
+def test_a_gpu_whose_properties_cannot_be_read_is_cpu_with_a_note(monkeypatch):
+    simulate_gpu(monkeypatch, cuda="12.8", count=1)
+
+    def broken(index=0):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", broken)
+    info = detect()
+    assert info.kind == "cpu" and info.notes == (
+        "torch.cuda counts 1 device(s) but cannot read the first one's properties (CUDA error: unspecified launch "
+        "failure)",)
+
+
+def test_a_gpu_named_by_index_is_described_by_its_own_architecture(monkeypatch):
+    # detect() describes device 0; a host may mix GPUs, and the gates judge the architecture of the one in use
+    simulate_gpu(monkeypatch, cuda="12.8", count=2)
+    props = {0: DeviceProperties("NVIDIA H200", 9, 0, None), 1: DeviceProperties("Tesla T4", 7, 5, None)}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props[index])
+    assert (platform_for("cuda:1").device_name, platform_for("cuda:1").arch) == ("Tesla T4", "sm_75")
+    assert platform_for("cuda:0").arch == platform_for("cuda").arch == detect().arch == "sm_90"
+
+
 @pytest.mark.cpu_machine
 def test_this_machine_is_cpu():
     info = detect()

@@ -307,6 +307,37 @@ def test_the_backend_class_judges_the_device_an_explicit_choice_raises_and_an_au
         create_backend(device="cpu:1", platform=cpu)
 
 
+class RefusedModeBackend(CpuGraphBackend):
+    """Refuses its default mode when constructed, as npu's aclgraph does on a torch_npu without torch.npu.NPUGraph."""
+    name = "refusedmode"
+    modes = ("aclgraph", "other")
+
+    def __init__(self, device=None, mode=None):
+        if (mode or self.modes[0]) == "aclgraph":
+            raise SelectionError("refusedmode graph mode 'aclgraph' is unavailable: no graph API")
+        super().__init__(device, mode)
+
+
+def test_an_automatic_choice_whose_class_refuses_its_mode_falls_back_and_a_mode_for_it_says_why(monkeypatch, caplog):
+    install_probes(monkeypatch, refusedmode=lambda: BackendSpec(
+        "refusedmode", f"{__name__}:RefusedModeBackend", ("cpu",), lambda p: Capability.available(),
+        modes=("aclgraph", "other"), priority=10))
+    cpu = platform_of("cpu")
+    with caplog.at_level(logging.WARNING, logger="hwgraph.registry"):
+        fallback = create_backend(platform=cpu)  # raised the SelectionError: its gate passed, its mode did not
+    assert type(fallback) is CpuGraphBackend
+    assert caplog.messages == ["falling back to the cpu reference backend (eager-equivalent, no speed-up): "
+                               "refusedmode graph mode 'aclgraph' is unavailable: no graph API"]
+    assert type(create_backend(platform=cpu, mode="other")) is RefusedModeBackend
+    with pytest.raises(ValueError, match=re.escape(
+            "graph mode 'aclgraph' is not a mode of the cpu reference backend (modes ['emulated']), and the automatic "
+            "choice is falling back to the cpu reference backend (eager-equivalent, no speed-up): refusedmode graph "
+            "mode 'aclgraph' is unavailable: no graph API")):  # was the cpu backend's "has modes [...]" alone
+        create_backend(platform=cpu, mode="aclgraph")
+    with pytest.raises(SelectionError, match="no graph API"):  # an explicit choice raises it
+        create_backend("refusedmode", platform=cpu)
+
+
 def test_create_backend_constructs_the_cpu_backend_on_cpu():
     backend = create_backend(platform=platform_of("cpu"))
     assert backend.name == "cpu" and backend.mode == "emulated"

@@ -7,9 +7,10 @@ Signature of every kernel: ``fn(q, k, v, cu_seqlens, max_seqlen, scale) -> out``
 ``out`` is ``[tokens, heads, head_dim]`` in q's dtype. Rows at or past ``cu_seqlens[-1]`` belong to no sequence:
 their output is zero. A sequence's non-finite k or v reaches no other sequence.
 
-The caller guarantees, and no kernel checks on the device (that would read it back): ``cu_seqlens[-1] <= tokens``
-and ``max_seqlen`` at least the longest sequence. Otherwise the output is unspecified, and a Triton kernel may read
-and write past the tensors (the tower's metadata always holds both).
+The caller guarantees, and no kernel checks on the device (that would read it back): ``cu_seqlens`` starts at 0
+and never decreases, ``cu_seqlens[-1] <= tokens``, and ``max_seqlen`` is at least the longest sequence. Otherwise
+the output is unspecified, and a Triton kernel may read and write past the tensors (the tower's metadata always
+holds all three).
 """
 
 from __future__ import annotations

@@ -41,13 +41,22 @@ def builtin_kernels() -> tuple[KernelSpec, ...]:
 
 
 def kernel_specs() -> tuple[KernelSpec, ...]:
-    """Every known kernel: built-in first, then each plugin's, each name once."""
+    """Every known kernel: built-in first, then each plugin's, each name once (a plugin's kernel that repeats a
+    name is ignored, with a warning the first time it is seen)."""
     specs = list(builtin_kernels())
     for backend in backend_specs():
         for kernel in backend.attention:
-            if all(k.name != kernel.name for k in specs):
+            kept = next((k for k in specs if k.name == kernel.name), None)
+            if kept is None:
                 specs.append(kernel)
+            elif kept is not kernel and (backend.name, kernel.name) not in _REPEATS_WARNED:
+                _REPEATS_WARNED.add((backend.name, kernel.name))
+                log.warning("graph backend %r brings an attention kernel named %s, which %s already has; ignored",
+                            backend.name, kernel.name, kept.impl_path)
     return tuple(specs)
+
+
+_REPEATS_WARNED: set[tuple[str, str]] = set()
 
 
 def kernel_named(name: str) -> KernelSpec:
@@ -74,7 +83,8 @@ class SelectedKernel:
 def choose_attention(name: str | None = None, platform: PlatformInfo | None = None,
                      dtype: torch.dtype | None = None, head_dim: int | None = None,
                      graph_safe: bool = False) -> SelectedKernel:
-    """``name``, else ``$HWGRAPH_ATTENTION``, else the kernel of highest priority on this platform available here.
+    """``name``, else ``$HWGRAPH_ATTENTION``, else the kernel of highest priority on this platform available here
+    (``"auto"`` from either: automatic choice).
 
     An explicit choice that is unavailable raises ``SelectionError`` naming its reasons (one that does not import,
     ``ImportError``); with nothing explicit, TORCH_SDPA is always available, and a kernel that does not import is
@@ -83,6 +93,8 @@ def choose_attention(name: str | None = None, platform: PlatformInfo | None = No
     """
     platform = platform or detect()
     name = name or os.environ.get(ATTENTION_ENV) or None
+    if name is not None and name.strip().lower() == "auto":  # as a tower takes it: $HWGRAPH_ATTENTION=auto too
+        name = None
     if name:
         spec = kernel_named(name)
         cap = spec.capability(platform, dtype, head_dim)

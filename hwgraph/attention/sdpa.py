@@ -65,15 +65,17 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``; ``max_seqlen`` is
 # accepted for the common signature (the mask covers every length).
+SDPA_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 sdpa_varlen, sdpa_varlen_op = register_varlen_kernel(
-    "TORCH_SDPA", "sdpa_varlen", lambda q, k, v, cu_seqlens, max_seqlen, scale: masked_sdpa(q, k, v, cu_seqlens, scale))
+    "TORCH_SDPA", "sdpa_varlen", lambda q, k, v, cu_seqlens, max_seqlen, scale: masked_sdpa(q, k, v, cu_seqlens, scale),
+    dtypes=SDPA_DTYPES)
 
 
 TORCH_SDPA = KernelSpec(
     name="TORCH_SDPA",
     impl_path="hwgraph.attention.sdpa:sdpa_varlen",
     kinds=("cuda", "rocm", "npu", "cpu"),
-    dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
+    dtypes=SDPA_DTYPES,
     head_dims=(1, 256),
     graph_safe=True,
     gate=lambda platform: Capability.available(),

@@ -73,8 +73,8 @@ def triton_priority(platform: PlatformInfo) -> int:
         return 20
     try:
         has_descriptors = importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
-    except ImportError:  # no triton at all: the gate says so
-        has_descriptors = False
+    except Exception:  # no triton, or one that fails to import (ImportError, or a broken build's RuntimeError):
+        has_descriptors = False  # the gate says so; ranking must not crash automatic choice
     return 35 if has_descriptors else 20
 
 
@@ -88,15 +88,16 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``. Every real sequence
 # must be at most ``max_seqlen`` long: rows beyond it are not computed.
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 triton_varlen, triton_varlen_op = register_varlen_kernel("TRITON_ATTN", "triton_varlen", launch,
-                                                         zeroes_padding=True)
+                                                         zeroes_padding=True, dtypes=TRITON_DTYPES)
 
 
 TRITON_ATTN = KernelSpec(
     name="TRITON_ATTN",
     impl_path="hwgraph.attention.triton_attn:triton_varlen",
     kinds=("cuda", "rocm", "cpu"),
-    dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    dtypes=TRITON_DTYPES,
     head_dims=(1, 256),
     graph_safe=True,
     gate=triton_gate,

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import torch
 
 
 def check_varlen_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> None:
-    """Raise ``ValueError`` naming the offending value when the inputs break the common kernel signature."""
+                        cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
+                        dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """Raise ``ValueError`` naming the offending value when the inputs break the common kernel signature, or when
+    q, k, v are not of one of the kernel's ``dtypes`` (its ``KernelSpec.dtypes``; None: any floating dtype).
+    ``max_seqlen`` and ``scale`` are host numbers of any kind (Python's, numpy's), but not bools."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{kernel}: {name} must be a tensor, got {type(t).__name__}")
@@ -26,6 +30,11 @@ def check_varlen_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.
                          f"v {tuple(v.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"{kernel}: q, k, v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if dtypes is not None and q.dtype not in dtypes:
+        raise ValueError(f"{kernel}: q, k, v must be {', '.join(str(d).removeprefix('torch.') for d in dtypes)}, "
+                         f"got {q.dtype}")
+    if not q.is_floating_point():
+        raise ValueError(f"{kernel}: q, k, v must be floating point, got {q.dtype}")
     if k.device != q.device or v.device != q.device or cu_seqlens.device != q.device:
         raise ValueError(f"{kernel}: q, k, v and cu_seqlens must be on one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}, cu_seqlens {cu_seqlens.device}")
@@ -37,10 +46,10 @@ def check_varlen_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.
     if not cu_seqlens.is_contiguous():  # the Triton kernels read it by pointer, as ATen's flash kernel requires
         raise ValueError(f"{kernel}: cu_seqlens must be contiguous, got stride {cu_seqlens.stride()}; pass "
                          f"cu_seqlens.contiguous()")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0:
         raise ValueError(f"{kernel}: max_seqlen must be a non-negative host int (fixed at capture), "
                          f"got {max_seqlen!r} ({type(max_seqlen).__name__})")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"{kernel}: scale must be a finite host float, got {scale!r} ({type(scale).__name__})")
 
 
@@ -57,13 +66,14 @@ def zero_padding_rows(out: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tens
     return out.masked_fill_(padding[:, None, None], 0)
 
 
-def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool = False):
+def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool = False,
+                           dtypes: tuple[torch.dtype, ...] | None = None):
     """Register ``body`` (the common signature, inputs unchecked) as the custom op ``hwgraph::<op_name>`` with a
     fake returning ``empty_like(q)``. Returns ``(public, op)``: ``public`` checks its inputs (``ValueError`` naming
-    ``kernel``), runs the op while torch.compile traces and ``body`` itself in eager (``eager_or_op``), and returns
-    padding rows (rows at or past ``cu_seqlens[-1]``) as zeros: ``body`` zeroes them itself when
-    ``zeroes_padding``, otherwise ``public`` does (three small device kernels, about 50 µs of host time per call on
-    the H200's host).
+    ``kernel``; q, k, v of one of ``dtypes``), runs the op while torch.compile traces and ``body`` itself in eager
+    (``eager_or_op``), and returns padding rows (rows at or past ``cu_seqlens[-1]``) as zeros: ``body`` zeroes them
+    itself when ``zeroes_padding``, otherwise ``public`` does (three small device kernels, about 50 µs of host time
+    per call on the H200's host).
 
     ``public.padding_unspecified`` is the same checked kernel without that zeroing: its padding rows hold whatever
     the kernel left there. The tower uses it, because no later step mixes rows across sequences: its padding rows
@@ -79,8 +89,8 @@ def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool
 
     def padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, scale: float) -> torch.Tensor:
-        check_varlen_inputs(kernel, q, k, v, cu_seqlens, max_seqlen, scale)
-        return eager_or_op(op, body)(q, k, v, cu_seqlens, max_seqlen, float(scale))
+        check_varlen_inputs(kernel, q, k, v, cu_seqlens, max_seqlen, scale, dtypes)
+        return eager_or_op(op, body)(q, k, v, cu_seqlens, int(max_seqlen), float(scale))
 
     if zeroes_padding:
         def public(q, k, v, cu_seqlens, max_seqlen, scale):

@@ -112,14 +112,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on CUDA, ``cu_seqlens`` int32 ``[n + 1]``.
-flash_varlen, flash_varlen_op = register_varlen_kernel("FLASH_ATTN", "flash_varlen", flash_attention)
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+flash_varlen, flash_varlen_op = register_varlen_kernel("FLASH_ATTN", "flash_varlen", flash_attention,
+                                                       dtypes=FLASH_DTYPES)
 
 
 FLASH_ATTN = KernelSpec(
     name="FLASH_ATTN",
     impl_path="hwgraph_cuda.attention:flash_varlen",
     kinds=("cuda",),
-    dtypes=(torch.float16, torch.bfloat16),
+    dtypes=FLASH_DTYPES,
     head_dims=(1, 256),
     graph_safe=True,
     gate=flash_gate,

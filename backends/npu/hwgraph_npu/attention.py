@@ -108,6 +108,7 @@ def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     return out[..., :head_dim]
 
 
+NPU_DTYPES = (torch.float16, torch.bfloat16)
 npu_varlen_op = torch.library.custom_op("hwgraph::npu_varlen", npu_attention, mutates_args=())
 
 
@@ -130,7 +131,7 @@ def npu_varlen_padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    max_seqlen: int, scale: float) -> torch.Tensor:
     """``npu_varlen`` without zeroing the padding rows (what the tower uses: its padding rows never mix into real
     ones; the same split as ``hwgraph.attention.varlen_inputs.register_varlen_kernel``'s)."""
-    check_varlen_inputs("NPU", q, k, v, cu_seqlens, max_seqlen, scale)
+    check_varlen_inputs("NPU", q, k, v, cu_seqlens, max_seqlen, scale, NPU_DTYPES)
     tokens = q.shape[0]
     host = given_host_cu_seqlens()
     if host is None:
@@ -138,7 +139,7 @@ def npu_varlen_padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         warn_host_read()
         host = tuple(cu_seqlens.tolist())
     check_host_cu_seqlens(host, cu_seqlens, tokens)
-    args = (q, k, v, cu_seqlens, max_seqlen, float(scale), sequence_ends(host, tokens))
+    args = (q, k, v, cu_seqlens, int(max_seqlen), float(scale), sequence_ends(host, tokens))
     return eager_or_op(npu_varlen_op, npu_attention)(*args)
 
 
@@ -149,7 +150,7 @@ NPU = KernelSpec(
     name="NPU",
     impl_path="hwgraph_npu.attention:npu_varlen",
     kinds=("npu",),
-    dtypes=(torch.float16, torch.bfloat16),
+    dtypes=NPU_DTYPES,
     head_dims=(1, 256),
     graph_safe=False,  # see the module docstring: the per-replay update of its host lists is not built
     reads_host_boundaries=True,

@@ -696,3 +696,20 @@ def test_graphs_keep_the_hf32_setting_of_their_capture_in_float32_only(npu):
         assert backend.numerics_settings(torch.bfloat16) == backend.numerics_settings(torch.float16) == ()
     finally:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+
+
+def test_an_automatic_choice_falls_back_to_cpu_when_the_default_mode_lacks_its_graph_api(npu, monkeypatch, caplog):
+    # the npu gate passed (platform, torch version), so choose_backend took npu, and create_backend then raised the
+    # mode's SelectionError instead of falling back as an automatic choice does
+    from hwgraph.graphs.cpu import CpuGraphBackend
+    from hwgraph.registry import choose_backend, create_backend
+
+    monkeypatch.delattr(FakeNpu, "NPUGraph")
+    assert choose_backend().spec.name == "npu"
+    with caplog.at_level("WARNING", logger="hwgraph.registry"):
+        backend = create_backend()
+    assert type(backend) is CpuGraphBackend
+    assert any("falling back to the cpu reference backend" in m and "needs torch.npu.NPUGraph" in m
+               for m in caplog.messages), caplog.messages
+    with pytest.raises(SelectionError, match="npu graph mode 'aclgraph' is unavailable"):
+        create_backend("npu")  # named: its refusal, not a fallback

@@ -49,14 +49,16 @@ def aiter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on ROCm, ``cu_seqlens`` int32 ``[n + 1]``.
-aiter_varlen, aiter_varlen_op = register_varlen_kernel("ROCM_AITER_FA", "aiter_varlen", aiter_attention)
+AITER_DTYPES = (torch.float16, torch.bfloat16)
+aiter_varlen, aiter_varlen_op = register_varlen_kernel("ROCM_AITER_FA", "aiter_varlen", aiter_attention,
+                                                       dtypes=AITER_DTYPES)
 
 
 ROCM_AITER_FA = KernelSpec(
     name="ROCM_AITER_FA",
     impl_path="hwgraph_rocm.attention:aiter_varlen",
     kinds=("rocm",),
-    dtypes=(torch.float16, torch.bfloat16),
+    dtypes=AITER_DTYPES,
     head_dims=(1, 256),
     graph_safe=True,
     gate=aiter_gate,

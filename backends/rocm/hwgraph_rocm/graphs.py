@@ -14,7 +14,7 @@ import torch
 
 from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend
-from hwgraph.platform import detect
+from hwgraph.platform import detect, platform_for
 
 
 class RocmGraphBackend(TorchCudaGraphBackend):
@@ -27,7 +27,7 @@ class RocmGraphBackend(TorchCudaGraphBackend):
     def capability(cls, device=None) -> Capability:
         from hwgraph_rocm.platform import arch_capability, device_arch, gate
 
-        cap = gate(detect())
+        cap = gate(detect() if device is None else platform_for(device))  # that GPU's architecture, not device 0's
         if not cap.ok:
             return cap
         cap = cls.device_capability(device)
