@@ -54,7 +54,10 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
     For a model with an hwgraph tower (``model.tower``, e.g. ``Qwen3OmniEncoderCudaGraphAdapter``), as
     ``hwgraph.EncoderGraphManager`` does: the tower's automatic kernel choice takes graph-safe kernels only (an
     explicit kernel is kept); nothing is captured when the tower's attention kernel is not graph-safe
-    (``capture_refusal``; every group runs eagerly), and a replay after the tower's weights moved since capture
+    (``capture_refusal``; every group runs eagerly: through this manager's eager path under vLLM's v1 runner, which
+    calls ``execute`` regardless, and as the model's own ``embed_multimodal`` under its gpu/ runner, which asks
+    ``is_captured()`` first and so leaves those groups out of the stats), and a replay after the tower's weights moved
+    since capture
     (``tower.to``, another dtype or device) raises ``RuntimeError`` instead of reading freed memory.
     """
 
