@@ -333,15 +333,19 @@ def test_env_var_auto_asks_for_automatic_choice_as_a_tower_takes_it(monkeypatch,
     assert chosen.spec.name == choose_attention(platform=H200, dtype=torch.bfloat16, head_dim=72).spec.name
 
 
+def install_toy_kernel(monkeypatch, name: str, impl_path: str) -> None:
+    """The registry sees one plugin, ``toy``, whose one CPU kernel ``name`` ranks first and loads from ``impl_path``."""
+    kernel = KernelSpec(name=name, impl_path=impl_path, kinds=("cpu",), dtypes=(torch.float32,), head_dims=(1, 256),
+                        graph_safe=True, gate=lambda p: Capability.available(), priority=50)
+    specs = (BackendSpec(name="toy", class_path="unused:Backend", kinds=("cpu",),
+                         gate=lambda p: Capability.available(), attention=(kernel,)),)
+    monkeypatch.setattr(registry, "backend_specs", lambda: specs)
+
+
 def test_a_plugin_kernel_that_repeats_a_known_name_is_ignored_with_a_warning(monkeypatch, caplog):
     from hwgraph.attention.triton_attn import TRITON_ATTN
 
-    impostor = KernelSpec(name="TRITON_ATTN", impl_path="hwgraph_toy.attention:toy", kinds=("cpu",),
-                          dtypes=(torch.float32,), head_dims=(1, 256), graph_safe=True,
-                          gate=lambda p: Capability.available(), priority=50)
-    specs = (BackendSpec(name="toy", class_path="unused:Backend", kinds=("cpu",),
-                         gate=lambda p: Capability.available(), attention=(impostor,)),)
-    monkeypatch.setattr(registry, "backend_specs", lambda: specs)
+    install_toy_kernel(monkeypatch, "TRITON_ATTN", "hwgraph_toy.attention:toy")
     monkeypatch.setattr(registry, "_REPEATS_WARNED", set())
     with caplog.at_level("WARNING", logger="hwgraph.attention.registry"):
         assert kernel_named("TRITON_ATTN") is TRITON_ATTN
@@ -365,12 +369,7 @@ def test_explicit_unavailable_choice_raises_naming_the_reasons(monkeypatch):
 def test_a_plugin_kernel_that_does_not_import_is_passed_over_automatically_and_named_when_chosen(monkeypatch):
     """A plugin's kernel ranked first whose impl_path does not import made every automatic choice on its platform
     raise (found with the graph backends' twin in a plugin author's walkthrough)."""
-    broken = KernelSpec(name="TOY_ATTN", impl_path="hwgraph_toy_missing.attention:toy_attention", kinds=("cpu",),
-                        dtypes=(torch.float32,), head_dims=(1, 256), graph_safe=True,
-                        gate=lambda p: Capability.available(), priority=50)
-    specs = (BackendSpec(name="toy", class_path="unused:Backend", kinds=("cpu",),
-                         gate=lambda p: Capability.available(), attention=(broken,)),)
-    monkeypatch.setattr(registry, "backend_specs", lambda: specs)
+    install_toy_kernel(monkeypatch, "TOY_ATTN", "hwgraph_toy_missing.attention:toy_attention")
     chosen = choose_attention(platform=CPU, dtype=torch.float32, head_dim=72)
     assert chosen.spec.name == "TORCH_SDPA"
     assert ("TOY_ATTN: attention kernel 'TOY_ATTN' declares impl_path 'hwgraph_toy_missing.attention:toy_attention', "

@@ -85,21 +85,22 @@ def test_an_unreadable_architecture_is_refused(monkeypatch):
     assert "could not read the AMD GPU architecture" in gate(detect()).describe()
 
 
-def test_the_architecture_of_the_requested_device_is_checked(monkeypatch):
+def simulate_two_rocm_gpus(monkeypatch, arch0: str, arch1: str) -> None:
     simulate_rocm(monkeypatch)
-    props = {0: DeviceProperties("MI300X", 9, 4, "gfx942:sramecc+"), 1: DeviceProperties("old", 9, 0, "gfx906:xnack-")}
+    props = {0: DeviceProperties("GPU 0", 9, 4, arch0), 1: DeviceProperties("GPU 1", 9, 0, arch1)}
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props[index])
+
+
+def test_the_architecture_of_the_requested_device_is_checked(monkeypatch):
+    simulate_two_rocm_gpus(monkeypatch, "gfx942:sramecc+", "gfx906:xnack-")
     assert RocmGraphBackend.capability("cuda:0").ok
     assert RocmGraphBackend.capability("cuda:1").reasons[0].endswith("this GPU is gfx906")
 
 
 def test_a_supported_gpu_beside_an_unsupported_device_0_is_judged_by_its_own_architecture(monkeypatch):
     # the gate judged detect(), which describes device 0: a supported MI300X at cuda:1 was refused for device 0's arch
-    simulate_rocm(monkeypatch)
-    props = {0: DeviceProperties("Radeon", 10, 3, "gfx1036"), 1: DeviceProperties("MI300X", 9, 4, "gfx942:sramecc+")}
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props[index])
+    simulate_two_rocm_gpus(monkeypatch, "gfx1036", "gfx942:sramecc+")
     assert RocmGraphBackend.capability("cuda:1").ok
     assert type(create_backend("rocm", device="cuda:1")) is RocmGraphBackend
     assert RocmGraphBackend.capability("cuda:0").reasons[0].endswith("this GPU is gfx1036")
@@ -109,10 +110,7 @@ def test_aiter_is_judged_by_the_architecture_of_the_towers_gpu(monkeypatch, fake
     from hwgraph.attention.registry import choose_attention
     from hwgraph.platform import platform_for
 
-    simulate_rocm(monkeypatch)
-    props = {0: DeviceProperties("MI300X", 9, 4, "gfx942:sramecc+"), 1: DeviceProperties("MI250X", 9, 0, "gfx90a")}
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props[index])
+    simulate_two_rocm_gpus(monkeypatch, "gfx942:sramecc+", "gfx90a")
     chosen = choose_attention(platform=platform_for("cuda:1"), dtype=torch.bfloat16, head_dim=72, graph_safe=True)
     assert chosen.spec.name != "ROCM_AITER_FA"  # was chosen for gfx90a, which its gate refuses, from device 0's arch
     assert "ROCM_AITER_FA: ROCM_AITER_FA needs gfx942 or gfx950, found gfx90a" in chosen.reason
