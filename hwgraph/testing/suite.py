@@ -215,6 +215,25 @@ class TestMultiImageGroups(ConformanceSuite):
         self.encode_and_check(manager, tower, grid, seed=201, what="full group")
         assert manager.stats()["replays_per_budget"] == {budget: 1}
 
+    def test_each_slot_count_graph_of_a_budget_replays_its_own_groups(self, tower, case):
+        """A budget captured once per sequence-slot count, the graphs sharing its static buffers (what a slot-bound
+        kernel gets by default), asked for explicitly so that it runs with every kernel: a backend whose graphs of
+        one pool all replayed the first passed every other check where the kernel is not slot-bound (TORCH_SDPA)."""
+        budget, counts = min(self.budgets), sorted({1, 2, self.max_images})
+        m = self.captured(EncoderGraphManager(
+            tower, device=case.device, dtype=case.dtype, budgets=[budget], max_images_per_graph=self.max_images,
+            slot_counts=counts, graph_backend=case.backend, graph_mode=case.mode, attention=case.kernel))
+        try:
+            calls = [counts[-1], *counts, *reversed(counts)]  # each count after each other one
+            for i, n in enumerate(calls):
+                tokens = [budget // (2 * n) + j % 2 for j in range(n)]  # uneven sizes, at most the budget in all
+                self.encode_and_check(m, tower, self.grid(tower, *tokens), seed=210 + i,
+                                      what=f"call {i + 1}: {n} image(s), slot-count graphs {counts}")
+            # a group of n images replays the graph with n slots: each count is one the calls use
+            assert m.stats()["replays_per_slots"] == {c: calls.count(c) for c in counts}
+        finally:
+            m.close()
+
 
 class TestEagerFallback(ConformanceSuite):
     @pytest.mark.parametrize("kind", ["over budget", "video", "too many images"])
