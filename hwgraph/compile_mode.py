@@ -26,8 +26,16 @@ def compile_block_forward(fn):
 def own_code_copy(fn):
     """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object: with a copy, this
     manager's compilations neither reuse nor count against those of other managers (another attention kernel or
-    tower in the same process), so ``compile_limits`` can size the recompile limit to this manager alone."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    tower in the same process), so ``compile_limits`` can size the recompile limit to this manager alone.
+    Defaults, keyword-only ones included, and the qualified name carry over; anything but a plain Python function (a
+    bound method, a ``functools.partial``) is a ``TypeError`` naming it, since its code object cannot be copied."""
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(f"own_code_copy needs a plain Python function (its code object is copied), got "
+                        f"{type(fn).__name__} {fn!r}")
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = dict(fn.__kwdefaults__) if fn.__kwdefaults__ else None
+    copy.__qualname__ = fn.__qualname__
+    return copy
 
 
 def pin_triton_cache_dir(device: torch.device) -> str | None:

@@ -54,14 +54,22 @@ def kernel_time(fn: Callable[[], object], device, warmup: int = 1) -> KernelTime
     for _ in range(warmup):
         fn()
     synchronize(device)
+    failure = None  # fn's own exception: raised as it is, never reported as the profiler's
     try:
         with profile(activities=activities_for(device)) as prof:
-            fn()
-            synchronize(device)
+            try:
+                fn()
+                synchronize(device)
+            except Exception as exc:
+                failure = exc
         events = list(prof.events())
     except Exception as exc:  # a profiler that cannot start here is a reported gap, not a crashed benchmark
+        if failure is not None:
+            raise failure from None
         log.warning("torch.profiler failed on %s: %s", device, exc)
         return KernelTime(None, 0, f"unavailable: {type(exc).__name__}: {exc}")
+    if failure is not None:
+        raise failure
     if device.type == "cpu":
         ops = [e for e in events if e.device_type == DeviceType.CPU]
         return KernelTime(sum(e.self_cpu_time_total for e in ops) / 1e3, len(ops), "cpu operators")

@@ -540,6 +540,23 @@ def test_cpu_kernel_time_sums_operators_self_time_after_an_unprofiled_warm_up(mo
     assert (found.ms, found.events, found.source) == (1.0, 2, "cpu operators")
 
 
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_an_exception_of_the_profiled_call_is_raised_not_reported_as_the_profilers(monkeypatch, warmup):
+    # it was logged as "torch.profiler failed" and returned as an unavailable kernel time
+    from hwgraph.profiling import kernel_time
+
+    fake_profiler(monkeypatch, [])
+    calls = []
+
+    def fails_when_profiled():
+        calls.append(len(calls))
+        if len(calls) > warmup:
+            raise ValueError("the benchmarked call's own bug")
+
+    with pytest.raises(ValueError, match="the benchmarked call's own bug"):
+        kernel_time(fails_when_profiled, "cpu", warmup=warmup)
+
+
 def test_kernel_time_on_a_privateuse1_device_counts_its_device_activity(monkeypatch):
     from torch.profiler import ProfilerActivity
 

@@ -475,3 +475,16 @@ def test_a_kernel_that_specializes_on_the_slot_count_compiles_where_there_is_one
     m.capture()
     assert m.slot_counts == [1] and m.stats()["compile_failures"] == {}
     check_against_eager(tower, m, [[(1, 4, 8)]], guard=True)
+
+
+def test_the_code_copy_keeps_keyword_only_defaults_and_refuses_what_it_cannot_copy():
+    import functools
+
+    def block(x, scale=2.0, *, eps=0.5):
+        return x * scale + eps
+
+    copy = compile_mode.own_code_copy(block)
+    assert copy.__code__ is not block.__code__ and copy.__qualname__ == block.__qualname__
+    assert copy(1.0) == block(1.0) == 2.5  # eps was lost: "missing 1 required keyword-only argument"
+    with pytest.raises(TypeError, match=r"own_code_copy needs a plain Python function .* got partial"):
+        compile_mode.own_code_copy(functools.partial(block, scale=3.0))  # was AttributeError: no __code__
