@@ -88,10 +88,18 @@ def cuda_info(notes: list[str]) -> PlatformInfo | None:
         notes.append(f"torch.cuda counts {count} device(s) but cannot read the first one's properties ({exc})")
         return None
     if hip:
-        arch = getattr(props, "gcnArchName", None) or None
-        return PlatformInfo("rocm", props.name, arch, torch.__version__, "HIP", str(hip), count, tuple(notes))
-    arch = f"sm_{props.major}{props.minor}"
-    return PlatformInfo("cuda", props.name, arch, torch.__version__, "CUDA", torch.version.cuda, count, tuple(notes))
+        return PlatformInfo("rocm", props.name, gpu_arch(props, "rocm"), torch.__version__, "HIP", str(hip), count,
+                            tuple(notes))
+    return PlatformInfo("cuda", props.name, gpu_arch(props, "cuda"), torch.__version__, "CUDA", torch.version.cuda,
+                        count, tuple(notes))
+
+
+def gpu_arch(props, kind: str) -> str | None:
+    """The architecture gates compare against, from ``torch.cuda.get_device_properties``: ROCm's full gcnArchName
+    (None when unreadable), CUDA's ``sm_<major><minor>``."""
+    if kind == "rocm":
+        return getattr(props, "gcnArchName", None) or None
+    return f"sm_{props.major}{props.minor}"
 
 
 def device_runtime(device: torch.device):
@@ -138,9 +146,7 @@ def platform_for(device: torch.device | str) -> PlatformInfo:
             props = torch.cuda.get_device_properties(device.index)
         except Exception:  # an index this machine lacks: the backend's device check says so
             return info
-        arch = (getattr(props, "gcnArchName", None) or None) if info.kind == "rocm" else \
-            f"sm_{props.major}{props.minor}"
-        return dataclasses.replace(info, device_name=props.name, arch=arch)
+        return dataclasses.replace(info, device_name=props.name, arch=gpu_arch(props, info.kind))
     return info
 
 

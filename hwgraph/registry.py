@@ -161,6 +161,11 @@ class Selected:
         """Named by the caller or ``$HWGRAPH_GRAPH_BACKEND``, not chosen automatically."""
         return self.reason == "explicit"
 
+    @property
+    def fallback(self) -> bool:
+        """The CPU reference backend, chosen because the automatic choice could not be used (``cpu_fallback``)."""
+        return self.reason.startswith(FALLBACK)
+
 
 FALLBACK = "falling back to the cpu reference backend"
 
@@ -220,7 +225,7 @@ def create_backend(name: str | None = None, device=None, mode: str | None = None
             raise SelectionError(refusal)
         selected = cpu_fallback(refusal)
         cls = selected.spec.load()
-    if selected is chosen and not selected.reason.startswith(FALLBACK):
+    if not selected.fallback:  # constructing it may still refuse its graph mode
         try:
             backend = cls(device=device, mode=mode)
         except SelectionError as exc:
@@ -233,7 +238,7 @@ def create_backend(name: str | None = None, device=None, mode: str | None = None
             return backend
     if selected is not chosen:
         log.warning(selected.reason)
-    if mode is not None and selected.reason.startswith(FALLBACK) and mode not in cls.modes:
+    if mode is not None and mode not in cls.modes:
         # the mode was meant for the backend the automatic choice could not use: say why, not just the cpu's modes
         raise ValueError(f"graph mode {mode!r} is not a mode of the cpu reference backend (modes "
                          f"{list(cls.modes)}), and the automatic choice is {selected.reason}")

@@ -13,6 +13,8 @@ import numbers
 
 import torch
 
+from hwgraph.budgets import is_int
+
 
 def check_varlen_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
@@ -46,7 +48,7 @@ def check_varlen_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.
     if not cu_seqlens.is_contiguous():  # the Triton kernels read it by pointer, as ATen's flash kernel requires
         raise ValueError(f"{kernel}: cu_seqlens must be contiguous, got stride {cu_seqlens.stride()}; pass "
                          f"cu_seqlens.contiguous()")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0:
+    if not is_int(max_seqlen) or max_seqlen < 0:
         raise ValueError(f"{kernel}: max_seqlen must be a non-negative host int (fixed at capture), "
                          f"got {max_seqlen!r} ({type(max_seqlen).__name__})")
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):

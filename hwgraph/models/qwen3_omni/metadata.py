@@ -180,6 +180,11 @@ class VisionMetadata:
         return self
 
 
+def holds_ints(t: torch.Tensor) -> bool:
+    """Whether tensor ``t``'s dtype is an integer one (bool is not)."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
     """``grid_thw`` (rows of (t, h, w): a list, or an int array/tensor on the host) as a tuple of int triples.
 
@@ -190,7 +195,7 @@ def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
         if grid_thw.device.type != "cpu":
             raise ValueError(f"grid_thw is on {grid_thw.device}; pass it on the host (a list or a CPU tensor): "
                              f"reading a device tensor would synchronise with the device")
-        if grid_thw.is_floating_point() or grid_thw.is_complex() or grid_thw.dtype == torch.bool:
+        if not holds_ints(grid_thw):
             raise ValueError(f"grid_thw must hold integers, got dtype {grid_thw.dtype}")
         if grid_thw.layout != torch.strided:
             raise ValueError(f"grid_thw must be a dense (strided) tensor, got layout {grid_thw.layout}: pass "
@@ -214,7 +219,7 @@ def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
             if row.device.type != "cpu":
                 raise ValueError(f"grid_thw[{i}] is on {row.device}; pass it on the host (a list or a CPU tensor): "
                                  f"reading a device tensor would synchronise with the device")
-            if row.is_floating_point() or row.is_complex() or row.dtype == torch.bool:
+            if not holds_ints(row):
                 raise ValueError(f"grid_thw[{i}] = {row.tolist()!r} must hold ints, got dtype {row.dtype}")
             row = row.tolist()
         if not isinstance(row, (Sequence, np.ndarray)) or len(row) != 3:
