@@ -8,7 +8,7 @@ GELU in cuBLASLt's epilogue, as the tower calls it) through ``cublasLtMatmul`` w
 ``cublasLtMatmulAlgoGetHeuristic`` returns. The heuristic ranks its candidates by an estimate, not a measurement, and
 PyTorch's TunableOp measures alternatives only on ROCm. This script asks the heuristic for up to C candidates for the
 same descriptors (bf16 in and out, fp32 compute, the bias or GELU + bias epilogue, D = W x^T in cuBLAS's
-column-major view), calls each through the CUDA plugin's ctypes binding (``hwgraph_cuda.products``) and times it.
+column-major view), calls each through the CUDA plugin's ctypes binding (``hwgraph_cuda.cublaslt``) and times it.
 ``EncoderGraphManager(measure_products=True)`` chooses per shape among these candidates and the other tiles and cluster
 shapes of their algorithms (``benchmarks/cublaslt_space.py``) while it captures.
 
@@ -30,7 +30,8 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from hwgraph_cuda.products import Algo, LtProduct, MeasuredProducts, check, cublaslt, describe_algo
+from hwgraph_cuda.cublaslt import Algo, LtProduct, check, cublaslt, describe_algo
+from hwgraph_cuda.products import MeasuredProducts
 
 from hwgraph.manager import relative_error
 from hwgraph.timing import graphed_calls, graphed_ms, measure_interleaved

@@ -24,7 +24,7 @@ import time
 
 import torch
 from cublaslt_algos import BLOCKS, PRODUCTS, Candidate, Operands, arguments, interleaved, session, shape_operands
-from hwgraph_cuda.products import (
+from hwgraph_cuda.cublaslt import (
     CAP_TILE_IDS,
     CFG_CLUSTER,
     CFG_SPLITK,

@@ -1,7 +1,7 @@
 """Capture time with measured products (``EncoderGraphManager(measure_products=True)``) against plain capture.
 
 Usage: python benchmarks/products_startup.py [--plain] [--debug] [--dump PATH]   (run it twice: the second process
-recalls the first's choices from the cache, ``hwgraph_cuda.products.cache_path()``)
+recalls the first's choices from the cache, ``hwgraph_cuda.product_cache.cache_path()``)
 One manager (TRITON_ATTN, budgets 64-1024, one sequence slot) on the real-size tower with random weights; prints the
 capture seconds per budget, their sum, the wall time of ``capture()``, and ``stats()['products']`` (with the seconds
 of each phase of measuring); the chooser's INFO log gives each shape's configurations and phases. ``--dump PATH``
@@ -27,10 +27,10 @@ from hwgraph.manager import EncoderGraphManager
 
 def record_measuring(shapes: list[dict]):
     """Patches the CUDA plugin's chooser so that each shape it measures appends its configurations to ``shapes``."""
-    from hwgraph_cuda import products as lt
+    from hwgraph_cuda import cublaslt, products
 
-    first_us, run = {}, lt.LtProduct.run
-    measure, sweep_times = lt.MeasuredProducts.measure, lt.MeasuredProducts.sweep_times
+    first_us, run = {}, cublaslt.LtProduct.run
+    measure, sweep_times = products.MeasuredProducts.measure, products.MeasuredProducts.sweep_times
 
     def timed_run(self, algo, *args, **kwargs):
         start = time.perf_counter()
@@ -46,7 +46,7 @@ def record_measuring(shapes: list[dict]):
         shapes[-1] |= {"aten_us": choice.aten_us, "chosen_us": choice.chosen_us}
         return choice
 
-    def recorded_sweep_times(descriptor, algos, x, weight, out, calls=lt.RANKING[0][0], passes=1):
+    def recorded_sweep_times(descriptor, algos, x, weight, out, calls=products.RANKING[0][0], passes=1):
         ms = sweep_times(descriptor, algos, x, weight, out, calls, passes)
         configurations = shapes[-1]["configurations"]
         for algo in algos:
@@ -54,18 +54,18 @@ def record_measuring(shapes: list[dict]):
             if key not in configurations:
                 checked = descriptor.checked(algo)
                 configurations[key] = {
-                    name: lt.config_value(descriptor.lib, algo, attribute) for name, attribute in
-                    (("algorithm", lt.CFG_ID), ("tile", lt.CFG_TILE), ("stages", lt.CFG_STAGES),
-                     ("cluster", lt.CFG_CLUSTER))} | {
+                    name: cublaslt.config_value(descriptor.lib, algo, attribute) for name, attribute in
+                    (("algorithm", cublaslt.CFG_ID), ("tile", cublaslt.CFG_TILE), ("stages", cublaslt.CFG_STAGES),
+                     ("cluster", cublaslt.CFG_CLUSTER))} | {
                     "waves": None if checked is None else checked.waves,
                     "first_launch_us": first_us.get((id(descriptor), bytes(algo)))}
         shapes[-1]["sweeps"].append({"calls": calls, "passes": passes,
                                      "ms": {bytes(a).hex(): t for a, t in zip(algos, ms, strict=True)}})
         return ms
 
-    lt.LtProduct.run = timed_run
-    lt.MeasuredProducts.measure = recorded_measure
-    lt.MeasuredProducts.sweep_times = staticmethod(recorded_sweep_times)
+    cublaslt.LtProduct.run = timed_run
+    products.MeasuredProducts.measure = recorded_measure
+    products.MeasuredProducts.sweep_times = staticmethod(recorded_sweep_times)
 
 
 def main():

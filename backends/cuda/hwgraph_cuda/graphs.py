@@ -46,7 +46,7 @@ class CudaGraphBackend(TorchCudaGraphBackend):
 
     def product_chooser(self):
         """The process's ``MeasuredProducts`` for this GPU: the fastest cuBLASLt configuration per shape, measured
-        once (and cached between processes, ``hwgraph_cuda.products.cache_path``)."""
+        once (and cached between processes, ``hwgraph_cuda.product_cache.cache_path``)."""
         from hwgraph_cuda.products import measured_products
 
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()

@@ -12,27 +12,24 @@ shapes it lists among its capabilities, and some of those are faster still: fc1 
 
 ``MeasuredProducts`` is the CUDA plugin's product chooser. At a shape's first call outside a capture (the manager's
 warm-up) it gathers the heuristic's candidates without a workspace (the graphs capture without one) and those
-configurations (``LtProduct.configurations``), drops any that cuBLASLt rejects or that is less accurate than ATen's
-call against the float64 product, and ranks the rest in the rounds of ``RANKING``: one call each
+configurations (``cublaslt.LtProduct.configurations``), drops any that cuBLASLt rejects or that is less accurate than
+ATen's call against the float64 product, and ranks the rest in the rounds of ``RANKING``: one call each
 (``MeasuredProducts.sweep``), then the 64 fastest with 3 calls each, then the 16 fastest of those with 5 calls each,
 best of two passes. It times the ``SHORTLIST`` fastest of the last round and ATen's call in interleaved replays of
 CUDA graphs, captured without a cuBLASLt workspace as the manager's are (``graphed_as_captured``). The fastest is
-kept for the process; ATen's call stays where nothing beats it by ``MARGIN``. cuBLASLt is called through ctypes on
-the ``libcublasLt`` that torch has loaded: nothing is built. The descriptors of the ``DESCRIPTORS`` products last used
-are kept; older ones are destroyed.
+kept for the process, and in the cache between processes (``hwgraph_cuda.product_cache``); ATen's call stays where
+nothing beats it by ``MARGIN``. cuBLASLt is called through ctypes on the ``libcublasLt`` that torch has loaded
+(``hwgraph_cuda.cublaslt``): nothing is built. The descriptors of the ``DESCRIPTORS`` products last used are kept;
+older ones are destroyed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import itertools
-import json
 import logging
 import math
-import os
-import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -46,22 +43,12 @@ from hwgraph.graphs.torch_cuda import environment_defaults
 from hwgraph.manager import relative_error
 from hwgraph.products import aten_linear_gelu_tanh
 from hwgraph.timing import graphed_calls, measure_interleaved, ready_side_stream, side_stream
+from hwgraph_cuda import cublaslt
 from hwgraph_cuda.graphs import CudaGraphBackend
+from hwgraph_cuda.product_cache import ChoiceCache, cache_path
 
 log = logging.getLogger(__name__)
 
-COMPUTE_32F, SCALE_32F = 68, 0  # cublasComputeType_t, cudaDataType_t
-DATA_TYPES = {torch.bfloat16: 14, torch.float16: 2}  # cudaDataType_t of A, B, D
-DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8  # cublasLtMatmulDescAttributes_t
-EPILOGUE_BIAS, EPILOGUE_GELU_BIAS = 4, 36  # cublasLtEpilogue_t (GELU is the tanh approximation)
-OP_N, OP_T = 0, 1
-PREF_MAX_WORKSPACE_BYTES = 1
-CFG_ID, CFG_TILE, CFG_SPLITK, CFG_SWIZZLING, CFG_CUSTOM, CFG_STAGES, CFG_CLUSTER = 0, 1, 2, 4, 5, 6, 8
-CAP_TILE_IDS = 6  # cublasLtMatmulAlgoCapAttributes_t
-CLUSTER_NAMES = {0: "auto", 2: "1x1", 3: "2x1", 4: "4x1", 5: "1x2", 6: "2x2", 7: "4x2", 8: "1x4", 9: "2x4",
-                 10: "4x4"}  # cublasLtClusterShape_t
-CLUSTERS = (2, 3, 5, 4, 8)  # the cluster shapes tried with every tile: 1x1, 2x1, 1x2, 4x1, 1x4
-CANDIDATES = 32  # asked of the heuristic per shape
 SWEEP_CHUNK = 64  # configurations launched behind one sleep in the sweep
 FIRST_HOST_US_PER_CALL = 40.0  # host time assumed to launch one call in a sweep (and its share of an event),
 # until measured: twice the 17 µs measured on the H200's host (``benchmarks/launch_queue.py``)
@@ -75,242 +62,17 @@ RANKING = ((1, 1, 64), (3, 1, 16), (5, 2, SHORTLIST))  # rounds of sweeps: (back
 CALLS = 20  # product calls per timed graph
 MARGIN = 0.01  # a candidate replaces ATen's call only if it is this much faster
 PHASES = ("configurations", "errors", "sweep", "screen", "timing")  # the parts of measuring a shape (``describe``)
-ALIGNMENT = 256  # bytes; the heuristic assumes this alignment of every pointer unless told otherwise
 DESCRIPTORS = 4096  # products whose cuBLASLt descriptors are kept (``MeasuredProducts.descriptor``): one per weight,
 # bias and row count, so the 27-block tower captured at 9 budgets (64 to 16384 tokens) uses 9 x 117 = 1053 of them
 # (patch embedding, 4 per block, 2 per merger): this keeps about four such towers', where unbounded every new tower
 # (or weights moved to new addresses) added its own for the process's life
 
 
-class Algo(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64 * 8)]  # cublasLtMatmulAlgo_t
-
-
-class Heuristic(ctypes.Structure):
-    _fields_ = [("algo", Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]  # cublasLtMatmulHeuristicResult_t
-
-
-def mapped_library(stem: str) -> str | None:
-    """The path of a loaded shared library whose file name starts with ``stem`` (Linux), else None."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if f"/{stem}" in line})
-    except OSError:
-        return None
-    return paths[0] if paths else None
-
-
-@functools.lru_cache(maxsize=1)
-def cublaslt() -> tuple[ctypes.CDLL | None, str]:
-    """torch's ``libcublasLt`` with the argument types set, or None and why it cannot be used."""
-    if torch.version.hip:
-        return None, f"torch is a ROCm (HIP {torch.version.hip}) build; measured products use NVIDIA's cuBLASLt"
-    if not torch.version.cuda:
-        return None, f"torch {torch.__version__} is not a CUDA build"
-    if not torch.cuda.is_available():
-        return None, "no CUDA device is visible"
-    if mapped_library("libcublasLt.so") is None:  # torch loads cuBLAS and cuBLASLt at its first product
-        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
-        torch.addmm(a[0], a, a)
-        torch.cuda.synchronize()
-    path = mapped_library("libcublasLt.so")
-    if path is None:
-        return None, "no libcublasLt.so is mapped into this process after a bf16 addmm on CUDA"
-    p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-    signatures = {
-        "cublasLtCreate": [ctypes.POINTER(p)],
-        "cublasLtMatmulDescCreate": [ctypes.POINTER(p), i, i],
-        "cublasLtMatmulDescSetAttribute": [p, i, p, size],
-        "cublasLtMatmulDescDestroy": [p],
-        "cublasLtMatrixLayoutCreate": [ctypes.POINTER(p), i, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
-        "cublasLtMatrixLayoutDestroy": [p],
-        "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(p)],
-        "cublasLtMatmulPreferenceSetAttribute": [p, i, p, size],
-        "cublasLtMatmulPreferenceDestroy": [p],
-        "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(Heuristic), ctypes.POINTER(i)],
-        "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(Algo), p, size, p],
-        "cublasLtMatmulAlgoInit": [p, i, i, i, i, i, i, i, ctypes.POINTER(Algo)],
-        "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ctypes.POINTER(Algo), ctypes.POINTER(Heuristic)],
-        "cublasLtMatmulAlgoCapGetAttribute": [ctypes.POINTER(Algo), i, p, size, ctypes.POINTER(size)],
-        "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(Algo), i, p, size, ctypes.POINTER(size)],
-        "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(Algo), i, p, size],
-        "cublasLtGetVersion": [],
-    }
-    try:
-        lib = ctypes.CDLL(path)
-        for name, argtypes in signatures.items():
-            getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = size if name == "cublasLtGetVersion" else i
-    except (OSError, AttributeError) as exc:
-        return None, f"{path} does not provide the cuBLASLt matmul API: {exc}"
-    return lib, ""
-
-
 def products_support(device: torch.device) -> Capability:
     if device.type != "cuda":
         return Capability.unavailable(f"measured products run on CUDA devices, not {device.type}")
-    lib, reason = cublaslt()
+    lib, reason = cublaslt.cublaslt()
     return Capability.available() if lib is not None else Capability.unavailable(reason)
-
-
-def check(status: int, call: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{call} returned cublasStatus_t {status}, expected 0 (CUBLAS_STATUS_SUCCESS)")
-
-
-def config_value(lib, algo: Algo, attribute: int) -> int:
-    """One of an algorithm's configuration attributes (``cublasLtMatmulAlgoConfigAttributes_t``), or -1. cuBLASLt
-    takes only a buffer of the attribute's own size, which a first call without one reports."""
-    get, size = lib.cublasLtMatmulAlgoConfigGetAttribute, ctypes.c_size_t(0)
-    if get(ctypes.byref(algo), attribute, None, 0, ctypes.byref(size)) != 0 or not 0 < size.value <= 8:
-        return -1
-    value = ctypes.c_uint64(0)
-    if get(ctypes.byref(algo), attribute, ctypes.byref(value), size.value, ctypes.byref(size)) != 0:
-        return -1
-    return value.value & ((1 << (8 * size.value)) - 1)
-
-
-def configured(lib, algo: Algo, settings: dict[int, int]) -> Algo | None:
-    """A copy of ``algo`` with configuration attributes set (cluster shapes are 16-bit, the rest 32-bit), or None
-    if cuBLASLt refuses one."""
-    copy = Algo.from_buffer_copy(algo)
-    for attribute, value in settings.items():
-        typed = ctypes.c_uint16(value) if attribute == CFG_CLUSTER else ctypes.c_uint32(value)
-        if lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(copy), attribute, ctypes.byref(typed),
-                                                    ctypes.sizeof(typed)) != 0:
-            return None
-    return copy
-
-
-def cap_values(lib, algo: Algo, attribute: int) -> list[int]:
-    """A capability attribute (``cublasLtMatmulAlgoCapAttributes_t``) as uint32 values: an array attribute's
-    elements (``CAP_TILE_IDS``: the tiles an algorithm lists), or a scalar's one value; [] if cuBLASLt refuses."""
-    needed = ctypes.c_size_t(0)
-    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attribute, None, 0, ctypes.byref(needed)) != 0:
-        return []
-    values = (ctypes.c_uint32 * max(1, needed.value // 4))()
-    if lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attribute, values, ctypes.sizeof(values),
-                                             ctypes.byref(needed)) != 0:
-        return []
-    return list(values[: needed.value // 4])
-
-
-def describe_algo(lib, algo: Algo) -> str:
-    """An algorithm's identity and configuration, for logs and the cache."""
-    cluster = config_value(lib, algo, CFG_CLUSTER)
-    return (f"algorithm {config_value(lib, algo, CFG_ID)}, tile {config_value(lib, algo, CFG_TILE)}, stages "
-            f"{config_value(lib, algo, CFG_STAGES)}, cluster {CLUSTER_NAMES.get(cluster, cluster)}, custom "
-            f"{config_value(lib, algo, CFG_CUSTOM)}, swizzle {config_value(lib, algo, CFG_SWIZZLING)}, split-K "
-            f"{config_value(lib, algo, CFG_SPLITK)}")
-
-
-class LtProduct:
-    """``epilogue(x @ weight.T + bias)`` for one weight shape, bias and row count, as ``cublasLtMatmul`` descriptors.
-    In cuBLAS's column-major view: A is the weight as ``K x N``, transposed; B is x as ``K x M``; D is out as
-    ``N x M``. The descriptors hold the bias's address, not the tensor: they never keep a tower's memory alive."""
-
-    def __init__(self, lib, handle, weight: torch.Tensor, bias: torch.Tensor, rows: int, gelu: bool):
-        self.lib, self.handle = lib, handle
-        n, k = weight.shape
-        self.desc = ctypes.c_void_p()
-        check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, SCALE_32F), "cublasLtMatmulDescCreate")
-        self.set(DESC_TRANSA, ctypes.c_int32(OP_T))
-        self.set(DESC_TRANSB, ctypes.c_int32(OP_N))
-        self.set(DESC_EPILOGUE, ctypes.c_int32(EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS))
-        self.set(DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
-        dtype = self.layouts_dtype = DATA_TYPES[weight.dtype]
-        self.layouts = [self.layout(dtype, r, c) for r, c in ((k, n), (k, rows), (n, rows))]
-        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-
-    def set(self, attribute: int, value) -> None:
-        check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
-              f"cublasLtMatmulDescSetAttribute({attribute})")
-
-    def layout(self, dtype: int, rows: int, cols: int) -> ctypes.c_void_p:
-        layout = ctypes.c_void_p()
-        check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, rows),
-              "cublasLtMatrixLayoutCreate")
-        return layout
-
-    def close(self) -> None:
-        """Destroy the descriptor and the layouts (cuBLASLt's host objects); nothing runs on this product after. A
-        second call does nothing. A status other than success is logged, not raised: it costs a leak, not a result."""
-        if self.desc is None:
-            return
-        statuses = [self.lib.cublasLtMatrixLayoutDestroy(layout) for layout in self.layouts]
-        statuses.append(self.lib.cublasLtMatmulDescDestroy(self.desc))
-        self.desc, self.layouts = None, []
-        if any(statuses):
-            log.warning("destroying a cuBLASLt product's descriptors returned cublasStatus_t %s", statuses)
-
-    def candidates(self, count: int = CANDIDATES, workspace_bytes: int = 0) -> list[Heuristic]:
-        """The heuristic's candidates, best estimate first, that need at most ``workspace_bytes``."""
-        pref = ctypes.c_void_p()
-        check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        try:
-            limit = ctypes.c_uint64(workspace_bytes)
-            check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
-                                                                ctypes.sizeof(limit)), "set MAX_WORKSPACE_BYTES")
-            results, returned = (Heuristic * count)(), ctypes.c_int(0)
-            a, b, d = self.layouts
-            check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, d, d, pref, count, results,
-                                                          ctypes.byref(returned)), "cublasLtMatmulAlgoGetHeuristic")
-        finally:
-            self.lib.cublasLtMatmulPreferenceDestroy(pref)
-        return [r for r in results[:returned.value] if r.state == 0]
-
-    def checked(self, algo: Algo) -> Heuristic | None:
-        """cuBLASLt's check of ``algo`` for these descriptors (``cublasLtMatmulAlgoCheck``): its result, with the
-        workspace it recommends and its wave count, or None if it rejects ``algo``."""
-        result, (a, b, d) = Heuristic(), self.layouts
-        status = self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, a, b, d, d, ctypes.byref(algo),
-                                                  ctypes.byref(result))
-        return result if status == 0 and result.state == 0 else None
-
-    def accepts(self, algo: Algo) -> bool:
-        """Whether the check accepts ``algo``. The workspace it reports is not compared with the none that ``run``
-        passes: it recommends one for the ``nvjet`` configurations of qkv and fc1, which run without one, as ATen's
-        own kernel does in the graphs (``docs/benchmarks.md``, session 20). What cannot run without one fails in
-        ``cublasLtMatmul`` and is left out by ``MeasuredProducts.errors`` (and ``recall``)."""
-        return self.checked(algo) is not None
-
-    def configurations(self, candidates: list[Heuristic]) -> list[Algo]:
-        """Configurations beyond the heuristic's list: each candidate's algorithm and stage setting with every tile
-        the algorithm supports, in each cluster shape of ``CLUSTERS``, without split-K (which would change the
-        order of the sums) or swizzling; those cuBLASLt accepts, each once."""
-        found, seen, dtype = [], {bytes(c.algo) for c in candidates}, self.layouts_dtype
-        bases = {(config_value(self.lib, c.algo, CFG_ID), config_value(self.lib, c.algo, CFG_STAGES))
-                 for c in candidates}
-        for algo_id, stages in sorted(bases):
-            if algo_id < 0 or stages < 0:
-                continue
-            base = Algo()
-            if self.lib.cublasLtMatmulAlgoInit(self.handle, COMPUTE_32F, SCALE_32F, dtype, dtype, dtype, dtype,
-                                               algo_id, ctypes.byref(base)) != 0:
-                continue
-            for tile in cap_values(self.lib, base, CAP_TILE_IDS):
-                for cluster in CLUSTERS:
-                    algo = configured(self.lib, base, {CFG_TILE: tile, CFG_STAGES: stages, CFG_SPLITK: 1,
-                                                       CFG_SWIZZLING: 0, CFG_CLUSTER: cluster})
-                    if algo is not None and bytes(algo) not in seen and self.accepts(algo):
-                        seen.add(bytes(algo))
-                        found.append(algo)
-        return found
-
-    def run(self, algo: Algo, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-            workspace: torch.Tensor | None = None):
-        """``out`` = the product of ``x`` and ``weight`` (the shape and the bias the descriptors were made for) with
-        ``algo``, on the current stream (captured if that stream captures)."""
-        a, b, d = self.layouts
-        d_ptr = ctypes.c_void_p(out.data_ptr())
-        ws_ptr, ws_bytes = (None, 0) if workspace is None else \
-            (ctypes.c_void_p(workspace.data_ptr()), workspace.numel())
-        check(self.lib.cublasLtMatmul(
-            self.handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(weight.data_ptr()), a,
-            ctypes.c_void_p(x.data_ptr()), b, ctypes.byref(self.beta), d_ptr, d, d_ptr, d, ctypes.byref(algo),
-            ws_ptr, ws_bytes, ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)), "cublasLtMatmul")
-        return out
 
 
 def timing_event() -> torch.cuda.Event:
@@ -353,8 +115,8 @@ class PhaseClock:
 
 @dataclass
 class Choice:
-    algo: Algo | None  # None: ATen's call
-    config: str | None  # the algorithm's configuration (``describe_algo``)
+    algo: cublaslt.Algo | None  # None: ATen's call
+    config: str | None  # the algorithm's configuration (``cublaslt.describe_algo``)
     aten_us: float
     chosen_us: float
     recalled: bool = False  # taken from the cache of an earlier process, not measured in this one
@@ -375,108 +137,6 @@ class Mark:
     phases: dict[str, float]
 
 
-def cache_path() -> Path | None:
-    """Where choices persist between processes: ``$HWGRAPH_CACHE_DIR`` (set empty: nowhere), else
-    ``$XDG_CACHE_HOME/hwgraph``, else ``~/.cache/hwgraph``; the file is ``cublaslt-products.json``."""
-    folder = os.environ.get("HWGRAPH_CACHE_DIR")
-    if folder == "":
-        return None
-    try:
-        if folder is None:
-            folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hwgraph"
-        # "~" is the shell's to expand (not done in Docker's ENV, systemd units or .env files), and a relative
-        # folder would move with the working directory between reads and writes
-        return Path(folder).expanduser().absolute() / "cublaslt-products.json"
-    except RuntimeError as exc:  # no $HOME and no passwd entry (a container's arbitrary user)
-        log.warning("measured products are not cached between processes: %s; set HWGRAPH_CACHE_DIR", exc)
-        return None
-
-
-class ChoiceCache:
-    """Measured choices by shape and setting (GPU, cuBLASLt and torch versions), in a JSON file (``Choice.entry``).
-    Reading or writing failures only cost a measurement: they are logged, never raised."""
-
-    def __init__(self, path: Path | None, setting: str):
-        self.path, self.setting = path, setting
-
-    def key(self, label: str) -> str:
-        return f"{self.setting} | {label}"
-
-    def entries(self) -> dict:
-        """The file's entries by key; {} if there is no file, or it cannot be read or is not a JSON object (logged)."""
-        return self.read()[0]
-
-    def read(self) -> tuple[dict, bool]:
-        """``entries()``, and whether a write may replace the file: not one that exists but cannot be read (another
-        user's file, an I/O error), whose entries replacing it would drop. A damaged file is replaced."""
-        if self.path is None or not self.path.exists():
-            return {}, True
-        try:
-            entries = json.loads(self.path.read_text())
-        except OSError as exc:
-            log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
-            return {}, False
-        except ValueError as exc:  # not JSON, or not UTF-8
-            log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
-            return {}, True
-        if not isinstance(entries, dict):
-            log.warning("ignoring the measured-products cache %s: it holds a JSON %s, not an object",
-                        self.path, type(entries).__name__)
-            return {}, True
-        return entries, True
-
-    @contextlib.contextmanager
-    def locked(self):
-        """An exclusive lock on the cache's folder for a read, add and replace: another process's ``put`` between
-        this one's read and its replace would otherwise be lost (one process per GPU, parallel jobs). Where there
-        is no ``fcntl`` (Windows), no lock."""
-        try:
-            import fcntl
-        except ImportError:
-            yield
-            return
-        fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
-
-    def get(self, label: str) -> dict | None:
-        entry = self.entries().get(self.key(label))
-        if entry is not None and not isinstance(entry, dict):
-            log.warning("ignoring the measured-products cache's entry for %s in %s: a JSON %s, not an object",
-                        label, self.path, type(entry).__name__)
-            return None
-        return entry
-
-    def put(self, label: str, entry: dict) -> None:
-        if self.path is None:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.locked():
-                entries, replaceable = self.read()
-                if not replaceable:
-                    raise OSError("it exists but cannot be read, so replacing it would drop its entries")
-                # TypeError, ValueError: an entry JSON cannot write; raised here, before any file is made
-                text = json.dumps(entries | {self.key(label): entry}, indent=1, sort_keys=True)
-                # created with the umask's mode, as the file itself would be (mkstemp's 0600 would lock other users
-                # out of a shared folder); a unique name, since the lock may be missing
-                tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-                try:
-                    with os.fdopen(fd, "w") as file:
-                        file.write(text)
-                    os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old file or the new one
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)  # a failed write (a full disk) leaves no temporary file behind
-                    raise
-        except (OSError, TypeError, ValueError) as exc:
-            log.warning("could not write the measured-products cache %s: %s", self.path, exc)
-
-
 class MeasuredProducts:
     """The product chooser of CUDA graphs (``hwgraph.products.ProductChooser``) on one GPU: per shape (rows, K, N,
     dtype, epilogue), the measured fastest of cuBLASLt's candidates, or one an earlier process measured on the same
@@ -488,12 +148,12 @@ class MeasuredProducts:
         self.lib, self.device = lib, device
         with torch.cuda.device(device):
             self.handle = ctypes.c_void_p()
-            check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+            cublaslt.check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
             major, minor = torch.cuda.get_device_capability(device)
             setting = (f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}), "
                        f"cuBLASLt {lib.cublasLtGetVersion()}, torch {torch.__version__}")
         self.cache = ChoiceCache(path, setting)
-        self.descriptors: OrderedDict[tuple, LtProduct] = OrderedDict()  # least recently used first
+        self.descriptors: OrderedDict[tuple, cublaslt.LtProduct] = OrderedDict()  # least recently used first
         self.choices: dict[tuple, Choice] = {}
         self.seconds = 0.0
         self.phases = dict.fromkeys(PHASES, 0.0)  # seconds of measuring, per phase (``measure``)
@@ -509,12 +169,13 @@ class MeasuredProducts:
         return self.product(x, weight, bias, gelu=True)
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        if bias is None or x.dim() != 2 or x.device != self.device or x.dtype not in DATA_TYPES or x.shape[0] == 0:
+        if (bias is None or x.dim() != 2 or x.device != self.device or x.dtype not in cublaslt.DATA_TYPES
+                or x.shape[0] == 0):
             return False
         tensors = (x, weight, bias)
         return (weight.dim() == 2 and x.shape[1] == weight.shape[1] and bias.shape == (weight.shape[0],)
                 and all(t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
-                        and t.data_ptr() % ALIGNMENT == 0 for t in tensors))
+                        and t.data_ptr() % cublaslt.ALIGNMENT == 0 for t in tensors))
 
     def product(self, x, weight, bias, gelu: bool) -> torch.Tensor:
         rows, (n, k) = x.shape[0], weight.shape
@@ -537,17 +198,17 @@ class MeasuredProducts:
     def aten(x, weight, bias, gelu: bool) -> torch.Tensor:
         return aten_linear_gelu_tanh(x, weight, bias) if gelu else F.linear(x, weight, bias)
 
-    def descriptor(self, weight, bias, rows: int, gelu: bool) -> LtProduct:
+    def descriptor(self, weight, bias, rows: int, gelu: bool) -> cublaslt.LtProduct:
         """The product's descriptors, made at its first call and kept while it is among the ``DESCRIPTORS`` last
-        used; the least recently used beyond those is destroyed (``LtProduct.close``). Each caller uses what this
-        returns at once, before another lookup could evict it. (ATen destroys its own cuBLASLt descriptors as each
-        call returns, captured calls included.)"""
+        used; the least recently used beyond those is destroyed (``cublaslt.LtProduct.close``). Each caller uses what
+        this returns at once, before another lookup could evict it. (ATen destroys its own cuBLASLt descriptors as
+        each call returns, captured calls included.)"""
         key = (weight.data_ptr(), bias.data_ptr(), tuple(weight.shape), weight.dtype, rows, gelu)
         product = self.descriptors.get(key)
         if product is not None:
             self.descriptors.move_to_end(key)
             return product
-        product = self.descriptors[key] = LtProduct(self.lib, self.handle, weight, bias, rows, gelu)
+        product = self.descriptors[key] = cublaslt.LtProduct(self.lib, self.handle, weight, bias, rows, gelu)
         while len(self.descriptors) > DESCRIPTORS:
             self.descriptors.popitem(last=False)[1].close()
         return product
@@ -574,14 +235,14 @@ class MeasuredProducts:
             aten_us, chosen_us = float(entry["aten_us"]), float(entry["chosen_us"])
             if entry["algo"] is None:
                 return Choice(None, None, aten_us, chosen_us, recalled=True)
-            algo = Algo.from_buffer_copy(bytes.fromhex(entry["algo"]))
+            algo = cublaslt.Algo.from_buffer_copy(bytes.fromhex(entry["algo"]))
             descriptor = self.descriptor(weight, bias, x.shape[0], gelu)
             if not descriptor.accepts(algo):
                 reason = "cuBLASLt no longer accepts its algorithm for these operands"
             else:
                 exact, bound = self.accuracy(x, weight, bias, gelu)
                 if relative_error(descriptor.run(algo, x, weight, x.new_empty(exact.shape)), exact) <= bound:
-                    return Choice(algo, describe_algo(self.lib, algo), aten_us, chosen_us, recalled=True)
+                    return Choice(algo, cublaslt.describe_algo(self.lib, algo), aten_us, chosen_us, recalled=True)
                 reason = "its algorithm is less accurate than ATen's call"
         except Exception as exc:  # a choice that cannot be checked is measured again
             reason = f"{type(exc).__name__}: {exc}"
@@ -626,7 +287,7 @@ class MeasuredProducts:
         if best == "aten" or us[best] > us["aten"] * (1 - MARGIN):
             choice = Choice(None, None, us["aten"], us["aten"])
         else:
-            choice = Choice(ranked[best], describe_algo(self.lib, ranked[best]), us["aten"], us[best])
+            choice = Choice(ranked[best], cublaslt.describe_algo(self.lib, ranked[best]), us["aten"], us[best])
         log.info("matrix product %s: %d of %d configurations as accurate as ATen's call (%.1f µs); %s; measured in "
                  "%s", label, len(accurate), len(algos), choice.aten_us,
                  "kept" if choice.algo is None else f"{choice.config}: {choice.chosen_us:.1f} µs instead", clock)
@@ -634,7 +295,8 @@ class MeasuredProducts:
         return choice
 
     @staticmethod
-    def errors(descriptor: LtProduct, algos: list[Algo], x, weight, exact, out) -> list[tuple[Algo, float]]:
+    def errors(descriptor: cublaslt.LtProduct, algos: list[cublaslt.Algo], x, weight, exact,
+               out) -> list[tuple[cublaslt.Algo, float]]:
         """Each configuration's ``relative_error`` against ``exact``, computed on the device with one host read.
         Configurations that cuBLASLt accepted but will not run without a workspace are left out."""
         want, ran, norms = exact.float(), [], []
@@ -650,15 +312,15 @@ class MeasuredProducts:
         return list(zip(ran, errors, strict=True))
 
     @classmethod
-    def sweep(cls, descriptor: LtProduct, algos: list[Algo], x, weight, out, calls: int = RANKING[0][0],
-              passes: int = 1) -> list[Algo]:
+    def sweep(cls, descriptor: cublaslt.LtProduct, algos: list[cublaslt.Algo], x, weight, out,
+              calls: int = RANKING[0][0], passes: int = 1) -> list[cublaslt.Algo]:
         """``algos`` fastest first, by ``sweep_times``."""
         ms = cls.sweep_times(descriptor, algos, x, weight, out, calls, passes)
         return [algos[i] for i in sorted(range(len(algos)), key=ms.__getitem__)]
 
     @staticmethod
-    def sweep_times(descriptor: LtProduct, algos: list[Algo], x, weight, out, calls: int = RANKING[0][0],
-                    passes: int = 1) -> list[float]:
+    def sweep_times(descriptor: cublaslt.LtProduct, algos: list[cublaslt.Algo], x, weight, out,
+                    calls: int = RANKING[0][0], passes: int = 1) -> list[float]:
         """Each configuration's ms for ``calls`` back-to-back calls, by CUDA events between consecutive
         configurations; the shortest of ``passes`` passes (``sweep_pass``)."""
         ms, host_us = [math.inf] * len(algos), FIRST_HOST_US_PER_CALL * calls
@@ -668,8 +330,8 @@ class MeasuredProducts:
         return ms
 
     @staticmethod
-    def sweep_pass(descriptor: LtProduct, algos: list[Algo], calls: int, host_us: float, ms: list[float], x, weight,
-                   out) -> float:
+    def sweep_pass(descriptor: cublaslt.LtProduct, algos: list[cublaslt.Algo], calls: int, host_us: float,
+                   ms: list[float], x, weight, out) -> float:
         """One pass of ``sweep``: lowers ``ms[i]`` to the time of ``algos[i]``'s calls if shorter, and returns the host
         µs a configuration's launching took, doubled (the next pass's first sleep).
 
@@ -745,7 +407,7 @@ def measured_products(index: int) -> MeasuredProducts:
     (``ready_side_stream``): a manager asks for its chooser before it reads any budget's memory baseline
     (``EncoderGraphManager.capture``), so that stream's cuBLAS workspaces, kept for the process, count in no
     budget's graph memory."""
-    lib, reason = cublaslt()
+    lib, reason = cublaslt.cublaslt()
     if lib is None:
         raise RuntimeError(f"measured products are unavailable: {reason}")
     chooser = MeasuredProducts(lib, torch.device("cuda", index), cache_path())

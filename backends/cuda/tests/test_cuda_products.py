@@ -1,8 +1,10 @@
 """Measured cuBLASLt products (``hwgraph_cuda.products``): refused with reasons off CUDA; on a GPU equal to ATen's
 products, captured and replayed right, measured once per shape and never inside a capture.
 
-Off the GPU, with a fake cuBLASLt and faked device queries: the cache, the chooser's choices per GPU model, library,
-shape, dtype and epilogue, the operands it takes, its accuracy bound, and what measuring keeps and times."""
+Off the GPU, with a fake cuBLASLt and faked device queries: the binding's descriptors and configurations
+(``hwgraph_cuda.cublaslt``), the chooser's choices per GPU model, library, shape, dtype and epilogue, the operands it
+takes, its accuracy bound, and what measuring keeps and times. The cache has its own tests
+(``test_cuda_product_cache.py``)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from hwgraph_cuda import products as lt
+from hwgraph_cuda import cublaslt, product_cache, products
 from hwgraph_cuda.graphs import CudaGraphBackend
 
 from hwgraph import timing
@@ -29,184 +31,142 @@ from hwgraph.manager import EncoderGraphManager, relative_error
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.products import aten_linear_gelu_tanh
 
+
+class FakeCublasLt:
+    """Stands in for ``libcublasLt``: records what ``LtProduct`` passes, and every call succeeds."""
+
+    def __init__(self):
+        self.attributes, self.layouts, self.matmuls = {}, [], []
+
+    def cublasLtMatmulDescCreate(self, desc, compute, scale):
+        desc._obj.value = 100
+        self.compute = (compute, scale)
+        return 0
+
+    def cublasLtMatmulDescSetAttribute(self, desc, attribute, value, size):
+        self.attributes[attribute] = value._obj.value
+        return 0
+
+    def cublasLtMatrixLayoutCreate(self, layout, dtype, rows, cols, ld):
+        self.layouts.append((dtype, rows, cols, ld))
+        layout._obj.value = len(self.layouts)
+        return 0
+
+    def cublasLtMatmul(self, handle, desc, alpha, a, a_desc, b, b_desc, beta, c, c_desc, d, d_desc, algo, workspace,
+                       workspace_bytes, stream):
+        self.matmuls.append({"A": (a.value, a_desc.value), "B": (b.value, b_desc.value), "C": (c.value, c_desc.value),
+                             "D": (d.value, d_desc.value), "workspace": (workspace, workspace_bytes),
+                             "stream": stream.value, "desc": desc.value})
+        return 0
+
+def test_lt_product_hands_cublaslt_the_column_major_view_of_the_call_and_holds_no_tensor(monkeypatch):
+    fake, bf16 = FakeCublasLt(), torch.bfloat16
+    weight, bias = torch.zeros(6, 4, dtype=bf16), torch.zeros(6, dtype=bf16)
+    product = cublaslt.LtProduct(fake, ctypes.c_void_p(7), weight, bias, rows=5, gelu=True)
+    assert fake.compute == (cublaslt.COMPUTE_32F, cublaslt.SCALE_32F)
+    assert fake.attributes == {cublaslt.DESC_TRANSA: cublaslt.OP_T, cublaslt.DESC_TRANSB: cublaslt.OP_N,
+                               cublaslt.DESC_EPILOGUE: cublaslt.EPILOGUE_GELU_BIAS,
+                               cublaslt.DESC_BIAS_POINTER: bias.data_ptr()}
+    # A: the weight as K x N (transposed by TRANSA), B: x as K x M, D: out as N x M; column-major, packed
+    assert fake.layouts == [(14, 4, 6, 4), (14, 4, 5, 4), (14, 6, 5, 6)]
+    assert not [name for name, value in vars(product).items() if isinstance(value, torch.Tensor)]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=99))
+    x, other_weight, out = torch.zeros(5, 4, dtype=bf16), torch.zeros(6, 4, dtype=bf16), torch.empty(5, 6, dtype=bf16)
+    assert product.run(cublaslt.Algo(), x, other_weight, out) is out
+    assert fake.matmuls == [{"A": (other_weight.data_ptr(), 1), "B": (x.data_ptr(), 2), "C": (out.data_ptr(), 3),
+                             "D": (out.data_ptr(), 3), "workspace": (None, 0), "stream": 99, "desc": 100}]
+
+
+class FakeAlgorithms(FakeCublasLt):
+    """Also stands in for cuBLASLt's algorithm calls: an algorithm's configuration attributes are its ``data``
+    words in the order of ``SLOTS`` (id, tile, split-K, swizzle, custom, stages, cluster); algorithm 66 lists tiles
+    20, 21 and 22, algorithm 7 tile 5; the check rejects tile 22 in 4x1 clusters."""
+
+    TILES = {66: [20, 21, 22], 7: [5]}
+    SLOTS = {cublaslt.CFG_ID: 0, cublaslt.CFG_TILE: 1, cublaslt.CFG_SPLITK: 2, cublaslt.CFG_SWIZZLING: 3,
+             cublaslt.CFG_CUSTOM: 4, cublaslt.CFG_STAGES: 5, cublaslt.CFG_CLUSTER: 6}
+
+    def cublasLtMatmulAlgoInit(self, handle, compute, scale, a, b, c, d, algo_id, algo):
+        assert (compute, scale, a, b, c, d) == (cublaslt.COMPUTE_32F, cublaslt.SCALE_32F, 14, 14, 14, 14)
+        algo._obj.data[:] = [algo_id] + [0] * 7
+        return 0 if algo_id in self.TILES else 15
+
+    def cublasLtMatmulAlgoCapGetAttribute(self, algo, attribute, buffer, size, written):
+        tiles = self.TILES[algo._obj.data[0]]
+        assert attribute == cublaslt.CAP_TILE_IDS
+        written._obj.value = 4 * len(tiles)
+        if buffer is not None:
+            buffer[: len(tiles)] = tiles
+        return 0
+
+    def cublasLtMatmulAlgoConfigGetAttribute(self, algo, attribute, value, size, written):
+        width = 2 if attribute == cublaslt.CFG_CLUSTER else 4  # as cuBLASLt: a buffer of the attribute's size, or none
+        written._obj.value = width
+        if value is None:
+            return 0
+        if size != width:
+            return 7  # CUBLAS_STATUS_INVALID_VALUE
+        value._obj.value = algo._obj.data[self.SLOTS[attribute]]
+        return 0
+
+    def cublasLtMatmulAlgoConfigSetAttribute(self, algo, attribute, value, size):
+        assert size == (2 if attribute == cublaslt.CFG_CLUSTER else 4)
+        algo._obj.data[self.SLOTS[attribute]] = value._obj.value
+        return 0
+
+    def cublasLtMatmulAlgoCheck(self, handle, desc, a, b, c, d, algo, result):
+        data = algo._obj.data
+        result._obj.state = 0
+        return 15 if (data[1], data[6]) == (22, 4) else 0
+
+
+def test_configurations_try_every_tile_and_cluster_of_the_candidates_algorithms_without_split_k_or_swizzling():
+    fake, bf16 = FakeAlgorithms(), torch.bfloat16
+    product = cublaslt.LtProduct(fake, ctypes.c_void_p(7), torch.zeros(6, 4, dtype=bf16), torch.zeros(6, dtype=bf16), 5,
+                           gelu=False)
+    candidates = [cublaslt.Heuristic(), cublaslt.Heuristic(), cublaslt.Heuristic()]
+    candidates[0].algo.data[:] = [66, 20, 1, 0, 2, 35, 3, 0]  # algorithm 66, tile 20, custom 2, stages 35, 2x1
+    candidates[1].algo.data[:] = [66, 21, 1, 0, 0, 35, 2, 0]
+    candidates[2].algo.data[:] = [9, 1, 1, 0, 0, 12, 2, 0]  # an algorithm cuBLASLt cannot initialise
+    found = [tuple(a.data) for a in product.configurations(candidates)]
+    assert len(found) == len(set(found))
+    # every tile and cluster of algorithm 66 at the candidates' stages, but the rejected one and candidate #1 itself
+    want = {(66, tile, 1, 0, 0, 35, cluster, 0) for tile in (20, 21, 22) for cluster in cublaslt.CLUSTERS}
+    assert set(found) == want - {(66, 22, 1, 0, 0, 35, 4, 0), tuple(candidates[1].algo.data)}
+    assert cublaslt.describe_algo(fake, candidates[0].algo) == ("algorithm 66, tile 20, stages 35, cluster 2x1, "
+                                                                "custom 2, swizzle 0, split-K 1")
+    candidates[0].algo.data[6] = 9  # a cluster shape the heuristic offers but configurations do not try
+    assert "cluster 2x4," in cublaslt.describe_algo(fake, candidates[0].algo)
+
 GPU = torch.version.cuda is not None and not torch.version.hip and torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU with a CUDA build of torch")
 
 
 @pytest.fixture
 def fresh_cublaslt():
-    lt.cublaslt.cache_clear()
+    cublaslt.cublaslt.cache_clear()
     yield
-    lt.cublaslt.cache_clear()
+    cublaslt.cublaslt.cache_clear()
 
 
 def test_refused_off_cuda_devices_with_the_device_named():
-    assert lt.products_support(torch.device("cpu")).reasons == ("measured products run on CUDA devices, not cpu",)
+    assert products.products_support(torch.device("cpu")).reasons == ("measured products run on CUDA devices, not cpu",)
 
 
 def test_refused_on_a_rocm_build(monkeypatch, fresh_cublaslt):
     monkeypatch.setattr(torch.version, "hip", "6.2.41133")
-    assert lt.cublaslt() == (None, "torch is a ROCm (HIP 6.2.41133) build; measured products use NVIDIA's cuBLASLt")
-    assert lt.products_support(torch.device("cuda")).reasons == (lt.cublaslt()[1],)
+    assert cublaslt.cublaslt() == (None,
+                                   "torch is a ROCm (HIP 6.2.41133) build; measured products use NVIDIA's cuBLASLt")
+    assert products.products_support(torch.device("cuda")).reasons == (cublaslt.cublaslt()[1],)
     with pytest.raises(RuntimeError, match="measured products are unavailable: torch is a ROCm"):
-        lt.measured_products.__wrapped__(0)
+        products.measured_products.__wrapped__(0)
 
 
 @pytest.mark.skipif(GPU, reason="checks the reasons given without a usable NVIDIA GPU")
 def test_refused_without_a_cuda_build_or_a_visible_gpu(fresh_cublaslt):
-    lib, reason = lt.cublaslt()
+    lib, reason = cublaslt.cublaslt()
     assert lib is None
     assert reason in (f"torch {torch.__version__} is not a CUDA build", "no CUDA device is visible")
-
-
-def test_the_cache_lives_where_the_environment_says(monkeypatch, tmp_path):
-    monkeypatch.setenv("HWGRAPH_CACHE_DIR", str(tmp_path / "c"))
-    assert lt.cache_path() == tmp_path / "c" / "cublaslt-products.json"
-    monkeypatch.setenv("HWGRAPH_CACHE_DIR", "")
-    assert lt.cache_path() is None
-    monkeypatch.delenv("HWGRAPH_CACHE_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert lt.cache_path() == tmp_path / "xdg" / "hwgraph" / "cublaslt-products.json"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert lt.cache_path() == tmp_path / "home" / ".cache" / "hwgraph" / "cublaslt-products.json"
-
-
-def test_the_cache_keeps_choices_per_setting_and_survives_bad_files(tmp_path, caplog):
-    path = tmp_path / "sub" / "cublaslt-products.json"
-    h200, other = lt.ChoiceCache(path, "H200, cuBLASLt 1"), lt.ChoiceCache(path, "H200, cuBLASLt 2")
-    assert h200.get("256 x 1152 -> 1152") is None  # no file yet
-    algo = lt.Algo()
-    algo.data[:] = [66, 20, 1, 0, 0, 0, 35, 3]
-    chosen = lt.Choice(algo, "algorithm 66, tile 20", 5.0, 4.0).entry()
-    h200.put("256 x 1152 -> 1152", chosen)
-    other.put("256 x 1152 -> 1152", lt.Choice(None, None, 5.1, 5.1).entry())
-    assert h200.get("256 x 1152 -> 1152") == chosen
-    assert bytes(lt.Algo.from_buffer_copy(bytes.fromhex(chosen["algo"]))) == bytes(algo)  # the bytes round-trip
-    assert other.get("256 x 1152 -> 1152") == {"algo": None, "config": None, "aten_us": 5.1, "chosen_us": 5.1}
-    assert lt.ChoiceCache(None, "H200").get("256 x 1152 -> 1152") is None
-    lt.ChoiceCache(None, "H200").put("x", chosen)  # nowhere to write: nothing happens
-    path.write_text("{not json")
-    assert h200.get("256 x 1152 -> 1152") is None
-    assert f"ignoring the measured-products cache {path}" in caplog.text
-    blocked = lt.ChoiceCache(tmp_path / "file" / "cublaslt-products.json", "H200")
-    (tmp_path / "file").write_text("a file where the folder should be")
-    blocked.put("x", chosen)
-    assert "could not write the measured-products cache" in caplog.text
-
-
-def test_a_cache_write_that_fails_leaves_the_file_as_it_was_and_no_temporary_file(tmp_path, caplog, monkeypatch):
-    path = tmp_path / "cublaslt-products.json"
-    cache, entry = lt.ChoiceCache(path, "H200"), lt.Choice(None, None, 5.0, 5.0).entry()
-    cache.put("a", entry)
-    before = path.read_text()
-    cache.put("b", {"algo": object()})  # JSON cannot write it
-    assert "could not write the measured-products cache" in caplog.text
-    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
-
-    def full_disk(src, dst):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(lt.os, "replace", full_disk)  # the temporary file is written, then cannot take its place
-    caplog.clear()
-    cache.put("c", entry)
-    assert "No space left on device" in caplog.text
-    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
-
-
-def test_the_cache_folder_is_expanded_and_absolute_and_no_home_folder_means_no_cache(monkeypatch, tmp_path, caplog):
-    """"~" was taken literally (a folder named "~" in the working directory), a relative folder moved with the working
-    directory, and a process with neither $HOME nor a passwd entry raised out of ``capture()``."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("HWGRAPH_CACHE_DIR", "~/c")
-    assert lt.cache_path() == tmp_path / "home" / "c" / "cublaslt-products.json"
-    monkeypatch.setenv("HWGRAPH_CACHE_DIR", "rel")
-    assert lt.cache_path() == tmp_path / "rel" / "cublaslt-products.json"
-    monkeypatch.delenv("HWGRAPH_CACHE_DIR")
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    monkeypatch.delenv("HOME")
-
-    def no_entry(uid):
-        raise KeyError(uid)
-
-    monkeypatch.setattr("pwd.getpwuid", no_entry)
-    assert lt.cache_path() is None
-    assert "measured products are not cached between processes: " in caplog.text
-
-
-CACHE_WRITER = """
-import sys
-from pathlib import Path
-from hwgraph_cuda import products as lt
-cache = lt.ChoiceCache(Path(sys.argv[1]), "H200")
-for i in range(int(sys.argv[3])):
-    cache.put(f"{sys.argv[2]}-{i}", {"algo": None, "config": None, "aten_us": 5.0, "chosen_us": 5.0})
-"""
-
-
-def test_processes_writing_the_cache_at_once_lose_no_entry(tmp_path):
-    """Each write reads the file, adds its entry and replaces the file: without a lock, another process's entry
-    written in between was lost (86 of 200 kept by four processes)."""
-    path = tmp_path / "cublaslt-products.json"
-    writers = [subprocess.Popen([sys.executable, "-c", CACHE_WRITER, str(path), str(w), "40"]) for w in range(4)]
-    assert [w.wait(timeout=300) for w in writers] == [0] * 4
-    assert len(json.loads(path.read_text())) == 160
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
-
-
-def test_a_cache_file_that_cannot_be_read_is_left_alone(tmp_path, caplog, monkeypatch):
-    """Replacing it dropped all its entries (another user's file in a shared folder, an I/O error)."""
-    path = tmp_path / "cublaslt-products.json"
-    cache, entry = lt.ChoiceCache(path, "H200"), lt.Choice(None, None, 5.0, 5.0).entry()
-    for i in range(5):
-        cache.put(f"shape {i}", entry)
-    before, read_text = path.read_text(), type(path).read_text
-
-    def denied(self, *args, **kwargs):
-        if self == path:
-            raise PermissionError(13, "Permission denied", str(self))
-        return read_text(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(path), "read_text", denied)
-    cache.put("new", entry)
-    assert "could not write the measured-products cache" in caplog.text and "cannot be read" in caplog.text
-    monkeypatch.undo()
-    assert path.read_text() == before
-
-
-def test_the_cache_file_takes_the_umasks_mode(tmp_path):
-    """It was always 0600 (``mkstemp``'s), which locked other users out of a shared cache folder."""
-    old = os.umask(0o002)
-    try:
-        path = tmp_path / "cublaslt-products.json"
-        lt.ChoiceCache(path, "H200").put("x", lt.Choice(None, None, 5.0, 5.0).entry())
-    finally:
-        os.umask(old)
-    assert path.stat().st_mode & 0o777 == 0o664
-
-
-@pytest.mark.parametrize("content", ["[]", "1", '"x"', "null"])
-def test_a_cache_file_that_is_not_an_object_is_ignored_and_replaced(tmp_path, caplog, content):
-    path = tmp_path / "cublaslt-products.json"
-    path.write_text(content)
-    cache, entry = lt.ChoiceCache(path, "H200"), lt.Choice(None, None, 5.0, 5.0).entry()
-    assert cache.get("256 x 1152 -> 1152") is None
-    assert f"ignoring the measured-products cache {path}: it holds a JSON" in caplog.text
-    cache.put("256 x 1152 -> 1152", entry)
-    assert cache.get("256 x 1152 -> 1152") == entry
-    assert cache.entries() == {cache.key("256 x 1152 -> 1152"): entry}
-
-
-def test_a_cache_entry_that_is_not_an_object_is_a_miss_and_an_entry_json_cannot_write_is_logged(tmp_path, caplog):
-    path = tmp_path / "cublaslt-products.json"
-    cache = lt.ChoiceCache(path, "H200")
-    path.write_text(json.dumps({cache.key("a"): [1, 2], cache.key("b"): "x"}))
-    assert cache.get("a") is None and cache.get("b") is None
-    assert "ignoring the measured-products cache's entry for a" in caplog.text
-    cache.put("c", {"algo": object()})  # not JSON: logged, the file left as it was
-    assert "could not write the measured-products cache" in caplog.text
-    assert json.loads(path.read_text()) == {cache.key("a"): [1, 2], cache.key("b"): "x"}
 
 
 class OfflineDescriptor:
@@ -214,24 +174,24 @@ class OfflineDescriptor:
     accepts and will not run (``cublasLtMatmul``'s status raised by ``check``)."""
 
     def candidates(self):
-        return [lt.Heuristic()]
+        return [cublaslt.Heuristic()]
 
     def configurations(self, candidates):
-        return [lt.Algo()]
+        return [cublaslt.Algo()]
 
     def accepts(self, algo):
         return True
 
     def run(self, algo, x, weight, out, workspace=None):
-        lt.check(15, "cublasLtMatmul")
+        cublaslt.check(15, "cublasLtMatmul")
 
 
-def offline_chooser(path, device=torch.device("cpu")) -> lt.MeasuredProducts:
+def offline_chooser(path, device=torch.device("cpu")) -> products.MeasuredProducts:
     """A ``MeasuredProducts`` without cuBLASLt (its constructor makes a handle on the GPU), on ``OfflineDescriptor``."""
-    chooser = object.__new__(lt.MeasuredProducts)
-    chooser.lib, chooser.device, chooser.cache = None, device, lt.ChoiceCache(path, "H200")
+    chooser = object.__new__(products.MeasuredProducts)
+    chooser.lib, chooser.device, chooser.cache = None, device, product_cache.ChoiceCache(path, "H200")
     chooser.descriptors, chooser.choices, chooser.seconds = {}, {}, 0.0
-    chooser.phases = dict.fromkeys(lt.PHASES, 0.0)
+    chooser.phases = dict.fromkeys(products.PHASES, 0.0)
     chooser.descriptor = lambda weight, bias, rows, gelu: OfflineDescriptor()
     return chooser
 
@@ -244,9 +204,9 @@ def cpu_operands():
 
 def test_recalling_a_cached_choice_that_fails_to_run_or_a_broken_cache_is_a_miss(tmp_path, caplog):
     x, w, b = cpu_operands()
-    chooser, label = offline_chooser(tmp_path / "choices.json"), lt.MeasuredProducts.label(x, w, False)
-    chooser.cache.put(label, lt.Choice(lt.Algo(), "algorithm 66", 5.0, 4.0).entry())
-    with caplog.at_level(logging.INFO, logger=lt.__name__):
+    chooser, label = offline_chooser(tmp_path / "choices.json"), products.MeasuredProducts.label(x, w, False)
+    chooser.cache.put(label, products.Choice(cublaslt.Algo(), "algorithm 66", 5.0, 4.0).entry())
+    with caplog.at_level(logging.INFO, logger=products.__name__):
         assert chooser.recall(x, w, b, gelu=False) is None
     assert (f"the cached choice for {label} does not hold (RuntimeError: cublasLtMatmul returned cublasStatus_t 15"
             in caplog.text)
@@ -277,7 +237,7 @@ def test_products_run_under_the_choosers_device(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     chooser = offline_chooser(tmp_path / "choices.json", torch.device("cuda", 1))
     chooser.recall = lambda *args: seen.append(("recall", *current))
-    chooser.measure = lambda *args: (seen.append(("measure", *current)), lt.Choice(None, None, 5.0, 5.0))[1]
+    chooser.measure = lambda *args: (seen.append(("measure", *current)), products.Choice(None, None, 5.0, 5.0))[1]
     x, w, b = cpu_operands()
     torch.testing.assert_close(chooser.product(x, w, b, gelu=False), F.linear(x, w, b), rtol=0, atol=0)
     assert seen == [("recall", torch.device("cuda", 1)), ("measure", torch.device("cuda", 1))]
@@ -289,50 +249,22 @@ def test_timing_graphs_capture_without_a_cublaslt_workspace_after_a_warm_up_with
     graphs hold, and the timing stream's workspace is made at full size first."""
     monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
     stream, seen = SimpleNamespace(wait_stream=lambda other: None), []
-    monkeypatch.setattr(lt, "side_stream", lambda device: stream)
+    monkeypatch.setattr(products, "side_stream", lambda device: stream)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(lt, "graphed_calls", lambda fn, calls: (fn(), ("graph", calls))[1])
+    monkeypatch.setattr(products, "graphed_calls", lambda fn, calls: (fn(), ("graph", calls))[1])
     calls = {key: lambda key=key: seen.append((key, os.environ.get("CUBLASLT_WORKSPACE_SIZE"))) for key in ("aten", 0)}
-    assert lt.graphed_as_captured(calls) == {"aten": ("graph", lt.CALLS), 0: ("graph", lt.CALLS)}
+    assert products.graphed_as_captured(calls) == {"aten": ("graph", products.CALLS), 0: ("graph", products.CALLS)}
     assert seen == [("aten", None), (0, None), ("aten", "0"), (0, "0")]
     assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
 
 
-class FakeCublasLt:
-    """Stands in for ``libcublasLt``: records what ``LtProduct`` passes, and every call succeeds."""
-
-    def __init__(self):
-        self.attributes, self.layouts, self.matmuls = {}, [], []
-
-    def cublasLtMatmulDescCreate(self, desc, compute, scale):
-        desc._obj.value = 100
-        self.compute = (compute, scale)
-        return 0
-
-    def cublasLtMatmulDescSetAttribute(self, desc, attribute, value, size):
-        self.attributes[attribute] = value._obj.value
-        return 0
-
-    def cublasLtMatrixLayoutCreate(self, layout, dtype, rows, cols, ld):
-        self.layouts.append((dtype, rows, cols, ld))
-        layout._obj.value = len(self.layouts)
-        return 0
-
-    def cublasLtMatmul(self, handle, desc, alpha, a, a_desc, b, b_desc, beta, c, c_desc, d, d_desc, algo, workspace,
-                       workspace_bytes, stream):
-        self.matmuls.append({"A": (a.value, a_desc.value), "B": (b.value, b_desc.value), "C": (c.value, c_desc.value),
-                             "D": (d.value, d_desc.value), "workspace": (workspace, workspace_bytes),
-                             "stream": stream.value, "desc": desc.value})
-        return 0
-
-
 def test_a_phase_clock_adds_each_lap_to_its_phases_total(monkeypatch):
     now = iter([10.0, 10.5, 12.0, 13.25])
-    monkeypatch.setattr(lt.time, "perf_counter", lambda: next(now))
-    totals = dict.fromkeys(lt.PHASES, 1.0)
-    clock = lt.PhaseClock(totals)
+    monkeypatch.setattr(products.time, "perf_counter", lambda: next(now))
+    totals = dict.fromkeys(products.PHASES, 1.0)
+    clock = products.PhaseClock(totals)
     clock.lap("configurations")
     clock.lap("errors")
     clock.lap("configurations")
@@ -341,99 +273,20 @@ def test_a_phase_clock_adds_each_lap_to_its_phases_total(monkeypatch):
     assert str(clock) == "configurations 1.75 s, errors 1.50 s"  # this clock's own seconds, summed per phase
 
 
-def test_lt_product_hands_cublaslt_the_column_major_view_of_the_call_and_holds_no_tensor(monkeypatch):
-    fake, bf16 = FakeCublasLt(), torch.bfloat16
-    weight, bias = torch.zeros(6, 4, dtype=bf16), torch.zeros(6, dtype=bf16)
-    product = lt.LtProduct(fake, ctypes.c_void_p(7), weight, bias, rows=5, gelu=True)
-    assert fake.compute == (lt.COMPUTE_32F, lt.SCALE_32F)
-    assert fake.attributes == {lt.DESC_TRANSA: lt.OP_T, lt.DESC_TRANSB: lt.OP_N,
-                               lt.DESC_EPILOGUE: lt.EPILOGUE_GELU_BIAS, lt.DESC_BIAS_POINTER: bias.data_ptr()}
-    # A: the weight as K x N (transposed by TRANSA), B: x as K x M, D: out as N x M; column-major, packed
-    assert fake.layouts == [(14, 4, 6, 4), (14, 4, 5, 4), (14, 6, 5, 6)]
-    assert not [name for name, value in vars(product).items() if isinstance(value, torch.Tensor)]
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=99))
-    x, other_weight, out = torch.zeros(5, 4, dtype=bf16), torch.zeros(6, 4, dtype=bf16), torch.empty(5, 6, dtype=bf16)
-    assert product.run(lt.Algo(), x, other_weight, out) is out
-    assert fake.matmuls == [{"A": (other_weight.data_ptr(), 1), "B": (x.data_ptr(), 2), "C": (out.data_ptr(), 3),
-                             "D": (out.data_ptr(), 3), "workspace": (None, 0), "stream": 99, "desc": 100}]
-
-
-class FakeAlgorithms(FakeCublasLt):
-    """Also stands in for cuBLASLt's algorithm calls: an algorithm's configuration attributes are its ``data``
-    words in the order of ``SLOTS`` (id, tile, split-K, swizzle, custom, stages, cluster); algorithm 66 lists tiles
-    20, 21 and 22, algorithm 7 tile 5; the check rejects tile 22 in 4x1 clusters."""
-
-    TILES = {66: [20, 21, 22], 7: [5]}
-    SLOTS = {lt.CFG_ID: 0, lt.CFG_TILE: 1, lt.CFG_SPLITK: 2, lt.CFG_SWIZZLING: 3, lt.CFG_CUSTOM: 4, lt.CFG_STAGES: 5,
-             lt.CFG_CLUSTER: 6}
-
-    def cublasLtMatmulAlgoInit(self, handle, compute, scale, a, b, c, d, algo_id, algo):
-        assert (compute, scale, a, b, c, d) == (lt.COMPUTE_32F, lt.SCALE_32F, 14, 14, 14, 14)
-        algo._obj.data[:] = [algo_id] + [0] * 7
-        return 0 if algo_id in self.TILES else 15
-
-    def cublasLtMatmulAlgoCapGetAttribute(self, algo, attribute, buffer, size, written):
-        tiles = self.TILES[algo._obj.data[0]]
-        assert attribute == lt.CAP_TILE_IDS
-        written._obj.value = 4 * len(tiles)
-        if buffer is not None:
-            buffer[: len(tiles)] = tiles
-        return 0
-
-    def cublasLtMatmulAlgoConfigGetAttribute(self, algo, attribute, value, size, written):
-        width = 2 if attribute == lt.CFG_CLUSTER else 4  # as cuBLASLt: a buffer of the attribute's size, or none
-        written._obj.value = width
-        if value is None:
-            return 0
-        if size != width:
-            return 7  # CUBLAS_STATUS_INVALID_VALUE
-        value._obj.value = algo._obj.data[self.SLOTS[attribute]]
-        return 0
-
-    def cublasLtMatmulAlgoConfigSetAttribute(self, algo, attribute, value, size):
-        assert size == (2 if attribute == lt.CFG_CLUSTER else 4)
-        algo._obj.data[self.SLOTS[attribute]] = value._obj.value
-        return 0
-
-    def cublasLtMatmulAlgoCheck(self, handle, desc, a, b, c, d, algo, result):
-        data = algo._obj.data
-        result._obj.state = 0
-        return 15 if (data[1], data[6]) == (22, 4) else 0
-
-
-def test_configurations_try_every_tile_and_cluster_of_the_candidates_algorithms_without_split_k_or_swizzling():
-    fake, bf16 = FakeAlgorithms(), torch.bfloat16
-    product = lt.LtProduct(fake, ctypes.c_void_p(7), torch.zeros(6, 4, dtype=bf16), torch.zeros(6, dtype=bf16), 5,
-                           gelu=False)
-    candidates = [lt.Heuristic(), lt.Heuristic(), lt.Heuristic()]
-    candidates[0].algo.data[:] = [66, 20, 1, 0, 2, 35, 3, 0]  # algorithm 66, tile 20, custom 2, stages 35, 2x1
-    candidates[1].algo.data[:] = [66, 21, 1, 0, 0, 35, 2, 0]
-    candidates[2].algo.data[:] = [9, 1, 1, 0, 0, 12, 2, 0]  # an algorithm cuBLASLt cannot initialise
-    found = [tuple(a.data) for a in product.configurations(candidates)]
-    assert len(found) == len(set(found))
-    # every tile and cluster of algorithm 66 at the candidates' stages, but the rejected one and candidate #1 itself
-    want = {(66, tile, 1, 0, 0, 35, cluster, 0) for tile in (20, 21, 22) for cluster in lt.CLUSTERS}
-    assert set(found) == want - {(66, 22, 1, 0, 0, 35, 4, 0), tuple(candidates[1].algo.data)}
-    assert lt.describe_algo(fake, candidates[0].algo) == ("algorithm 66, tile 20, stages 35, cluster 2x1, custom 2, "
-                                                          "swizzle 0, split-K 1")
-    candidates[0].algo.data[6] = 9  # a cluster shape the heuristic offers but configurations do not try
-    assert "cluster 2x4," in lt.describe_algo(fake, candidates[0].algo)
-
-
 def test_errors_leave_out_configurations_that_do_not_run(monkeypatch):
     fake, bf16 = FakeAlgorithms(), torch.bfloat16
     fake.cublasLtMatmul = lambda *args: 15 if args[12]._obj.data[1] == 22 else 0  # NOT_SUPPORTED for tile 22
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=99))
-    product = lt.LtProduct(fake, ctypes.c_void_p(7), torch.zeros(6, 4, dtype=bf16), torch.zeros(6, dtype=bf16), 5,
+    product = cublaslt.LtProduct(fake, ctypes.c_void_p(7), torch.zeros(6, 4, dtype=bf16), torch.zeros(6, dtype=bf16), 5,
                            gelu=False)
-    algos = [lt.Algo(), lt.Algo(), lt.Algo()]
+    algos = [cublaslt.Algo(), cublaslt.Algo(), cublaslt.Algo()]
     for algo, tile in zip(algos, (20, 22, 21), strict=True):
         algo.data[1] = tile
     x, weight = torch.zeros(5, 4, dtype=bf16), torch.zeros(6, 4, dtype=bf16)
     out, exact = torch.ones(5, 6, dtype=bf16), torch.full((5, 6), 2.0, dtype=torch.float64)
-    errors = lt.MeasuredProducts.errors(product, algos, x, weight, exact, out)
+    errors = products.MeasuredProducts.errors(product, algos, x, weight, exact, out)
     assert [(a.data[1], e) for a, e in errors] == [(20, 0.5), (21, 0.5)]  # ||1 - 2|| / ||2||
-    assert lt.MeasuredProducts.errors(product, algos[1:2], x, weight, exact, out) == []
+    assert products.MeasuredProducts.errors(product, algos[1:2], x, weight, exact, out) == []
 
 
 class FakeDevice:
@@ -463,7 +316,7 @@ class FakeDevice:
         return Event()
 
     def sleep(self, cycles: int):
-        self.now_ms += cycles / lt.SLEEP_CYCLES_PER_US / 1e3
+        self.now_ms += cycles / products.SLEEP_CYCLES_PER_US / 1e3
 
     def run(self, algo, x, weight, out):
         self.host_us += self.HOST_US
@@ -473,34 +326,35 @@ class FakeDevice:
         return self.host_us / 1e6
 
 
-@pytest.mark.parametrize("first_host_us", [lt.FIRST_HOST_US_PER_CALL, 0.0])
+@pytest.mark.parametrize("first_host_us", [products.FIRST_HOST_US_PER_CALL, 0.0])
 def test_the_sweep_ranks_configurations_by_their_calls_time_and_sweeps_late_chunks_again(monkeypatch, caplog,
                                                                                          first_host_us):
     us = {tile: 5.0 + (tile * 37) % 101 / 10 for tile in range(100)}  # distinct times, in no order of the tiles
     device = FakeDevice(us)
-    monkeypatch.setattr(lt, "timing_event", device.event)
+    monkeypatch.setattr(products, "timing_event", device.event)
     monkeypatch.setattr(torch.cuda, "_sleep", device.sleep)
-    monkeypatch.setattr(lt, "FIRST_HOST_US_PER_CALL", first_host_us)
-    monkeypatch.setattr(lt, "time", SimpleNamespace(perf_counter=device.perf_counter))
-    algos = [lt.Algo() for _ in us]
+    monkeypatch.setattr(products, "FIRST_HOST_US_PER_CALL", first_host_us)
+    monkeypatch.setattr(products, "time", SimpleNamespace(perf_counter=device.perf_counter))
+    algos = [cublaslt.Algo() for _ in us]
     for algo, tile in zip(algos, us, strict=True):
         algo.data[1] = tile
-    with caplog.at_level(logging.DEBUG, logger=lt.__name__):
-        ranked = lt.MeasuredProducts.sweep(SimpleNamespace(run=device.run), algos, None, None, None)
+    with caplog.at_level(logging.DEBUG, logger=products.__name__):
+        ranked = products.MeasuredProducts.sweep(SimpleNamespace(run=device.run), algos, None, None, None)
     assert [a.data[1] for a in ranked] == sorted(us, key=us.get)
-    for calls, passes, _ in lt.RANKING[1:]:  # as the screen's rounds call it
-        screened = lt.MeasuredProducts.sweep(SimpleNamespace(run=device.run), algos, None, None, None, calls, passes)
+    for calls, passes, _ in products.RANKING[1:]:  # as the screen's rounds call it
+        screened = products.MeasuredProducts.sweep(SimpleNamespace(run=device.run), algos, None, None, None, calls,
+                                                   passes)
         assert [a.data[1] for a in screened] == sorted(us, key=us.get)
     again = [int(n) for n in re.findall(r"sweeping (\d+) configurations again", caplog.text)]
     if first_host_us == 0:  # the first chunk's sleep is empty: it is late, and swept again
-        assert again and again[0] >= lt.SWEEP_CHUNK
+        assert again and again[0] >= products.SWEEP_CHUNK
     else:  # its sleep (2.56 ms of the fake clock) outlasts launching 64 fake configurations (128 µs of host time)
-        assert not again or again[0] < lt.SWEEP_CHUNK
+        assert not again or again[0] < products.SWEEP_CHUNK
 
 
 def test_the_cuda_backends_product_chooser_is_its_devices(monkeypatch):
     asked = []
-    monkeypatch.setattr(lt, "measured_products", lambda index: asked.append(index) or f"chooser {index}")
+    monkeypatch.setattr(products, "measured_products", lambda index: asked.append(index) or f"chooser {index}")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert CudaGraphBackend("cuda:1").product_chooser() == "chooser 1"
     assert asked == [1]
@@ -534,14 +388,14 @@ def fake_gpu(monkeypatch):
     return gpu
 
 
-def chooser_on(path, lib=None, device=torch.device("cpu")) -> lt.MeasuredProducts:
+def chooser_on(path, lib=None, device=torch.device("cpu")) -> products.MeasuredProducts:
     """A ``MeasuredProducts`` built by its constructor, on a fake cuBLASLt (``FakeLt``); needs ``fake_gpu``."""
-    return lt.MeasuredProducts(lib or FakeLt(), device, path)
+    return products.MeasuredProducts(lib or FakeLt(), device, path)
 
 
 def test_a_choice_is_recalled_only_on_the_same_gpu_model_and_cublaslt(tmp_path, fake_gpu):
     path, label = tmp_path / "c.json", "1024 x 4304 -> 1152 (torch.bfloat16)"
-    entry = lt.Choice(None, None, 5.0, 5.0).entry()
+    entry = products.Choice(None, None, 5.0, 5.0).entry()
     chooser_on(path).cache.put(label, entry)
     assert chooser_on(path).cache.get(label) == entry
     fake_gpu.name = "NVIDIA H100 80GB HBM3"  # the same sm_90
@@ -569,8 +423,8 @@ def aligned_operands(dtype=torch.bfloat16):
 def test_cached_choices_are_per_dtype_and_epilogue_and_a_cached_aten_choice_is_recalled(tmp_path, fake_gpu):
     chooser = chooser_on(tmp_path / "c.json")
     x, w, b = aligned_operands()
-    chooser.cache.put(chooser.label(x, w, False), lt.Choice(None, None, 5.0, 5.0).entry())
-    assert chooser.recall(x, w, b, gelu=False) == lt.Choice(None, None, 5.0, 5.0, recalled=True)
+    chooser.cache.put(chooser.label(x, w, False), products.Choice(None, None, 5.0, 5.0).entry())
+    assert chooser.recall(x, w, b, gelu=False) == products.Choice(None, None, 5.0, 5.0, recalled=True)
     assert chooser.recall(x, w, b, gelu=True) is None
     assert chooser.recall(*aligned_operands(torch.float16), gelu=False) is None
 
@@ -580,7 +434,7 @@ class Recorder:
         self.seen = []
         chooser.recall = lambda x, w, b, gelu: self.seen.append(("recall", x.dtype, gelu))
         chooser.measure = lambda x, w, b, gelu: (self.seen.append(("measure", x.dtype, gelu)),
-                                                 lt.Choice(None, None, 5.0, 5.0))[1]
+                                                 products.Choice(None, None, 5.0, 5.0))[1]
 
 
 def test_a_shape_is_measured_once_per_dtype_and_never_inside_a_capture(tmp_path, fake_gpu):
@@ -615,7 +469,7 @@ def test_the_chooser_takes_aligned_operands_on_its_own_device_only(tmp_path, fak
 
 def test_the_accuracy_bound_is_one_and_a_half_times_atens_error_plus_1e_4():
     x, w, b = aligned_operands()
-    exact, bound = lt.MeasuredProducts.accuracy(x, w, b, gelu=False)
+    exact, bound = products.MeasuredProducts.accuracy(x, w, b, gelu=False)
     torch.testing.assert_close(exact, x.double() @ w.double().t() + b.double())
     assert bound == pytest.approx(1.5 * relative_error(F.linear(x, w, b), exact) + 1e-4)
 
@@ -628,14 +482,14 @@ class RankedDescriptor:
         self.ids, self.bias, self.errors = ids, bias, errors or {}
 
     def algo(self, algo_id):
-        algo = lt.Algo()
+        algo = cublaslt.Algo()
         algo.data[0] = algo_id
         return algo
 
     def candidates(self):
         found = []
         for algo_id in self.ids[:2]:
-            heuristic = lt.Heuristic()
+            heuristic = cublaslt.Heuristic()
             heuristic.algo = self.algo(algo_id)
             found.append(heuristic)
         return found
@@ -665,7 +519,7 @@ def ranked(tmp_path, fake_gpu, monkeypatch):
         x, w, b = aligned_operands()
         descriptor = RankedDescriptor(ids, b, errors)
         chooser.descriptor = lambda weight, bias, rows, gelu: descriptor
-        monkeypatch.setattr(lt.MeasuredProducts, "sweep_times", staticmethod(
+        monkeypatch.setattr(products.MeasuredProducts, "sweep_times", staticmethod(
             lambda descriptor, algos, x, weight, out, calls=1, passes=1: [sweep_ms[a.data[0]] for a in algos]))
 
         def graphed(calls):
@@ -673,9 +527,9 @@ def ranked(tmp_path, fake_gpu, monkeypatch):
             timed.append(set(keys.values()))
             return {key: SimpleNamespace(replay=Replay(keys[key])) for key in calls}
 
-        monkeypatch.setattr(lt, "graphed_as_captured", graphed)
-        monkeypatch.setattr(lt, "measure_interleaved", lambda fns, device, warmup, samples: {
-            key: SimpleNamespace(median=graph_us[fn.key] * lt.CALLS / 1e3) for key, fn in fns.items()})
+        monkeypatch.setattr(products, "graphed_as_captured", graphed)
+        monkeypatch.setattr(products, "measure_interleaved", lambda fns, device, warmup, samples: {
+            key: SimpleNamespace(median=graph_us[fn.key] * products.CALLS / 1e3) for key, fn in fns.items()})
         return x, w, b
 
     chooser.setup, chooser.timed = setup, timed
@@ -696,7 +550,7 @@ def test_measuring_keeps_the_fastest_accurate_configuration_times_only_the_short
 
 def test_measuring_keeps_atens_call_unless_a_configuration_beats_it_by_the_margin(ranked):
     ids = [1, 2]
-    almost = 10.0 * (1 - lt.MARGIN / 2)
+    almost = 10.0 * (1 - products.MARGIN / 2)
     x, w, b = ranked.setup(ids, {}, {1: 1.0, 2: 2.0}, {"aten": 10.0, 1: almost, 2: 11.0})
     choice = ranked.measure(x, w, b, gelu=False)
     assert choice.algo is None and choice.aten_us == choice.chosen_us == pytest.approx(10.0)
@@ -705,7 +559,7 @@ def test_measuring_keeps_atens_call_unless_a_configuration_beats_it_by_the_margi
 
 def test_a_measured_shape_is_logged_with_its_choice(ranked, caplog):
     x, w, b = ranked.setup([1], {}, {1: 1.0}, {"aten": 10.0, 1: 8.0})
-    with caplog.at_level(logging.INFO, logger=lt.__name__):
+    with caplog.at_level(logging.INFO, logger=products.__name__):
         ranked.measure(x, w, b, gelu=False)
     assert f"matrix product {ranked.label(x, w, False)}: 1 of 1 configurations as accurate" in caplog.text
 
@@ -742,7 +596,7 @@ def test_only_the_last_used_products_keep_descriptors_and_the_least_recently_use
                                                                                                 monkeypatch):
     """Descriptors are per weight, bias and row count: unbounded, every new tower's added its own for the process's
     life, with their cuBLASLt objects never destroyed."""
-    monkeypatch.setattr(lt, "DESCRIPTORS", 2)
+    monkeypatch.setattr(products, "DESCRIPTORS", 2)
     fake = FakeDescriptors()
     chooser, bias = chooser_on(tmp_path / "c.json", fake), aligned((4,))
     weights = [aligned((4, 16)) for _ in range(3)]
@@ -763,9 +617,10 @@ def test_only_the_last_used_products_keep_descriptors_and_the_least_recently_use
 def test_described_since_a_mark_are_only_the_shapes_and_seconds_after_it(tmp_path, fake_gpu, monkeypatch):
     """The chooser is the process's: a second manager that measured nothing reported the first one's shapes and
     seconds. ``describe()`` without a mark still reports the process's."""
-    chooser, algo = chooser_on(tmp_path / "c.json"), lt.Algo()
-    made = {8: lt.Choice(algo, "algorithm 66", 10.0, 8.0), 16: lt.Choice(None, None, 5.0, 5.0, recalled=True),
-            24: lt.Choice(algo, "algorithm 66", 6.0, 5.5)}
+    chooser, algo = chooser_on(tmp_path / "c.json"), cublaslt.Algo()
+    made = {8: products.Choice(algo, "algorithm 66", 10.0, 8.0),
+            16: products.Choice(None, None, 5.0, 5.0, recalled=True),
+            24: products.Choice(algo, "algorithm 66", 6.0, 5.5)}
 
     def measure(x, w, b, gelu):
         chooser.phases["sweep"] += 1.0
@@ -775,7 +630,7 @@ def test_described_since_a_mark_are_only_the_shapes_and_seconds_after_it(tmp_pat
     chooser.measure = measure
     chooser.descriptor = lambda weight, bias, rows, gelu: SimpleNamespace(run=lambda algo, x, weight, out: out)
     clock = itertools.count(0.0, 1.5)  # a shape's recall or measuring reads it twice: 1.5 s
-    monkeypatch.setattr(lt, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(products, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     w, b = aligned((4, 16)), aligned((4,))
     cache = f"the cache {tmp_path / 'c.json'}"
     chooser.linear(aligned((8, 16)), w, b)  # an earlier manager's shape
@@ -831,11 +686,11 @@ def test_the_processs_chooser_is_handed_out_with_its_side_stream_readied_by_the_
     """Measuring times ATen's calls on ``side_stream``, whose first use makes cuBLAS's workspaces for the process
     (34 MiB on the H200): made as the chooser is, before a manager's memory baseline, not inside its first budget."""
     readied, aten = [], []
-    monkeypatch.setattr(lt, "cublaslt", lambda: (FakeLt(), ""))
-    monkeypatch.setattr(lt, "ready_side_stream", lambda index, fn: readied.append((index, fn)))
-    chooser = lt.measured_products.__wrapped__(2)
+    monkeypatch.setattr(cublaslt, "cublaslt", lambda: (FakeLt(), ""))
+    monkeypatch.setattr(products, "ready_side_stream", lambda index, fn: readied.append((index, fn)))
+    chooser = products.measured_products.__wrapped__(2)
     assert chooser.device == torch.device("cuda", 2) and readied == [(2, chooser.aten_calls)]
-    monkeypatch.setattr(lt.MeasuredProducts, "aten", staticmethod(
+    monkeypatch.setattr(products.MeasuredProducts, "aten", staticmethod(
         lambda x, w, b, gelu: aten.append((x.dtype, tuple(x.shape), tuple(w.shape), tuple(b.shape), gelu))))
     chooser.device = torch.device("cpu")  # the calls' operands are made on the chooser's device
     chooser.aten_calls()
@@ -859,9 +714,9 @@ def aten(x, w, b, gelu):
 
 @pytest.fixture
 def chooser():
-    lib, reason = lt.cublaslt()
+    lib, reason = cublaslt.cublaslt()
     assert lib is not None, reason
-    return lt.MeasuredProducts(lib, torch.device("cuda", 0), None)
+    return products.MeasuredProducts(lib, torch.device("cuda", 0), None)
 
 
 @pytest.mark.cuda
@@ -891,11 +746,11 @@ def test_configurations_add_accepted_tiles_and_clusters_beyond_the_heuristics_li
     x, w, b = operands(4096, 1152, 4304)  # fc1 + GELU at 4096 rows: 128x128 tiles in 2x1 clusters beat the list
     descriptor = chooser.descriptor(w, b, 4096, gelu=True)
     candidates = descriptor.candidates()
-    assert candidates and all(lt.config_value(chooser.lib, c.algo, lt.CFG_ID) >= 0 for c in candidates)
+    assert candidates and all(cublaslt.config_value(chooser.lib, c.algo, cublaslt.CFG_ID) >= 0 for c in candidates)
     found = descriptor.configurations(candidates)
     assert len(found) > len(candidates)
     assert not {bytes(a) for a in found} & {bytes(c.algo) for c in candidates}
-    assert all(descriptor.accepts(a) and lt.config_value(chooser.lib, a, lt.CFG_SPLITK) == 1 for a in found)
+    assert all(descriptor.accepts(a) and cublaslt.config_value(chooser.lib, a, cublaslt.CFG_SPLITK) == 1 for a in found)
 
 
 @pytest.mark.cuda
@@ -909,39 +764,40 @@ def test_the_sweep_ranks_every_configuration_and_sweeps_again_where_launching_ou
     # as in measure: every configuration has been launched once (its first launch is slow) before the sweep
     algos = [a for a, _ in chooser.errors(descriptor, [c.algo for c in candidates] +
                                           descriptor.configurations(candidates), x, w, exact, out)]
-    with caplog.at_level(logging.DEBUG, logger=lt.__name__):
+    with caplog.at_level(logging.DEBUG, logger=products.__name__):
         assert sorted(map(bytes, chooser.sweep(descriptor, algos, x, w, out))) == sorted(map(bytes, algos))
     assert f"sweeping {len(algos)} configurations again" not in caplog.text  # sleeps sized to the launching hold
     caplog.clear()
-    monkeypatch.setattr(lt, "FIRST_HOST_US_PER_CALL", 1e-3)  # the first chunk's sleep is far shorter than its launching
-    with caplog.at_level(logging.DEBUG, logger=lt.__name__):
+    # the first chunk's sleep is far shorter than its launching
+    monkeypatch.setattr(products, "FIRST_HOST_US_PER_CALL", 1e-3)
+    with caplog.at_level(logging.DEBUG, logger=products.__name__):
         ranked = chooser.sweep(descriptor, algos, x, w, out)
     again = [int(n) for n in re.findall(r"sweeping (\d+) configurations again", caplog.text)]
-    assert again and again[0] >= min(len(algos), lt.SWEEP_CHUNK)  # the first chunk, at least, was swept again
+    assert again and again[0] >= min(len(algos), products.SWEEP_CHUNK)  # the first chunk, at least, was swept again
     assert sorted(map(bytes, ranked)) == sorted(map(bytes, algos))
 
 
 @pytest.mark.cuda
 @needs_gpu
 def test_measuring_ranks_in_rounds_each_on_the_previous_rounds_fastest(chooser, monkeypatch):
-    rounds, sweep_times = [], lt.MeasuredProducts.sweep_times
+    rounds, sweep_times = [], products.MeasuredProducts.sweep_times
 
-    def recorded(descriptor, algos, x, weight, out, calls=lt.RANKING[0][0], passes=1):
+    def recorded(descriptor, algos, x, weight, out, calls=products.RANKING[0][0], passes=1):
         ms = sweep_times(descriptor, algos, x, weight, out, calls, passes)
         rounds.append({"algos": list(map(bytes, algos)), "calls": calls, "passes": passes, "ms": ms})
         return ms
 
-    monkeypatch.setattr(lt.MeasuredProducts, "sweep_times", staticmethod(recorded))
+    monkeypatch.setattr(products.MeasuredProducts, "sweep_times", staticmethod(recorded))
     x, w, b = operands(1024, 1152, 1152)
     chooser.linear(x, w, b)
     (choice,) = chooser.choices.values()
-    assert [(r["calls"], r["passes"]) for r in rounds] == [(calls, passes) for calls, passes, _ in lt.RANKING]
-    assert len(rounds[0]["algos"]) > lt.RANKING[0][2]  # every accurate configuration, hundreds of them
+    assert [(r["calls"], r["passes"]) for r in rounds] == [(calls, passes) for calls, passes, _ in products.RANKING]
+    assert len(rounds[0]["algos"]) > products.RANKING[0][2]  # every accurate configuration, hundreds of them
     assert all(0 < ms < math.inf for r in rounds for ms in r["ms"])  # every configuration was timed
-    for earlier, later, (_, _, keep) in zip(rounds, rounds[1:], lt.RANKING, strict=False):
+    for earlier, later, (_, _, keep) in zip(rounds, rounds[1:], products.RANKING, strict=False):
         fastest = sorted(range(len(earlier["algos"])), key=earlier["ms"].__getitem__)[:keep]
         assert later["algos"] == [earlier["algos"][i] for i in fastest]
-    shortlist = sorted(range(len(rounds[-1]["algos"])), key=rounds[-1]["ms"].__getitem__)[:lt.SHORTLIST]
+    shortlist = sorted(range(len(rounds[-1]["algos"])), key=rounds[-1]["ms"].__getitem__)[:products.SHORTLIST]
     assert choice.algo is None or bytes(choice.algo) in {rounds[-1]["algos"][i] for i in shortlist}
 
 
@@ -995,15 +851,15 @@ def test_a_tower_shape_chooses_a_cublaslt_configuration_which_its_capture_runs_a
             break
     else:
         pytest.fail(f"every shape kept ATen's call: {chooser.describe()}")
-    assert choice.config and choice.chosen_us <= choice.aten_us * (1 - lt.MARGIN)
-    launched, run = [], lt.LtProduct.run
+    assert choice.config and choice.chosen_us <= choice.aten_us * (1 - products.MARGIN)
+    launched, run = [], cublaslt.LtProduct.run
 
     def recording(self, algo, *args, **kwargs):
         if torch.cuda.is_current_stream_capturing():
             launched.append(bytes(algo))
         return run(self, algo, *args, **kwargs)
 
-    monkeypatch.setattr(lt.LtProduct, "run", recording)
+    monkeypatch.setattr(cublaslt.LtProduct, "run", recording)
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -1040,28 +896,28 @@ def test_measuring_leaves_no_memory_allocated_per_shape(chooser):
 @pytest.mark.cuda
 @needs_gpu
 def test_a_second_chooser_recalls_the_first_ones_choices_from_the_cache_and_measures_what_no_longer_holds(tmp_path):
-    lib, _ = lt.cublaslt()
-    first = lt.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
+    lib, _ = cublaslt.cublaslt()
+    first = products.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
     shapes = [operands(1024, 4304, 1152), operands(256, 1152, 1152)]
     for x, w, b in shapes:
         first.linear(x, w, b)
-    second = lt.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
+    second = products.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
     for x, w, b in shapes:
         torch.testing.assert_close(second.linear(x, w, b), first.linear(x, w, b), rtol=0, atol=0)
     assert [c.recalled for c in second.choices.values()] == [True, True]
     assert [c.config for c in second.choices.values()] == [c.config for c in first.choices.values()]
     assert "2 shapes in " in second.describe() and "(2 from the cache" in second.describe()
-    label = lt.MeasuredProducts.label(shapes[0][0], shapes[0][1], False)
+    label = products.MeasuredProducts.label(shapes[0][0], shapes[0][1], False)
     x, w, b = shapes[0]
     descriptor = first.descriptor(w, b, x.shape[0], gelu=False)
-    rejected = lt.configured(lib, descriptor.candidates()[0].algo, {lt.CFG_TILE: 10**6})  # no such tile
+    rejected = cublaslt.configured(lib, descriptor.candidates()[0].algo, {cublaslt.CFG_TILE: 10**6})  # no such tile
     assert rejected is not None and not descriptor.accepts(rejected)
     broken = [{"index": 3, "aten_us": 1.0, "chosen_us": 0.5},  # session 19's format
               {"algo": "not hex", "config": None, "aten_us": 1.0, "chosen_us": 0.5},
               {"algo": bytes(rejected).hex(), "config": None, "aten_us": 1.0, "chosen_us": 0.5}]
     for entry in broken:
         second.cache.put(label, entry)
-        third = lt.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
+        third = products.MeasuredProducts(lib, torch.device("cuda", 0), tmp_path / "choices.json")
         third.linear(*shapes[0])
         (choice,) = third.choices.values()
         assert not choice.recalled and choice.aten_us > 1.0  # measured again, and cached again
@@ -1114,14 +970,14 @@ def test_the_manager_captures_measured_products_equal_to_eager_without_host_read
 @needs_gpu
 def test_compiled_captures_run_the_measured_products_and_replay_equal_to_eager(monkeypatch):
     captured = []
-    product = lt.MeasuredProducts.product
+    product = products.MeasuredProducts.product
 
     def recording(self, x, weight, bias, gelu):
         if torch.cuda.is_current_stream_capturing():
             captured.append((x.shape[0], tuple(weight.shape), gelu))
         return product(self, x, weight, bias, gelu)
 
-    monkeypatch.setattr(lt.MeasuredProducts, "product", recording)
+    monkeypatch.setattr(products.MeasuredProducts, "product", recording)
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=4, deepstack_visual_indexes=[1, 2, 3]).to(
         "cuda", torch.bfloat16).eval()
@@ -1190,12 +1046,13 @@ def test_the_first_manager_measuring_products_in_a_process_counts_only_its_graph
 def test_a_graph_replays_right_after_its_products_descriptors_were_evicted_and_destroyed(chooser, monkeypatch):
     """The captured kernel keeps what it was launched with: destroying the descriptors behind a graph's product
     (``DESCRIPTORS`` exceeded) leaves its replays as they were."""
-    monkeypatch.setattr(lt, "DESCRIPTORS", 1)
+    monkeypatch.setattr(products, "DESCRIPTORS", 1)
     rows, k, n = 1024, 1152, 4304  # fc1, with the GELU epilogue and its bias in the descriptor
     x, w, b = operands(rows, k, n)
     descriptor = chooser.descriptor(w, b, rows, gelu=True)
     algo = descriptor.candidates()[0].algo  # chosen without measuring: the graph runs cuBLASLt, not ATen's call
-    chooser.choices[(rows, k, n, torch.bfloat16, True)] = lt.Choice(algo, lt.describe_algo(chooser.lib, algo), 1, 1)
+    chosen = products.Choice(algo, cublaslt.describe_algo(chooser.lib, algo), 1, 1)
+    chooser.choices[(rows, k, n, torch.bfloat16, True)] = chosen
     static = x.clone()
     graph, out = warmed_and_captured(lambda: chooser.linear_gelu_tanh(static, w, b),
                                      lambda: chooser.linear_gelu_tanh(static, w, b))

@@ -1,0 +1,119 @@
+"""The on-disk cache of the CUDA plugin's measured product choices (``hwgraph_cuda.products``): one JSON file
+(``cache_path()``) of choices by setting (GPU, cuBLASLt and torch versions) and shape, so that a later process recalls
+what an earlier one measured instead of measuring it again. Writes are locked and atomic; what cannot be read or
+written is logged and costs only a measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def cache_path() -> Path | None:
+    """Where choices persist between processes: ``$HWGRAPH_CACHE_DIR`` (set empty: nowhere), else
+    ``$XDG_CACHE_HOME/hwgraph``, else ``~/.cache/hwgraph``; the file is ``cublaslt-products.json``."""
+    folder = os.environ.get("HWGRAPH_CACHE_DIR")
+    if folder == "":
+        return None
+    try:
+        if folder is None:
+            folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hwgraph"
+        # "~" is the shell's to expand (not done in Docker's ENV, systemd units or .env files), and a relative
+        # folder would move with the working directory between reads and writes
+        return Path(folder).expanduser().absolute() / "cublaslt-products.json"
+    except RuntimeError as exc:  # no $HOME and no passwd entry (a container's arbitrary user)
+        log.warning("measured products are not cached between processes: %s; set HWGRAPH_CACHE_DIR", exc)
+        return None
+
+
+class ChoiceCache:
+    """Measured choices by shape and setting (GPU, cuBLASLt and torch versions), in a JSON file of their records
+    (``hwgraph_cuda.products.Choice.entry``). Reading or writing failures only cost a measurement: they are logged,
+    never raised."""
+
+    def __init__(self, path: Path | None, setting: str):
+        self.path, self.setting = path, setting
+
+    def key(self, label: str) -> str:
+        return f"{self.setting} | {label}"
+
+    def entries(self) -> dict:
+        """The file's entries by key; {} if there is no file, or it cannot be read or is not a JSON object (logged)."""
+        return self.read()[0]
+
+    def read(self) -> tuple[dict, bool]:
+        """``entries()``, and whether a write may replace the file: not one that exists but cannot be read (another
+        user's file, an I/O error), whose entries replacing it would drop. A damaged file is replaced."""
+        if self.path is None or not self.path.exists():
+            return {}, True
+        try:
+            entries = json.loads(self.path.read_text())
+        except OSError as exc:
+            log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
+            return {}, False
+        except ValueError as exc:  # not JSON, or not UTF-8
+            log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
+            return {}, True
+        if not isinstance(entries, dict):
+            log.warning("ignoring the measured-products cache %s: it holds a JSON %s, not an object",
+                        self.path, type(entries).__name__)
+            return {}, True
+        return entries, True
+
+    @contextlib.contextmanager
+    def locked(self):
+        """An exclusive lock on the cache's folder for a read, add and replace: another process's ``put`` between
+        this one's read and its replace would otherwise be lost (one process per GPU, parallel jobs). Where there
+        is no ``fcntl`` (Windows), no lock."""
+        try:
+            import fcntl
+        except ImportError:
+            yield
+            return
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def get(self, label: str) -> dict | None:
+        entry = self.entries().get(self.key(label))
+        if entry is not None and not isinstance(entry, dict):
+            log.warning("ignoring the measured-products cache's entry for %s in %s: a JSON %s, not an object",
+                        label, self.path, type(entry).__name__)
+            return None
+        return entry
+
+    def put(self, label: str, entry: dict) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.locked():
+                entries, replaceable = self.read()
+                if not replaceable:
+                    raise OSError("it exists but cannot be read, so replacing it would drop its entries")
+                # TypeError, ValueError: an entry JSON cannot write; raised here, before any file is made
+                text = json.dumps(entries | {self.key(label): entry}, indent=1, sort_keys=True)
+                # created with the umask's mode, as the file itself would be (mkstemp's 0600 would lock other users
+                # out of a shared folder); a unique name, since the lock may be missing
+                tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                try:
+                    with os.fdopen(fd, "w") as file:
+                        file.write(text)
+                    os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old file or the new one
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)  # a failed write (a full disk) leaves no temporary file behind
+                    raise
+        except (OSError, TypeError, ValueError) as exc:
+            log.warning("could not write the measured-products cache %s: %s", self.path, exc)

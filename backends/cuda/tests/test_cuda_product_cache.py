@@ -1,0 +1,164 @@
+"""The cache of measured product choices between processes (``hwgraph_cuda.product_cache``): where it lives, its
+entries per setting, and what it does with files it cannot read or write and with processes writing at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hwgraph_cuda import cublaslt, product_cache, products
+
+
+def test_the_cache_lives_where_the_environment_says(monkeypatch, tmp_path):
+    monkeypatch.setenv("HWGRAPH_CACHE_DIR", str(tmp_path / "c"))
+    assert product_cache.cache_path() == tmp_path / "c" / "cublaslt-products.json"
+    monkeypatch.setenv("HWGRAPH_CACHE_DIR", "")
+    assert product_cache.cache_path() is None
+    monkeypatch.delenv("HWGRAPH_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert product_cache.cache_path() == tmp_path / "xdg" / "hwgraph" / "cublaslt-products.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert product_cache.cache_path() == tmp_path / "home" / ".cache" / "hwgraph" / "cublaslt-products.json"
+
+
+def test_the_cache_keeps_choices_per_setting_and_survives_bad_files(tmp_path, caplog):
+    path = tmp_path / "sub" / "cublaslt-products.json"
+    h200 = product_cache.ChoiceCache(path, "H200, cuBLASLt 1")
+    other = product_cache.ChoiceCache(path, "H200, cuBLASLt 2")
+    assert h200.get("256 x 1152 -> 1152") is None  # no file yet
+    algo = cublaslt.Algo()
+    algo.data[:] = [66, 20, 1, 0, 0, 0, 35, 3]
+    chosen = products.Choice(algo, "algorithm 66, tile 20", 5.0, 4.0).entry()
+    h200.put("256 x 1152 -> 1152", chosen)
+    other.put("256 x 1152 -> 1152", products.Choice(None, None, 5.1, 5.1).entry())
+    assert h200.get("256 x 1152 -> 1152") == chosen
+    assert bytes(cublaslt.Algo.from_buffer_copy(bytes.fromhex(chosen["algo"]))) == bytes(algo)  # the bytes round-trip
+    assert other.get("256 x 1152 -> 1152") == {"algo": None, "config": None, "aten_us": 5.1, "chosen_us": 5.1}
+    assert product_cache.ChoiceCache(None, "H200").get("256 x 1152 -> 1152") is None
+    product_cache.ChoiceCache(None, "H200").put("x", chosen)  # nowhere to write: nothing happens
+    path.write_text("{not json")
+    assert h200.get("256 x 1152 -> 1152") is None
+    assert f"ignoring the measured-products cache {path}" in caplog.text
+    blocked = product_cache.ChoiceCache(tmp_path / "file" / "cublaslt-products.json", "H200")
+    (tmp_path / "file").write_text("a file where the folder should be")
+    blocked.put("x", chosen)
+    assert "could not write the measured-products cache" in caplog.text
+
+
+def test_a_cache_write_that_fails_leaves_the_file_as_it_was_and_no_temporary_file(tmp_path, caplog, monkeypatch):
+    path = tmp_path / "cublaslt-products.json"
+    cache, entry = product_cache.ChoiceCache(path, "H200"), products.Choice(None, None, 5.0, 5.0).entry()
+    cache.put("a", entry)
+    before = path.read_text()
+    cache.put("b", {"algo": object()})  # JSON cannot write it
+    assert "could not write the measured-products cache" in caplog.text
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    # the temporary file is written, then cannot take its place
+    monkeypatch.setattr(product_cache.os, "replace", full_disk)
+    caplog.clear()
+    cache.put("c", entry)
+    assert "No space left on device" in caplog.text
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_the_cache_folder_is_expanded_and_absolute_and_no_home_folder_means_no_cache(monkeypatch, tmp_path, caplog):
+    """"~" was taken literally (a folder named "~" in the working directory), a relative folder moved with the working
+    directory, and a process with neither $HOME nor a passwd entry raised out of ``capture()``."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HWGRAPH_CACHE_DIR", "~/c")
+    assert product_cache.cache_path() == tmp_path / "home" / "c" / "cublaslt-products.json"
+    monkeypatch.setenv("HWGRAPH_CACHE_DIR", "rel")
+    assert product_cache.cache_path() == tmp_path / "rel" / "cublaslt-products.json"
+    monkeypatch.delenv("HWGRAPH_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("HOME")
+
+    def no_entry(uid):
+        raise KeyError(uid)
+
+    monkeypatch.setattr("pwd.getpwuid", no_entry)
+    assert product_cache.cache_path() is None
+    assert "measured products are not cached between processes: " in caplog.text
+
+
+CACHE_WRITER = """
+import sys
+from pathlib import Path
+from hwgraph_cuda.product_cache import ChoiceCache
+cache = ChoiceCache(Path(sys.argv[1]), "H200")
+for i in range(int(sys.argv[3])):
+    cache.put(f"{sys.argv[2]}-{i}", {"algo": None, "config": None, "aten_us": 5.0, "chosen_us": 5.0})
+"""
+
+
+def test_processes_writing_the_cache_at_once_lose_no_entry(tmp_path):
+    """Each write reads the file, adds its entry and replaces the file: without a lock, another process's entry
+    written in between was lost (86 of 200 kept by four processes)."""
+    path = tmp_path / "cublaslt-products.json"
+    writers = [subprocess.Popen([sys.executable, "-c", CACHE_WRITER, str(path), str(w), "40"]) for w in range(4)]
+    assert [w.wait(timeout=300) for w in writers] == [0] * 4
+    assert len(json.loads(path.read_text())) == 160
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+def test_a_cache_file_that_cannot_be_read_is_left_alone(tmp_path, caplog, monkeypatch):
+    """Replacing it dropped all its entries (another user's file in a shared folder, an I/O error)."""
+    path = tmp_path / "cublaslt-products.json"
+    cache, entry = product_cache.ChoiceCache(path, "H200"), products.Choice(None, None, 5.0, 5.0).entry()
+    for i in range(5):
+        cache.put(f"shape {i}", entry)
+    before, read_text = path.read_text(), type(path).read_text
+
+    def denied(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(path), "read_text", denied)
+    cache.put("new", entry)
+    assert "could not write the measured-products cache" in caplog.text and "cannot be read" in caplog.text
+    monkeypatch.undo()
+    assert path.read_text() == before
+
+
+def test_the_cache_file_takes_the_umasks_mode(tmp_path):
+    """It was always 0600 (``mkstemp``'s), which locked other users out of a shared cache folder."""
+    old = os.umask(0o002)
+    try:
+        path = tmp_path / "cublaslt-products.json"
+        product_cache.ChoiceCache(path, "H200").put("x", products.Choice(None, None, 5.0, 5.0).entry())
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o664
+
+
+@pytest.mark.parametrize("content", ["[]", "1", '"x"', "null"])
+def test_a_cache_file_that_is_not_an_object_is_ignored_and_replaced(tmp_path, caplog, content):
+    path = tmp_path / "cublaslt-products.json"
+    path.write_text(content)
+    cache, entry = product_cache.ChoiceCache(path, "H200"), products.Choice(None, None, 5.0, 5.0).entry()
+    assert cache.get("256 x 1152 -> 1152") is None
+    assert f"ignoring the measured-products cache {path}: it holds a JSON" in caplog.text
+    cache.put("256 x 1152 -> 1152", entry)
+    assert cache.get("256 x 1152 -> 1152") == entry
+    assert cache.entries() == {cache.key("256 x 1152 -> 1152"): entry}
+
+
+def test_a_cache_entry_that_is_not_an_object_is_a_miss_and_an_entry_json_cannot_write_is_logged(tmp_path, caplog):
+    path = tmp_path / "cublaslt-products.json"
+    cache = product_cache.ChoiceCache(path, "H200")
+    path.write_text(json.dumps({cache.key("a"): [1, 2], cache.key("b"): "x"}))
+    assert cache.get("a") is None and cache.get("b") is None
+    assert "ignoring the measured-products cache's entry for a" in caplog.text
+    cache.put("c", {"algo": object()})  # not JSON: logged, the file left as it was
+    assert "could not write the measured-products cache" in caplog.text
+    assert json.loads(path.read_text()) == {cache.key("a"): [1, 2], cache.key("b"): "x"}
