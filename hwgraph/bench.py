@@ -6,24 +6,20 @@ encoder and, for every attention kernel, the hwgraph eager tower and the replay 
 each per round, in seeded orders in which each callable follows each other equally often, since a replay right
 after an eager forward runs slower than after another replay), so the ratios, between kernels too, compare calls
 made under the same host and device conditions; speedups are ratios of those medians. A group ``NxT`` is N
-single-frame images of T merged tokens each, encoded as one call.
+single-frame images of T merged tokens each, encoded as one call. The command line is ``hwgraph.bench_command``.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import json
 import logging
-import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from hwgraph import budgets as budget_rules
-from hwgraph.platform import checked_device, device_runtime
+from hwgraph.platform import device_runtime
 from hwgraph.timing import measure_interleaved
 
 log = logging.getLogger(__name__)
@@ -406,169 +402,3 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
                                                       calibrated["rows"][g.label]["replay"])}
                      for g in groups]}
     return result
-
-
-# ---------------------------------------------------------------- command line
-def at_least(option: str, value: int | None, low: int) -> None:
-    """``ValueError`` naming ``option`` and ``value`` when an integer option is below ``low`` (None: not given)."""
-    if value is not None and value < low:
-        raise ValueError(f"{option} {value} is out of range: expected an integer >= {low}")
-
-
-def parse_device(spec: str) -> torch.device:
-    """``--device``: a device string torch parses (``cpu``, ``cuda``, ``cuda:1``, ``npu:0``), else ``ValueError``."""
-    return checked_device(spec, "--device", "a bench")
-
-
-def parsed(option: str, parse, value):
-    """``parse(value)``, its ``ValueError`` prefixed with the option that gave the value."""
-    try:
-        return parse(value)
-    except ValueError as exc:
-        raise ValueError(f"{option}: {exc}") from None
-
-
-def check_kernels(names: list[str] | None) -> None:
-    """``ValueError`` naming the first attention kernel in ``names`` that no installed package brings, or one named
-    twice (in any case): each kernel is one row of the tables and one manager."""
-    from hwgraph.attention.registry import kernel_named
-    from hwgraph.registry import SelectionError
-
-    try:
-        canonical = [kernel_named(name).name for name in names or ()]
-    except SelectionError as exc:
-        raise ValueError(f"--attention: {exc}") from None
-    repeated = sorted({name for name in canonical if canonical.count(name) > 1})
-    if repeated:
-        raise ValueError(f"--attention {' '.join(names)}: {repeated[0]} repeats; give each kernel once")
-
-
-def check_backend(name: str | None, device: torch.device) -> None:
-    """``ValueError`` when ``name`` (else ``$HWGRAPH_GRAPH_BACKEND``) is unknown or unavailable for ``device``."""
-    from hwgraph.platform import platform_for
-    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend
-
-    if not (name or os.environ.get(GRAPH_BACKEND_ENV)):
-        return  # an automatic choice never fails: it falls back to the cpu reference backend, and says why
-    try:
-        choose_backend(name, platform_for(device))
-    except SelectionError as exc:
-        raise ValueError(f"{'--backend' if name else '$' + GRAPH_BACKEND_ENV}: {exc}") from None
-
-
-def check_graph_mode(backend: str | None, mode: str | None, device: torch.device) -> None:
-    """``ValueError`` when ``mode`` is not a mode of the graph backend ``backend`` names (else the one chosen for
-    ``device``); checked before a tower is built. Whether the mode can run here, the backend says when it is made."""
-    from hwgraph.platform import platform_for
-    from hwgraph.registry import choose_backend
-
-    if mode is None:
-        return
-    refusal = choose_backend(backend, platform_for(device)).spec.mode_refusal(mode)  # check_backend has refused a
-    if refusal:  # name that cannot be chosen
-        raise ValueError(f"--graph-mode {mode!r}: {refusal}")
-
-
-def writable_path(option: str, spec: str) -> Path:
-    """``spec`` as a path whose folder exists (created now) and can be written, so a finished run's results are not
-    lost to a bad path; ``ValueError`` naming the option and the path otherwise."""
-    if not spec:
-        raise ValueError(f"{option} {spec!r}: expected a file path")
-    path = Path(spec)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{option} {spec!r}: cannot create its folder {str(path.parent)!r}: "
-                         f"{exc.strerror or exc}") from None
-    if path.is_dir():
-        raise ValueError(f"{option} {spec!r} is a folder: expected a file path")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"{option} {spec!r}: cannot write there")
-    return path
-
-
-def config_from_args(args) -> BenchConfig:
-    """The run ``args`` ask for. Every option is checked here, before a tower is built: ``ValueError`` naming the
-    option, its value and what was expected."""
-    from hwgraph.dtypes import parse_dtype
-    from hwgraph.models.qwen3_omni.config import preset_config
-
-    at_least("--warmup", args.warmup, 0)
-    at_least("--samples", args.samples, 1)
-    for budget in args.budgets or ():
-        at_least("--budgets", budget, 1)
-    if args.budgets:  # repeats
-        parsed("--budgets", lambda values: budget_rules.validate_budgets(values, 1), args.budgets)
-    device = parse_device(args.device) if args.device is not None else default_device()
-    on_cpu = device.type == "cpu"
-    preset = args.preset if args.preset is not None else (CPU_PRESET if on_cpu else ACCELERATOR_PRESET)
-    parsed("--preset", preset_config, preset)  # an unknown preset raises, listing the known ones
-    groups = parsed("--groups", parse_groups,
-                    args.groups if args.groups is not None else (CPU_GROUPS if on_cpu else ACCELERATOR_GROUPS))
-    dtype = parsed("--dtype", parse_dtype, args.dtype) if args.dtype is not None else \
-        (torch.float32 if on_cpu else torch.bfloat16)
-    check_kernels(args.attention)
-    check_backend(args.backend, device)
-    check_graph_mode(args.backend, args.graph_mode, device)
-    return BenchConfig(
-        preset=preset, groups=groups, device=device, dtype=dtype,
-        kernels=args.attention, graph_backend=args.backend, graph_mode=args.graph_mode, warmup=args.warmup,
-        samples=args.samples,
-        calibrate=args.calibrate, profile=args.profile, reference=not args.no_transformers, compile=args.compile,
-        measure_products=args.measure_products, budgets=sorted(args.budgets) if args.budgets else [])
-
-
-def cmd_bench(args) -> int:
-    from hwgraph.registry import SelectionError
-    from hwgraph.report import bench_markdown
-
-    try:
-        cfg = config_from_args(args)
-        json_path = writable_path("--json", args.json) if args.json is not None else None
-    except ValueError as exc:
-        print(f"hwgraph bench: {exc}", file=sys.stderr)
-        return 2
-    try:
-        result = run_bench(cfg)
-    except SelectionError as exc:  # a requested kernel that cannot run this tower's dtype or head dim here
-        print(f"hwgraph bench: {exc}", file=sys.stderr)
-        return 2
-    if json_path is not None:  # first: a reader that closes stdout early (| head) must not cost the results
-        json_path.write_text(json.dumps(result, indent=2, default=str))
-    print(bench_markdown(result))
-    if json_path is not None:
-        print(f"\nJSON report: {json_path}")
-    return 0
-
-
-def add_bench_arguments(parser) -> None:
-    parser.add_argument("--preset", help=f"tower preset (default: {CPU_PRESET} on CPU, {ACCELERATOR_PRESET} elsewhere)")
-    parser.add_argument("--groups", help=f"image groups COUNTxTOKENS,... (default: {ACCELERATOR_GROUPS}; "
-                                         f"on CPU {CPU_GROUPS})")
-    parser.add_argument("--attention", nargs="+", metavar="NAME", help="attention kernels (default: every available)")
-    parser.add_argument("--backend", help="graph backend (default: the best available here)")
-    parser.add_argument("--graph-mode", help="the graph backend's mode (default: its first; npu: aclgraph or "
-                                             "torchair; hwgraph info lists each backend's modes)")
-    parser.add_argument("--device", help="torch device (default: the detected accelerator, else cpu)")
-    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16; float32 on CPU)")
-    parser.add_argument("--warmup", type=int, default=10, help="warm-up calls per cell (default 10)")
-    parser.add_argument("--samples", type=int, default=30, help="timed calls per cell (default 30)")
-    parser.add_argument("--budgets", type=int, nargs="+", help="token budgets (default: doubling from 64 to cover "
-                                                               "the largest group)")
-
-
-def register_cli(sub) -> None:
-    p = sub.add_parser("bench", help="transformers eager vs hwgraph eager vs hwgraph replay, per image group",
-                       epilog="Exit status 2 for a bad option (checked before a tower is built) or a requested "
-                              "backend or kernel that cannot run here.")
-    add_bench_arguments(p)
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--calibrate", action="store_true", help="also calibrate budgets (keep those where replay wins)")
-    p.add_argument("--profile", action="store_true", help="also sum device kernel time per call with torch.profiler")
-    p.add_argument("--no-transformers", action="store_true", help="skip the transformers reference encoder")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the block forward (once per block shape) before capturing each budget")
-    p.add_argument("--measure-products", action="store_true",
-                   help="capture the matrix products with the graph backend's measured kernel choice (CUDA: the "
-                        "fastest cuBLASLt configuration per shape), timed beside plain replay")
-    p.set_defaults(func=cmd_bench)

@@ -1,4 +1,4 @@
-"""The ``hwgraph`` command line: ``info``, ``bench``, ``validate``."""
+"""The ``hwgraph`` command line: ``info``, ``bench``, ``validate``, and the checks their options share."""
 
 from __future__ import annotations
 
@@ -91,6 +91,37 @@ INFO_EPILOG = ("Exit status 0 when a graph backend is selected; 1 when none can 
                "an unknown or unavailable backend): the tables are printed all the same, with the reasons.")
 
 
+# Checks that ``bench`` and ``validate`` options share: each raises ``ValueError`` naming the option, its value and
+# what was expected, which the command prints before exiting 2, before anything is built.
+def at_least(option: str, value: int | None, low: int) -> None:
+    """``ValueError`` naming ``option`` and ``value`` when an integer option is below ``low`` (None: not given)."""
+    if value is not None and value < low:
+        raise ValueError(f"{option} {value} is out of range: expected an integer >= {low}")
+
+
+def parsed(option: str, parse, value):
+    """``parse(value)``, its ``ValueError`` prefixed with the option that gave the value."""
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
+
+
+def check_kernels(names: list[str] | None) -> None:
+    """``ValueError`` naming the first attention kernel in ``names`` that no installed package brings, or one named
+    twice (in any case): each kernel is one row of the tables and one manager."""
+    from hwgraph.attention.registry import kernel_named
+    from hwgraph.registry import SelectionError
+
+    try:
+        canonical = [kernel_named(name).name for name in names or ()]
+    except SelectionError as exc:
+        raise ValueError(f"--attention: {exc}") from None
+    repeated = sorted({name for name in canonical if canonical.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--attention {' '.join(names)}: {repeated[0]} repeats; give each kernel once")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hwgraph", description="The hwgraph command line: info, bench, validate.")
     parser.add_argument("-v", "--verbose", action="count", default=0,
@@ -108,9 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def optional_commands():
     """``bench`` and ``validate`` register themselves from their own modules."""
-    from hwgraph import bench, validate
+    from hwgraph import bench_command, validate
 
-    return [bench.register_cli, validate.register_cli]
+    return [bench_command.register_cli, validate.register_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ def pytest_available() -> bool:
 
 def check_arguments(args) -> None:
     """``ValueError`` naming the option, its value and what was expected; called before anything runs."""
-    from hwgraph.bench import at_least, check_kernels, parsed
+    from hwgraph.cli import at_least, check_kernels, parsed
     from hwgraph.dtypes import parse_dtype
     from hwgraph.models.qwen3_omni.config import preset_config
 

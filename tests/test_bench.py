@@ -17,7 +17,8 @@ import torch._dynamo  # noqa: F401  (at collection: the first capture would othe
 from torch.autograd import DeviceType
 
 from hwgraph import cli, timing
-from hwgraph.bench import BenchConfig, Group, cmd_bench, covering_budgets, flatten_rows, parse_groups, run_bench
+from hwgraph.bench import BenchConfig, Group, covering_budgets, flatten_rows, parse_groups, run_bench
+from hwgraph.bench_command import cmd_bench
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.platform import detect
 from hwgraph.profiling import kernel_time

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from hwgraph import bench, cli
+from hwgraph import bench, bench_command, cli
 from hwgraph.dtypes import parse_dtype
 from hwgraph.registry import GRAPH_BACKEND_ENV
 
@@ -27,7 +27,8 @@ def nothing_runs(monkeypatch):
         raise AssertionError("bad arguments must be refused before anything is built or run")
 
     monkeypatch.setattr(bench, "build_tower", refuse)
-    monkeypatch.setattr(bench, "run_bench", refuse)
+    monkeypatch.setattr(bench_command, "run_bench", refuse)  # where ``hwgraph bench`` looks it up
+    monkeypatch.setattr(bench, "run_bench", refuse)  # where ``hwgraph validate``'s benchmark looks it up
     monkeypatch.setattr("hwgraph.testing.results.run_conformance", refuse)
 
 
@@ -122,10 +123,10 @@ def test_bench_accepts_good_options_and_creates_the_json_folder(tmp_path):
     args = cli.build_parser().parse_args(["bench", "--device", "cpu", "--dtype", "torch.bfloat16", "--preset", "tiny",
                                           "--attention", "torch_sdpa", "--backend", "cpu", "--budgets", "128", "64",
                                           "--groups", "1x4, 2x8", "--warmup", "0", "--samples", "1"])
-    cfg = bench.config_from_args(args)
+    cfg = bench_command.config_from_args(args)
     assert (str(cfg.device), cfg.dtype, cfg.preset, cfg.budgets) == ("cpu", torch.bfloat16, "tiny", [64, 128])
     assert [g.label for g in cfg.groups] == ["1x4", "2x8"] and cfg.kernels == ["torch_sdpa"]
-    path = bench.writable_path("--json", str(tmp_path / "new" / "bench.json"))
+    path = bench_command.writable_path("--json", str(tmp_path / "new" / "bench.json"))
     assert path.parent.is_dir() and not path.exists()
 
 
@@ -321,7 +322,7 @@ WITHOUT_PYTEST = textwrap.dedent("""
     import contextlib, io, json, sys
     sys.modules["pytest"] = None  # as if the test extra were not installed: importing pytest raises ImportError
     from hwgraph import cli
-    from hwgraph.bench import config_from_args
+    from hwgraph.bench_command import config_from_args
     cfg = config_from_args(cli.build_parser().parse_args(["bench", "--device", "cpu", "--dtype", "float16",
                                                           "--groups", "1x4", "--attention", "TORCH_SDPA"]))
     err = io.StringIO()
