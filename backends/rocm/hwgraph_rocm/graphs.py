@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend
 from hwgraph.platform import detect, platform_for
@@ -25,12 +23,7 @@ class RocmGraphBackend(TorchCudaGraphBackend):
 
     @classmethod
     def capability(cls, device=None) -> Capability:
-        from hwgraph_rocm.platform import arch_capability, device_arch, gate
+        from hwgraph_rocm.platform import gate
 
         cap = gate(detect() if device is None else platform_for(device))  # that GPU's architecture, not device 0's
-        if not cap.ok:
-            return cap
-        cap = cls.device_capability(device)
-        if cap.ok and device is not None and torch.device(device).index is not None:
-            cap = arch_capability(device_arch(torch.device(device).index))
-        return cap
+        return cls.device_capability(device) if cap.ok else cap

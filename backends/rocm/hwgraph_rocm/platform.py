@@ -47,10 +47,6 @@ def arch_capability(arch: str | None) -> Capability:
     return Capability.available()
 
 
-def device_arch(index: int) -> str | None:
-    return getattr(torch.cuda.get_device_properties(index), "gcnArchName", None) or None
-
-
 def gate(platform: PlatformInfo) -> Capability:
     if platform.kind != "rocm":
         return Capability.unavailable(not_rocm_reason(platform))
