@@ -14,13 +14,20 @@ PIP="$VPY -m pip --disable-pip-version-check -q"
 installed() { $VPY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1" 2>/dev/null || true; }
 if [ "$(installed vllm)" != "$VLLM_PIN" ]; then
   start=$SECONDS
-  if ! $PIP install "vllm==$VLLM_PIN"; then
-    # The usual cause on a CI machine is a full disk (pip's "[Errno 28] No space left on device"): say how much
-    # the venv needs and what is free where it is being built.
-    echo "ci/vllm.sh: installing vllm==$VLLM_PIN into $VENV failed; it needs about 9.4 GB there," \
-      "and its disk has $(df -Ph "$VENV" | awk 'NR == 2 {print $4}') free" >&2
-    exit 1
-  fi
+  # One retry: a download can arrive damaged (session 49 saw pip refuse a 46 MB nvidia-nvjitlink wheel whose
+  # sha256 did not match PyPI's; the same file downloaded again matched), and pip keeps what it already installed.
+  attempt=1
+  until $PIP install "vllm==$VLLM_PIN"; do
+    if [ "$attempt" -ge 2 ]; then
+      # pip's own error is above; a full disk ("[Errno 28] No space left on device") is the other usual cause on a
+      # CI machine, so say how much the venv needs and what is free where it is being built.
+      echo "ci/vllm.sh: installing vllm==$VLLM_PIN into $VENV failed twice (pip's error is above); it needs" \
+        "about 9.4 GB there, and its disk has $(df -Ph "$VENV" | awk 'NR == 2 {print $4}') free" >&2
+      exit 1
+    fi
+    echo "ci/vllm.sh: installing vllm==$VLLM_PIN failed (pip's error is above); trying once more" >&2
+    attempt=$((attempt + 1))
+  done
   echo "ci/vllm.sh: installed vllm==$VLLM_PIN in $((SECONDS - start)) s" >&2
 fi
 # hwgraph's own dependencies (torch, transformers, numpy, packaging, safetensors) come with vllm; --no-deps keeps
