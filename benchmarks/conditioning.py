@@ -4,7 +4,7 @@ embeddings, such as ``fp8_products.py``'s, can and cannot say. Runs on the CPU i
 Usage: python benchmarks/conditioning.py [TOKENS]   (default 49)
 
 The tower is ``Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b")`` with its random initialisation (seed 0), one
-TOKENS-token image of random pixels. Printed, each as the relative L2 (``hwgraph.manager.relative_error``) of the
+TOKENS-token image of random pixels. Printed, each as the relative L2 (``hwgraph.budget_capture.relative_error``) of the
 merged embeddings:
 - the bf16 tower against the float32 tower (what a bf16 path's error against a reference is made of);
 - in float32, and in bf16, the tower on the same pixels with one input element, then eight, scaled by 1 + 2^-7 (one
@@ -23,8 +23,8 @@ import sys
 
 import torch
 
+from hwgraph.budget_capture import relative_error
 from hwgraph.budgets import filling_grid
-from hwgraph.manager import relative_error
 from hwgraph.models.qwen3_omni.tower import Qwen3OmniVisionTower
 
 

@@ -33,7 +33,7 @@ import torch
 from hwgraph_cuda.cublaslt import Algo, LtProduct, check, cublaslt, describe_algo
 from hwgraph_cuda.products import MeasuredProducts
 
-from hwgraph.manager import relative_error
+from hwgraph.budget_capture import relative_error
 from hwgraph.timing import graphed_calls, graphed_ms, measure_interleaved
 
 HIDDEN, MLP, BLOCKS, CALLS = 1152, 4304, 27, 20

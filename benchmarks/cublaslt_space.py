@@ -41,7 +41,7 @@ from hwgraph_cuda.cublaslt import (
     describe_algo,
 )
 
-from hwgraph.manager import relative_error
+from hwgraph.budget_capture import relative_error
 from hwgraph.timing import graphed_ms
 
 CAP_SWIZZLING, CAP_STAGES_IDS = 2, 13  # cublasLtMatmulAlgoCapAttributes_t (CAP_TILE_IDS: the plugin's)

@@ -17,7 +17,8 @@ import time
 import torch
 
 from hwgraph.bench import build_tower, default_device, group_inputs, parse_groups, warm_device
-from hwgraph.manager import EncoderGraphManager, relative_error
+from hwgraph.budget_capture import relative_error
+from hwgraph.manager import EncoderGraphManager
 
 
 def main() -> None:

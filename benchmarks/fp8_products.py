@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from hwgraph import products as routed
-from hwgraph.manager import relative_error
+from hwgraph.budget_capture import relative_error
 from hwgraph.models.qwen3_omni.fused import add_layer_norm, rotary_qk
 
 FP8 = torch.float8_e4m3fn

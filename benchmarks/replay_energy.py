@@ -34,7 +34,7 @@ from replay_gaps import one_image_graph, preset_tower
 from replay_toggle import TOGGLES
 
 from hwgraph.bench import warm_device
-from hwgraph.manager import relative_error
+from hwgraph.budget_capture import relative_error
 
 NVML_CLOCK_SM = 1
 

@@ -45,8 +45,8 @@ from replay_gaps import one_image_graph, preset_tower  # benchmarks/, the script
 from hwgraph import products
 from hwgraph.attention import gluon_kernel
 from hwgraph.bench import kernel_view, warm_device
+from hwgraph.budget_capture import relative_error
 from hwgraph.budgets import filling_grid
-from hwgraph.manager import relative_error
 from hwgraph.models.qwen3_omni import fused, layers
 from hwgraph.models.qwen3_omni import tower as tower_module
 from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference

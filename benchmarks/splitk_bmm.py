@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from hwgraph.manager import relative_error
+from hwgraph.budget_capture import relative_error
 from hwgraph.timing import graphed_ms
 
 HIDDEN, MLP = 1152, 4304

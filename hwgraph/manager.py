@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hwgraph import budgets as budget_rules
-from hwgraph import products
 from hwgraph.attention.base import check_attention_request
-from hwgraph.compile_mode import compile_block_forward, compile_limits, inductor_rounds_as_eager, pin_triton_cache_dir
+from hwgraph.budget_capture import VERIFY_TOLERANCE, BudgetGraph, capture_budget, relative_error
+from hwgraph.compile_mode import compile_block_forward, inductor_rounds_as_eager, pin_triton_cache_dir
 from hwgraph.dtypes import graph_dtype
 from hwgraph.graphs.base import CapturedGraph, CaptureError
 from hwgraph.hostmem import pinned_copy
@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_TIMING = {"warmup": 3, "samples": 10}  # calibrate()'s default warm-ups and samples per budget
 PADDED_CACHE_SIZE = 64  # padded, pinned host metadata kept for this many recent (grid, budget) pairs
-# Relative L2 error a verified capture may show against eager: rounding only. A stale or wrong replay is O(1).
-VERIFY_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
 def caller_state_off(device: torch.device):
@@ -56,45 +54,6 @@ def check_materialised(tower) -> None:
         raise ValueError(f"the tower's {', '.join(on_meta[:3])}{more} are on the meta device (no data: built under "
                          f"torch.device('meta') or set_default_device('meta') and not loaded): load its weights first "
                          f"(Qwen3OmniVisionTower.from_pretrained, or load_state_dict(..., assign=True))")
-
-
-def measuring_seconds() -> float:
-    """What the active product chooser has spent measuring so far (0 without one)."""
-    return getattr(products.ACTIVE, "seconds", 0.0)
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``||got - want|| / ||want||`` in float32 (one host read: used at capture time, never on the replay path)."""
-    diff = torch.linalg.vector_norm(got.float() - want.float())
-    return float(diff / torch.linalg.vector_norm(want.float()).clamp_min(1e-30))
-
-
-@dataclass
-class BudgetGraph:
-    """One captured budget: its static inputs and its graphs, one per sequence-slot count, all reading the same
-    static buffers (a graph with fewer slots sees a prefix of ``cu_seqlens``). Each graph's ``outputs`` is its
-    output buffer ``[1 + deepstack, budget, out]``."""
-
-    budget: int
-    num_patches: int
-    pixels: torch.Tensor
-    metadata: object  # the tower's device metadata, padded to every slot: the graphs' static inputs
-    graphs: dict[int, CapturedGraph]  # slot count -> graph, ascending
-    memory_bytes: int
-    capture_seconds: float  # the budget's whole startup: compiling (compiled captures) and capturing
-    filled_grid: tuple | None = None  # the grid whose metadata the static buffers hold now (None: unknown)
-    compile_seconds: float | None = None  # compiled captures: the part of capture_seconds spent compiling
-    numerics: tuple = ()  # the backend's numerics_settings() when it was captured, which its replays keep
-    numerics_warned: bool = False  # a replay refused for changed settings was logged
-
-    def graph_for(self, num_seqs: int) -> tuple[int, CapturedGraph]:
-        """The graph with the fewest slots holding ``num_seqs`` sequences, and its slot count."""
-        slots = min(n for n in self.graphs if n >= num_seqs)
-        return slots, self.graphs[slots]
-
-    def release(self) -> None:
-        for graph in self.graphs.values():
-            graph.release()
 
 
 @dataclass
@@ -397,76 +356,13 @@ class EncoderGraphManager:
         return self._block_forward
 
     def _capture_budget(self, budget: int, compiled: bool = False) -> BudgetGraph:
-        """Capture ``budget`` once per slot count, most slots first, every graph reading the same static buffers;
-        a failed or wrong graph releases the budget's others and raises."""
-        num_patches = budget * self.merge_area
-        grid = [budget_rules.filling_grid(budget, self.tower.spatial_merge_size)]
-        host = self.tower.prepare_metadata(grid)
-        # Normal tensors even when the caller captures in inference mode: encode() fills them in place, and may run
-        # outside it (another thread, no_grad), where an inference tensor refuses in-place updates.
-        with torch.inference_mode(False):
-            static_meta = host.padded(num_patches, self.max_images).to(self.device)
-            pixels = self._random_pixels(num_patches)
-        tower = self.tower
-        block_forward = self._compiled_block_forward() if compiled else None
-        entry = BudgetGraph(budget, num_patches, pixels, static_meta, {}, 0, 0.0)
-
-        def slot_forward(slots: int):
-            meta = static_meta.first_seqs(slots)
-            if compiled and len(self.slot_counts) > 1:
-                # Only the attention op (opaque to inductor) reads cu_seqlens' length: one compiled block per
-                # budget serves every slot count, instead of a recompilation per count.
-                torch._dynamo.mark_dynamic(meta.cu_seqlens, 0)
-
-            def forward() -> torch.Tensor:
-                out = tower.forward_with_metadata(pixels, meta, block_forward=block_forward)
-                return torch.stack(out.tensors())
-            return forward
-
-        forwards = {slots: slot_forward(slots) for slots in sorted(self.slot_counts, reverse=True)}
-        # What the backend keeps for the process once the streams a capture runs on have been used (the compiled
-        # forward's first call below runs on the current one) is made now, by an eager forward (compiling is timed
-        # below), so that it is not counted as this budget's memory.
-        eager_meta = static_meta.first_seqs(max(forwards))
-        self.backend.prepare(lambda: tower.forward_with_metadata(pixels, eager_meta).tensors(), current_stream=compiled)
-        self.backend.synchronize()
-        # Capturing empties the allocator's cache (torch.cuda.graph does): empty it first, so the difference below
-        # is what this budget's graphs hold, not cached blocks released on the way in.
-        self.backend.empty_cache()
-        before = self.backend.memory_in_use()
-        start = time.perf_counter()
-        # The products run as this manager's chooser picks them, or else as the one the caller has active
-        # (``products.chosen_by``); compiled graphs call it through its custom ops.
-        choice = products.chosen_by(self._chooser) if self._chooser is not None else contextlib.nullcontext()
-        try:
-            # (dynamo's limits only for a compiled capture: reading them imports dynamo, 1-5 s counted as the
-            # first plain budget's capture time)
-            limits = compile_limits(len(self.budgets)) if compiled else contextlib.nullcontext()
-            with torch.inference_mode(), limits, choice:
-                if compiled:
-                    # The first call traces and compiles (or loads inductor's cached graphs). Made here, before
-                    # capturing, it is the budget's compile time, less what a product chooser spent measuring
-                    # shapes it met first. It runs on the current stream, which ``prepare`` has readied too, and
-                    # the blocks it leaves cached are emptied when capturing begins (torch.cuda.graph does).
-                    measuring = measuring_seconds()
-                    next(iter(forwards.values()))()
-                    self.backend.synchronize()
-                    entry.compile_seconds = time.perf_counter() - start - (measuring_seconds() - measuring)
-                for slots, forward in forwards.items():
-                    entry.graphs[slots] = self.backend.capture(forward, self.pool)
-            self.backend.synchronize()
-            entry.graphs = dict(sorted(entry.graphs.items()))
-            entry.capture_seconds = time.perf_counter() - start
-            # Emptied first: a backend's own check of the capture (ROCm's eager rerun, check_replay) leaves blocks in
-            # the allocator's cache, which are not the graphs'. Read before verifying, whose forwards do the same.
-            self.backend.empty_cache()
-            entry.memory_bytes = self.backend.memory_in_use() - before
-            if self.verify:
-                for graph in entry.graphs.values():
-                    self._verify(entry, graph, host, grid)
-        except Exception:
-            entry.release()
-            raise
+        """Capture ``budget`` once per slot count (``budget_capture.capture_budget``), each graph verified against
+        eager when ``verify`` is on; its memory and seconds join the stats."""
+        entry = capture_budget(self.tower, self.backend, self.pool, budget, device=self.device,
+                               slot_counts=self.slot_counts, max_images=self.max_images,
+                               random_pixels=self._random_pixels, chooser=self._chooser,
+                               block_forward=self._compiled_block_forward() if compiled else None,
+                               num_budgets=len(self.budgets), verify=self._verify if self.verify else None)
         self._stats.capture_bytes_per_budget[budget] = entry.memory_bytes
         self._stats.capture_seconds_per_budget[budget] = entry.capture_seconds
         if entry.compile_seconds is not None:

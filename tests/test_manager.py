@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from hwgraph import budget_capture
 from hwgraph import budgets as budget_rules
 from hwgraph import manager as manager_module
 from hwgraph.attention.sdpa import sdpa_varlen
@@ -910,7 +911,7 @@ def test_a_plain_capture_leaves_dynamos_limits_alone(tower, monkeypatch):
     def limits(num_budgets):
         raise AssertionError("a plain capture entered compile_limits")
 
-    monkeypatch.setattr(manager_module, "compile_limits", limits)
+    monkeypatch.setattr(budget_capture, "compile_limits", limits)
     m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=1, graph_backend="cpu",
                             attention="TORCH_SDPA")
     m.capture()

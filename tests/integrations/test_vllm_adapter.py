@@ -34,9 +34,9 @@ from vllm.v1.worker.encoder_cudagraph_defs import (  # noqa: E402
 )
 
 from hwgraph.attention.sdpa import sdpa_varlen  # noqa: E402
+from hwgraph.budget_capture import relative_error  # noqa: E402
 from hwgraph.graphs.cpu import CpuGraphBackend  # noqa: E402
 from hwgraph.integrations import vllm as hv  # noqa: E402
-from hwgraph.manager import relative_error  # noqa: E402
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower  # noqa: E402
 
 pytestmark = pytest.mark.vllm

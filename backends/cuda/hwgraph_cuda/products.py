@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hwgraph.budget_capture import relative_error
 from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import environment_defaults
-from hwgraph.manager import relative_error
 from hwgraph.products import aten_linear_gelu_tanh
 from hwgraph.timing import graphed_calls, measure_interleaved, ready_side_stream, side_stream
 from hwgraph_cuda import cublaslt

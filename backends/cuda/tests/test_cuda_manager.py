@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
+from hwgraph.budget_capture import relative_error
 from hwgraph.budgets import NUMERICS_CHANGED
-from hwgraph.manager import EncoderGraphManager, relative_error
+from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 
 pytestmark = pytest.mark.cuda

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hwgraph.attention.registry import list_kernels
-from hwgraph.manager import EncoderGraphManager, relative_error
+from hwgraph.budget_capture import relative_error
+from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.platform import detect
 from hwgraph.testing.reference import assert_matches_reference, random_packed_batch

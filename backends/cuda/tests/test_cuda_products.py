@@ -27,7 +27,8 @@ from hwgraph_cuda import cublaslt, product_cache, products
 from hwgraph_cuda.graphs import CudaGraphBackend
 
 from hwgraph import timing
-from hwgraph.manager import EncoderGraphManager, relative_error
+from hwgraph.budget_capture import relative_error
+from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.products import aten_linear_gelu_tanh
 
