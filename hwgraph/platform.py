@@ -44,9 +44,24 @@ def npu_module():
         return None
 
 
+def npu_import_failure() -> str | None:
+    """Why an installed ``torch_npu`` does not import (``ImportError: libascendcl.so: ...`` where the CANN toolkit's
+    environment is not set), or None: it imports, or it is not installed."""
+    if "torch_npu" in sys.modules or importlib.util.find_spec("torch_npu") is None:
+        return None
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def npu_info(notes: list[str]) -> PlatformInfo | None:
     mod = npu_module()
     if mod is None:
+        failure = npu_import_failure()
+        if failure is not None:
+            notes.append(f"torch_npu is installed but does not import ({failure})")
         return None
     npu = getattr(torch, "npu", None) or getattr(mod, "npu", None)
     try:
@@ -62,11 +77,24 @@ def npu_info(notes: list[str]) -> PlatformInfo | None:
     except Exception as exc:
         notes.append(f"torch_npu counts {count} NPU(s) but cannot name the first ({exc})")
         return None
-    soc = getattr(npu, "get_soc_version", None)
     arch = str(name).split()[0] if name else None
-    cann = getattr(getattr(mod, "version", None), "cann", None) or getattr(mod, "__version__", None)
-    return PlatformInfo("npu", str(name), arch, torch.__version__, "CANN", cann, count,
-                        tuple(notes) + ((f"soc version {soc()}",) if callable(soc) else ()))
+    # torch_npu.version holds only __version__ and git_version (torch_npu's own); CANN's comes from the runtime
+    cann = optional_answer(npu, "get_cann_version", notes, "the CANN version")
+    soc = optional_answer(npu, "get_soc_version", notes, "the SoC version")
+    return PlatformInfo("npu", str(name), arch, torch.__version__, "CANN", None if cann is None else str(cann),
+                        count, tuple(notes) + (() if soc is None else (f"soc version {soc}",)))
+
+
+def optional_answer(npu, method: str, notes: list[str], what: str):
+    """``npu.<method>()``, or None where torch_npu lacks it or it fails (a note says so: the NPU still serves)."""
+    call = getattr(npu, method, None)
+    if not callable(call):
+        return None
+    try:
+        return call()
+    except Exception as exc:
+        notes.append(f"torch_npu cannot read {what} ({type(exc).__name__}: {exc})")
+        return None
 
 
 def cuda_info(notes: list[str]) -> PlatformInfo | None:
@@ -111,8 +139,14 @@ def device_runtime(device: torch.device):
 def checked_device(spec: str | torch.device, name: str = "device", purpose: str = "hwgraph") -> torch.device:
     """``spec`` as a ``torch.device`` this machine has (``cpu``, ``cuda``, ``cuda:1``, ``npu:0``), else
     ``ValueError`` naming ``name``, the value and what was expected; ``purpose`` says what it is for."""
-    if str(spec).partition(":")[0] == "npu":
-        npu_module()  # importing torch_npu is what registers the device type "npu" with torch
+    # importing torch_npu is what registers the device type "npu" with torch: without it torch.device("npu") fails
+    if str(spec).partition(":")[0] == "npu" and npu_module() is None:
+        failure = npu_import_failure()
+        if failure is not None:
+            why = f"torch_npu is installed but does not import ({failure}); set the CANN toolkit's environment"
+        else:
+            why = f"torch_npu is not installed; install torch_npu built for torch {torch.__version__} with CANN"
+        raise ValueError(f"{name} {str(spec)!r}: npu devices need torch_npu, and {why}")
     try:
         device = torch.device(spec)
     except (RuntimeError, ValueError, TypeError) as exc:

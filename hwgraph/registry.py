@@ -76,16 +76,26 @@ class BackendSpec:
                               f"does not load: {type(exc).__name__}: {exc}") from exc
 
 
+# A plugin module whose attention kernels failed to import -> why, so that asking for one of them by name says why
+# it is unknown (the backend itself still loads).
+ATTENTION_LOAD_FAILURES: dict[str, str] = {}
+
+
 def plugin_attention(module: str, *names: str) -> tuple:
     """The attention kernels (``KernelSpec`` objects) ``names`` of a plugin's ``module``, for its probe; empty, and
     logged (debug when the module is absent, warning when it fails to import), so the backend still loads."""
     try:
         loaded = importlib.import_module(module)
-        return tuple(getattr(loaded, name) for name in names)
+        kernels = tuple(getattr(loaded, name) for name in names)
     except (ImportError, AttributeError) as exc:
         missing = isinstance(exc, ModuleNotFoundError) and exc.name == module
         (log.debug if missing else log.warning)("%s brings no attention kernels: %s", module.split(".")[0], exc)
+        if not missing:
+            ATTENTION_LOAD_FAILURES[module] = f"{module} brings no attention kernels: {type(exc).__name__}: {exc}"
         return ()
+    ATTENTION_LOAD_FAILURES.pop(module, None)
+    return kernels
+
 
 
 def cpu_probe() -> BackendSpec:
@@ -198,7 +208,14 @@ def choose_backend(name: str | None = None, platform: PlatformInfo | None = None
         if cap.ok:
             return Selected(spec, f"best available for {platform.kind}")
         refused.append(f"{spec.name}: {cap.describe()}")
-    why = "; ".join(refused) or f"no installed backend serves {platform.kind} (pip install 'hwgraph[{platform.kind}]')"
+    problems = discovered()[1]
+    if refused:
+        why = "; ".join(refused)
+    elif problems:  # the plugin for this kind may be installed and have failed to load: say so, not "pip install"
+        why = (f"no loaded backend serves {platform.kind}; installed plugins that failed to load: "
+               f"{'; '.join(problems)}")
+    else:
+        why = f"no installed backend serves {platform.kind} (pip install 'hwgraph[{platform.kind}]')"
     fallback = cpu_fallback(why)
     if platform.kind != "cpu":
         log.warning(fallback.reason)

@@ -20,10 +20,10 @@ def simulate_npu(monkeypatch, count: int = 1) -> None:
     simulate_gpu(monkeypatch, count=0)
     fake = types.ModuleType("torch_npu")
     fake.__version__ = "2.13.0.post1"
-    fake.version = types.SimpleNamespace(cann="8.3.RC1")
+    fake.version = types.SimpleNamespace(__version__=fake.__version__, git_version="abc1234")  # torch_npu's own
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     npu = types.SimpleNamespace(device_count=lambda: count, get_device_name=lambda index=0: "Ascend910B3",
-                                get_soc_version=lambda: 223)
+                                get_soc_version=lambda: 223, get_cann_version=lambda module="CANN": "8.3.RC1")
     monkeypatch.setattr(torch, "npu", npu, raising=False)
 
 

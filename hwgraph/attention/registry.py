@@ -26,7 +26,7 @@ import torch
 from hwgraph.attention.base import KernelSpec, VarlenAttention
 from hwgraph.capability import Capability
 from hwgraph.platform import PlatformInfo, detect
-from hwgraph.registry import SelectionError, backend_specs
+from hwgraph.registry import ATTENTION_LOAD_FAILURES, SelectionError, backend_specs, discovered
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,10 @@ def kernel_named(name: str) -> KernelSpec:
         if spec.name == name.upper():
             return spec
     known = ", ".join(k.name for k in kernel_specs())
-    raise SelectionError(f"unknown attention kernel {name!r}; known: {known}")
+    # A plugin's kernels are unknown while the plugin, or its attention module, fails to load: say which failed.
+    problems = (*discovered()[1], *ATTENTION_LOAD_FAILURES.values())
+    failed = f"; installed plugins that failed to load: {'; '.join(problems)}" if problems else ""
+    raise SelectionError(f"unknown attention kernel {name!r}; known: {known}{failed}")
 
 
 def list_kernels(platform: PlatformInfo | None = None, dtype=None,

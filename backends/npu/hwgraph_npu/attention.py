@@ -32,6 +32,18 @@ from hwgraph.platform import PlatformInfo
 log = logging.getLogger(__name__)
 
 PADDED_HEAD_DIM = 128
+#: npu_fused_infer_attention_score with fp16/bf16 inputs and more than one query row per sequence needs D "16对齐"
+#: (a multiple of 16): op-plugin docs/context/torch_npu-npu_fused_infer_attention_score.md, 约束说明, Q_S大于1.
+HEAD_DIM_ALIGN = 16
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim the Ascend kernel is given: 65..127 padded to 128 (the kernel tiles 64 and 128), any other dim
+    that is not a multiple of 16 padded up to one. Zero lanes leave q.k and the kept slice of p.v unchanged."""
+    if 64 < head_dim < PADDED_HEAD_DIM:
+        return PADDED_HEAD_DIM
+    return -(-head_dim // HEAD_DIM_ALIGN) * HEAD_DIM_ALIGN
+
 
 def sequence_ends(cu_seqlens: Sequence[int], tokens: int) -> list[int]:
     """``actual_seq_lengths`` for TND: cumulative ends without zero-length sequences, closed at ``tokens``.
@@ -95,9 +107,9 @@ def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     import torch_npu
 
     tokens, heads, head_dim = q.shape
-    if 64 < head_dim < PADDED_HEAD_DIM:
-        # The Ascend kernel tiles head dims 64 and 128; zero lanes leave q.k and the kept slice of p.v unchanged.
-        q, k, v = (F.pad(t, (0, PADDED_HEAD_DIM - head_dim)) for t in (q, k, v))
+    padded = kernel_head_dim(head_dim)
+    if padded != head_dim:
+        q, k, v = (F.pad(t, (0, padded - head_dim)) for t in (q, k, v))
     else:
         q, k, v = (t.contiguous() for t in (q, k, v))  # the kernel takes no strided views (the tower's v is one)
     out = torch_npu.npu_fused_infer_attention_score(

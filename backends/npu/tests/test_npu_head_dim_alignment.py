@@ -1,0 +1,58 @@
+"""NPU attention gives the Ascend kernel only head dims it documents (fp16/bf16: multiples of 16), for every head dim
+its KernelSpec admits (1..256), and the zero padding leaves the result exact."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+ASCEND_ALIGN = 16  # op-plugin torch_npu-npu_fused_infer_attention_score.md: fp16/bf16 inputs need D 16-aligned
+
+
+@pytest.fixture
+def fused_attention(monkeypatch):
+    """A torch_npu whose fused kernel refuses a D the Ascend kernel refuses and otherwise computes TND attention."""
+    from hwgraph_npu import attention
+
+    seen = []
+
+    def npu_fused_infer_attention_score(q, k, v, *, num_heads, input_layout, actual_seq_lengths,
+                                        actual_seq_lengths_kv, scale):
+        assert input_layout == "TND" and actual_seq_lengths == actual_seq_lengths_kv
+        seen.append(q.shape[-1])
+        if q.shape[-1] % ASCEND_ALIGN:
+            raise RuntimeError(f"EZ9999: head dim {q.shape[-1]} is not 16-aligned")  # what the kernel does
+        out, start = torch.empty_like(q), 0
+        for end in actual_seq_lengths:
+            qs, ks, vs = (t[start:end].transpose(0, 1).float() for t in (q, k, v))
+            out[start:end] = torch.softmax(qs @ ks.transpose(1, 2) * scale, -1).matmul(vs).transpose(0, 1).to(q.dtype)
+            start = end
+        return out, torch.empty(1)
+
+    fake = types.ModuleType("torch_npu")
+    fake.npu_fused_infer_attention_score = npu_fused_infer_attention_score
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(attention, "scale_keyword", lambda: "scale")
+    return seen
+
+
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 72, 120, 128, 136, 200, 256])
+def test_every_admitted_head_dim_reaches_the_kernel_aligned_and_comes_back_exact(fused_attention, head_dim):
+    from hwgraph_npu.attention import NPU, host_cu_seqlens, npu_varlen
+
+    lo, hi = NPU.head_dims
+    assert lo <= head_dim <= hi  # the gate says NPU attention is available for it
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(13, 2, head_dim, generator=gen).to(torch.bfloat16) for _ in range(3))
+    cu_seqlens = torch.tensor([0, 9, 13], dtype=torch.int32)
+    with host_cu_seqlens([0, 9, 13]):
+        out = npu_varlen(q, k, v, cu_seqlens, 9, head_dim ** -0.5)
+    assert fused_attention[-1] % ASCEND_ALIGN == 0
+    assert out.shape == q.shape
+    expected = torch.cat([torch.softmax(q[a:b].transpose(0, 1).float() @ k[a:b].transpose(0, 1).float().mT
+                                        * head_dim ** -0.5, -1).matmul(v[a:b].transpose(0, 1).float()).transpose(0, 1)
+                          for a, b in ((0, 9), (9, 13))])
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
