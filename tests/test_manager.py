@@ -534,6 +534,40 @@ def test_a_manager_whose_tower_was_moved_refuses_to_replay_the_old_weights():
     assert_outputs_equal(second.encode(pixels, grid), eager_per_image(tower, pixels.double(), grid))
 
 
+def test_a_move_that_leaves_the_weights_in_place_leaves_every_tensor_the_graphs_read():
+    """to() of no move (a serving stack's model.to(device)), float() of a float32 tower and half() of a half one
+    keep the weights where they are, so a manager goes on replaying; they gave the rotary frequencies a new buffer,
+    and on a GPU the graphs went on reading the freed one (replay 1.8% off eager on the H100 after a few small
+    allocations reused it, weights_key() unchanged)."""
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
+
+    def where():
+        return {name: t.data_ptr() for name, t in (*tower.named_parameters(), *tower.named_buffers())}
+
+    before = where()
+    for move in (lambda: tower.to("cpu"), tower.float, lambda: tower.to(torch.float32)):
+        move()
+        assert where() == before
+    tower.half()
+    before = where()
+    tower.half()
+    assert where() == before and tower.rotary_pos_emb.inv_freq.dtype == torch.float32
+
+
+def test_a_manager_refuses_a_tower_whose_rotary_frequencies_were_reallocated():
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
+    m = make_manager(tower, budgets=[16], max_images=1)
+    m.capture()
+    grid = [(1, 4, 4)]
+    pixels = pixels_for(tower, grid, 91)
+    m.encode(pixels, grid)
+    tower.rotary_pos_emb.reset()  # a new buffer: graphs captured before read the old one
+    with pytest.raises(RuntimeError, match=r"the tower's weights were moved since this manager was built"):
+        m.encode(pixels, grid)
+
+
 def test_capture_goes_largest_budget_first(tower, monkeypatch):
     m = make_manager(tower)
     real_capture = m.backend.capture

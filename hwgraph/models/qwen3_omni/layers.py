@@ -68,8 +68,14 @@ class AxialRotary(nn.Module):
             self.inv_freq = rotary_inv_freq(self.head_dim, self.theta).to(device)
 
     def _apply(self, fn, recurse=True):
+        kept = self.inv_freq
         super()._apply(fn, recurse)
-        self.reset()
+        if not kept.is_meta and self.inv_freq.device == kept.device:
+            # Same device (to() of no move, half(), float()): keep the float32 buffer, whose values are reset()'s.
+            # A new one would leave graphs captured on the old one reading freed memory, weights unmoved.
+            self.inv_freq = kept
+        else:
+            self.reset()
         return self
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -139,11 +139,13 @@ class Qwen3OmniVisionTower(nn.Module):
     def device(self) -> torch.device:
         return self.patch_embed.proj.weight.device
 
-    def weights_key(self) -> tuple[int, int]:
-        """Where the first and the last weight of the tower live. Moving the tower to another dtype or device
-        (``to``, ``half``, ...) allocates new weights and changes this key; a graph captured before would read the
-        old, freed memory. Two pointer reads: ``EncoderGraphManager`` compares it before every call."""
-        return self.patch_embed.proj.weight.data_ptr(), self.merger.mlp[-1].weight.data_ptr()
+    def weights_key(self) -> tuple[int, int, int]:
+        """Where the first and the last weight of the tower and its rotary frequencies (a buffer every forward
+        reads) live. Moving the tower to another dtype or device (``to``, ``half``, ...) allocates new weights and
+        changes this key; a graph captured before would read the old, freed memory. Three pointer reads:
+        ``EncoderGraphManager`` compares it before every call."""
+        return (self.patch_embed.proj.weight.data_ptr(), self.merger.mlp[-1].weight.data_ptr(),
+                self.rotary_pos_emb.inv_freq.data_ptr())
 
     # ------------------------------------------------------------------ attention
     def set_attention(self, name: str | VarlenAttention | None = None, platform: PlatformInfo | None = None,
