@@ -58,6 +58,23 @@ def check_graph_mode(backend: str | None, mode: str | None, device: torch.device
         raise ValueError(f"--graph-mode {mode!r}: {refusal}")
 
 
+def check_backend_builds(name: str | None, mode: str | None, device: torch.device) -> None:
+    """``ValueError`` when the graph backend every manager of the bench will make (``name``, else the automatic choice,
+    in ``mode``, for ``device``) cannot be made: an explicit one whose class does not import, refuses ``device`` or
+    refuses ``mode`` at construction (npu's aclgraph or torchair without their runtime), or ``mode`` given for a
+    backend the automatic choice had to give up. The probe's gate and modes (``check_backend``,
+    ``check_graph_mode``) do not see those; the managers would raise them after a tower is built."""
+    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, create_backend
+
+    option = "--backend" if name else ("$" + GRAPH_BACKEND_ENV if os.environ.get(GRAPH_BACKEND_ENV) else None)
+    try:
+        create_backend(name, device=device, mode=mode)
+    except (SelectionError, ImportError) as exc:
+        raise ValueError(f"{option or '--graph-mode ' + repr(mode)}: {exc}") from None
+    except ValueError as exc:  # a mode meant for the backend the automatic choice could not use
+        raise ValueError(f"--graph-mode {mode!r}: {exc}") from None
+
+
 def writable_path(option: str, spec: str) -> Path:
     """``spec`` as a path whose folder exists (created now) and can be written, so a finished run's results are not
     lost to a bad path; ``ValueError`` naming the option and the path otherwise."""
@@ -99,6 +116,7 @@ def config_from_args(args) -> BenchConfig:
     check_kernels(args.attention)
     check_backend(args.backend, device)
     check_graph_mode(args.backend, args.graph_mode, device)
+    check_backend_builds(args.backend, args.graph_mode, device)
     return BenchConfig(
         preset=preset, groups=groups, device=device, dtype=dtype,
         kernels=args.attention, graph_backend=args.backend, graph_mode=args.graph_mode, warmup=args.warmup,

@@ -214,6 +214,53 @@ def test_info_selects_what_a_manager_would_when_the_best_backends_class_does_not
     assert [b["name"] for b in data["graph_backends"] if b["selected"]] == ([] if forced else ["cpu"])
 
 
+def refused_mode_backend(monkeypatch, class_path: str):
+    """A graph backend whose probe accepts this machine and outranks the others, with a mode, 'aclgraph', that its
+    class refuses at construction (as npu's does on a torch_npu without the graph API)."""
+    from hwgraph import registry
+    from hwgraph.capability import Capability
+
+    spec = registry.BackendSpec("refusedmode", class_path, (registry.detect().kind,), lambda p: Capability.available(),
+                                modes=("aclgraph", "other"), priority=1000)
+    real = registry.discovered()
+    monkeypatch.setattr(registry, "discovered", lambda: ((*real[0], spec), real[1]))
+
+
+def refused_mode_class():
+    from hwgraph.graphs.cpu import CpuGraphBackend
+    from hwgraph.registry import SelectionError
+
+    class RefusedModeBackend(CpuGraphBackend):
+        name, modes = "refusedmode", ("aclgraph", "other")
+
+        def __init__(self, device=None, mode=None):
+            if (mode or self.modes[0]) == "aclgraph":
+                raise SelectionError("refusedmode graph mode 'aclgraph' is unavailable: no graph API")
+            super().__init__(device, mode)
+
+    return RefusedModeBackend
+
+
+RefusedModeBackend = refused_mode_class()
+
+
+@pytest.mark.parametrize("argv, class_path, expected", [
+    # the automatic choice refuses the mode and falls back to the cpu backend: the manager's ValueError was a traceback
+    (["--graph-mode", "aclgraph"], f"{__name__}:RefusedModeBackend",
+     "--graph-mode 'aclgraph': graph mode 'aclgraph' is not a mode of the cpu reference backend"),
+    # an explicit backend whose class refuses its mode: refused only after the tower was built
+    (["--backend", "refusedmode"], f"{__name__}:RefusedModeBackend",
+     "--backend: refusedmode graph mode 'aclgraph' is unavailable: no graph API"),
+    # an explicit backend whose class does not import: the ImportError was a traceback
+    (["--backend", "refusedmode", "--graph-mode", "other"], "hwgraph_no_such_module:Backend",
+     "--backend: graph backend 'refusedmode' declares class_path 'hwgraph_no_such_module:Backend', which does not"),
+])
+def test_bench_refuses_a_backend_or_mode_that_cannot_be_made_here_before_building_anything(monkeypatch, capsys, argv,
+                                                                                           class_path, expected):
+    refused_mode_backend(monkeypatch, class_path)
+    assert expected in refused(["bench", "--groups", "1x4", *argv], capsys)
+
+
 def backend_rows(text: str) -> dict[str, list[str]]:
     """The rows of the graph-backend table of ``hwgraph info``: backend name -> [marker, available, modes]."""
     table = text.split("Graph backends\n", 1)[1].split("\nselected: ", 1)[0].splitlines()[2:]
