@@ -118,6 +118,26 @@ def test_on_a_gpu_machine_the_gpus_backend_refusing_is_an_unserved_case_and_anot
     assert skip_reason(param) == "graph backend 'npu' is unavailable: broken install"
 
 
+def test_on_a_gpu_machine_its_backends_cases_run_on_the_gpu_in_bfloat16_and_every_kernel_runs(monkeypatch):
+    """The accelerator defaults (README: "cpu: float32, else bfloat16"): cases in float32 on a GPU would skip every
+    bf16/fp16-only kernel (FLASH_ATTN, ROCM_AITER_FA: "supports dtypes float16, bfloat16") and leave TRITON_ATTN's
+    bf16 paths unchecked, with the vendor's run still green."""
+    from hwgraph import registry
+    from hwgraph.capability import Capability
+    from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
+
+    simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("NVIDIA H200", 9, 0))
+    real = registry.spec_named("cuda")
+    monkeypatch.setattr(registry, "spec_named",
+                        lambda name: dataclasses.replace(real, gate=lambda platform: Capability.available()))
+    params = {p.id: p for p in conformance_params(settings(backend="cuda"))}
+    assert {"cuda-TORCH_SDPA-bfloat16", "cuda-FLASH_ATTN-bfloat16"} <= set(params), list(params)
+    for case_id in ("cuda-TORCH_SDPA-bfloat16", "cuda-FLASH_ATTN-bfloat16"):
+        assert skip_reason(params[case_id]) is None, skip_reason(params[case_id])
+        case = params[case_id].values[0]
+        assert (case.backend, case.device, case.dtype) == ("cuda", "cuda", torch.bfloat16)
+
+
 def test_a_probe_whose_modes_differ_from_its_classs_fails_the_declaration_check(tmp_path):
     module = VENDOR_MODULE.replace("import pytest\n", '''import dataclasses
 
@@ -397,6 +417,34 @@ def fresh_replay(self):
 
 CpuCapturedGraph.replay = fresh_replay
 ''', "TestReplayEqualsEager", "do not hold the replay's results (did replay() write new tensors instead?)"),
+    # after the capture's own check (each graph's first replay), replays refresh the embeddings only: DeepStack
+    # features (three of the tower's four outputs) stay as an earlier call left them
+    "stale deepstack": ('''
+import torch
+from hwgraph.graphs.cpu import CpuCapturedGraph
+
+replay = CpuCapturedGraph.replay
+
+
+def embeds_only(self):
+    kept = self.outputs[1:].clone() if getattr(self, "checked", False) else None
+    replay(self)
+    self.checked = True
+    if kept is not None:
+        with torch.inference_mode():
+            self.outputs[1:].copy_(kept)
+
+
+CpuCapturedGraph.replay = embeds_only
+''', "TestDeepStack", "DeepStack feature 0"),
+    # close() returns nothing: release() keeps the graph's memory and the pool holds its graphs (a device pool that
+    # outlives the graph objects)
+    "pool kept": ('''
+from hwgraph.graphs.cpu import CpuCapturedGraph, CpuPool
+
+CpuCapturedGraph.release = lambda self: None
+CpuPool.__init__ = lambda self: setattr(self, "graphs", set())
+''', "TestPoolRelease", "close() left"),
     # a sync guard that rejects .item() only
     "item only": ('''
 import contextlib
