@@ -46,6 +46,7 @@ from hwgraph.models.qwen3_omni.metadata import TENSOR_FIELDS, VisionMetadata, no
 from hwgraph.models.qwen3_omni.output import VisionOutput  # noqa: E402
 
 PIXELS = "pixel_values"
+EMBEDS = "image_embeds"  # vLLM's enable_mm_embeds: precomputed rows, [tokens, width], nothing to encode
 GRID = "image_grid_thw"
 DEVICE_GRID_FIX = (f"declare {GRID} as MultiModalFieldConfig.batched(\"image\", keep_on_cpu=True) in the model's "
                    f"multimodal processor (_get_mm_fields_config), as vLLM 0.33's Qwen-Omni thinker processor does; "
@@ -154,6 +155,23 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         vLLM's ``enable_mm_embeds``, has none; the single-replay manager leaves it to ``embed_multimodal``)."""
         return PIXELS in mm_kwargs
 
+    @staticmethod
+    def embeds_group(mm_kwargs: dict[str, Any] | None) -> bool:
+        """Whether the group is precomputed ``image_embeds`` (no pixels). vLLM's own manager, which knows no
+        ``encoder_cudagraph_accepts``, still hands such a group to the protocol: select, replay buffers, eager and
+        postprocess then pass the embeddings through (a replay still runs, on the buffers as they are, and is
+        ignored), so that the group gets what ``embed_multimodal`` gives it instead of an error in the engine."""
+        return mm_kwargs is not None and PIXELS not in mm_kwargs and EMBEDS in mm_kwargs
+
+    def embeds(self, mm_kwargs: dict[str, Any]) -> torch.Tensor:
+        """The group's ``image_embeds``, checked against the grid's token counts (shapes only)."""
+        embeds, grid = mm_kwargs[EMBEDS], self.host_grid(mm_kwargs)
+        tokens = sum(t * h * w for t, h, w in grid) // self.merge_area
+        if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2 or embeds.shape[0] != tokens:
+            raise ValueError(f"image_embeds must be one [tokens, width] tensor with the {tokens} rows of grids "
+                             f"{list(grid)}, got {getattr(embeds, 'shape', type(embeds).__name__)}")
+        return embeds
+
     def pixels(self, mm_kwargs: dict[str, Any]) -> torch.Tensor:
         if PIXELS not in mm_kwargs:
             raise ValueError(f"mm_kwargs hold no {PIXELS!r} (keys: {sorted(mm_kwargs)}): a group of precomputed "
@@ -184,10 +202,11 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
 
     def select_encoder_cudagraph_items(self, mm_kwargs: dict[str, Any], indices: list[int]) -> dict[str, Any]:
         grid = self.host_grid(mm_kwargs)
-        pixels = self.pixels(mm_kwargs)
+        key, per_row = (EMBEDS, self.merge_area) if self.embeds_group(mm_kwargs) else (PIXELS, 1)
+        pixels = self.embeds(mm_kwargs) if key == EMBEDS else self.pixels(mm_kwargs)  # rows to slice per item
         starts = [0]
         for t, h, w in grid:
-            starts.append(starts[-1] + t * h * w)
+            starts.append(starts[-1] + t * h * w // per_row)
         if pixels.shape[0] != starts[-1]:  # slicing by the grid's offsets would drop or shift rows silently
             raise ValueError(f"pixel_values has {pixels.shape[0]} rows but grids {list(grid)} need {starts[-1]} "
                              f"patch rows")
@@ -199,7 +218,7 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
             selected = pixels[starts[indices[0]]:starts[indices[-1] + 1]]  # consecutive, in order: a view, no copy
         else:
             selected = torch.cat([pixels[starts[i]:starts[i + 1]] for i in indices])
-        return {PIXELS: selected, GRID: [grid[i] for i in indices]}
+        return {key: selected, GRID: [grid[i] for i in indices]}
 
     # ------------------------------------------------------------------ buffers
     def prepare_encoder_cudagraph_capture_inputs(
@@ -237,6 +256,9 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         """This step's values, unpadded: ``PADDING_LOGICS`` and vLLM's default copy pad them into the buffers.
         ``ValueError`` unless ``pixel_values`` is ``[patches of the grid, patch_row_width]`` (shapes only)."""
         self._check_path(path)
+        if self.embeds_group(mm_kwargs):  # None leaves every buffer as it is; postprocess takes the embeddings
+            self.embeds(mm_kwargs)
+            return EncoderCudaGraphReplayBuffers(values=dict.fromkeys(BUFFER_KEYS))
         # The default copy zero-pads: missing rows would replay as zero pixels and give a wrong answer, not an error.
         # They are checked before the metadata's tables, which grow with the grids, are built.
         pixels = self.pixels(mm_kwargs)
@@ -264,6 +286,8 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
     def encoder_eager_forward(self, mm_kwargs: dict[str, Any], path: str = "default") -> torch.Tensor:
         """The tower's eager forward on the group: ``[tokens, out_hidden_size]``."""
         self._check_path(path)
+        if self.embeds_group(mm_kwargs):
+            return self.embeds(mm_kwargs)
         pixels = self.pixels(mm_kwargs).to(self.tower.dtype)
         return self.concat(self.tower.forward(pixels, self.host_grid(mm_kwargs)))
 
@@ -279,7 +303,7 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
         """Slice each image's rows (embeddings and DeepStack, side by side) out of ``outputs['default']`` into
         ``dest[index]``; rows after the last image are padding and dropped. ``clone`` when the rows live in a
         graph buffer that the next replay overwrites."""
-        out = outputs["default"]
+        out = self.embeds(batch_mm_kwargs) if self.embeds_group(batch_mm_kwargs) else outputs["default"]
         counts = [per_item_out_tokens[i] for i in indices]
         if sum(counts) > out.shape[0]:
             raise ValueError(f"{sum(counts)} output tokens for items {list(indices)} exceed the {out.shape[0]} "

@@ -93,8 +93,10 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
     def capture(self, graph_pool: Any = None):
         """Capture every budget, largest first (upstream's loop) into ``graph_pool``: vLLM passes its platform's
         graph pool handle, which is what hwgraph's device backends use; the CPU reference backend, or no pool,
-        gets a pool of the backend's own. Failures (``capture_failures``) are this capture's only."""
-        self.capture_failures = {}
+        gets a pool of the backend's own. Failures (``capture_failures``) are this capture's only, and so are the
+        graphs: those of an earlier capture are released first (``clear()``), so that a budget this capture failed
+        or refused is not replayed from a graph of other weights, numerics or kernel."""
+        self.clear()
         refusal = self.capture_refusal()
         if refusal:
             self.capture_failures = {b: refusal for b in self.path_token_budgets["default"] if b > 0}

@@ -567,6 +567,37 @@ def test_capture_failures_are_those_of_the_last_capture(tower, adapter, monkeypa
     m.clear()
 
 
+def test_a_recapture_without_clear_keeps_no_graph_of_the_earlier_capture(monkeypatch):
+    """capture() again without clear() (test_capture_failures_are_those_of_the_last_capture does it): a budget whose
+    recapture failed kept the earlier capture's graph, which decide() replayed although capture_failures named it;
+    after tower.to() that graph read the old weights, past the weights guard (which holds the new capture's)."""
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval()
+    adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
+                                               graph_backend="cpu")
+    m.capture(graph_pool=None)
+    real, calls = m.backend.capture, []
+
+    def capture(fn, pool=None):
+        calls.append(fn)
+        if len(calls) == 1:  # the largest budget's recapture fails
+            raise RuntimeError("simulated capture failure")
+        return real(fn, pool)
+
+    monkeypatch.setattr(m.backend, "capture", capture)
+    tower.to(torch.float64)  # the weights move between the two captures
+    m.capture(graph_pool=None)
+    try:
+        assert m.captured_budgets() == [64, 128] and list(m.capture_failures) == [256]
+        kwargs = mm_kwargs(tower, [(1, 16, 32), (1, 8, 8)], seed=3)  # 144 tokens: only 256 would hold them
+        kwargs["pixel_values"] = kwargs["pixel_values"].double()
+        assert_matches_eager(adapter, m.execute(kwargs), eager_per_image(tower, kwargs))
+        assert m.get_cumulative_stats()["eager_reasons"] == {"capture failed": 1}
+    finally:
+        m.clear()
+
+
 def test_a_replay_after_the_towers_weights_moved_raises_naming_the_move():
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval()
@@ -830,10 +861,21 @@ def test_a_group_of_precomputed_image_embeddings_is_left_to_the_models_embed_mul
                                                                                                      (1, 4, 4)])}
     assert manager.execute(kwargs) is None
     assert manager.graph_hits == 0 and manager.replays == 0 and manager.eager_groups == 0
-    with pytest.raises(ValueError, match=r"no 'pixel_values'.*image_embeds"):
-        adapter.prepare_encoder_cudagraph_replay_buffers(kwargs, MAX_ITEMS, MAX_ITEMS)  # vLLM's own manager
-    with pytest.raises(ValueError, match=r"no 'pixel_values'.*image_embeds"), torch.inference_mode():
-        adapter.encoder_eager_forward(kwargs)
+
+
+@pytest.mark.parametrize("grid", [[(1, 8, 8), (1, 4, 4)], [(1, 8, 8), (1, 40, 40)]], ids=["replayed", "oversized"])
+def test_vllms_own_manager_passes_a_group_of_image_embeddings_through(adapter, manager, grid):
+    """vLLM builds its own manager unless install_single_replay_manager() is called, and that one knows no
+    encoder_cudagraph_accepts: a group of image_embeds (enable_mm_embeds) raised ValueError inside the engine step.
+    Each image gets its rows of image_embeds, as embed_multimodal gives them."""
+    tokens = tokens_of(grid)
+    embeds = torch.randn(sum(tokens), adapter.out_hidden_size)
+    kwargs = {"image_embeds": embeds, "image_grid_thw": torch.tensor(grid)}
+    got = upstream.EncoderCudaGraphManager._execute_local(manager, kwargs)  # vLLM's packing: select, replay, eager
+    torch.testing.assert_close(torch.cat(got), embeds, rtol=0, atol=0)
+    assert [t.shape[0] for t in got] == tokens
+    with pytest.raises(ValueError, match=r"image_embeds must be one \[tokens, width\] tensor"):
+        upstream.EncoderCudaGraphManager._execute_local(manager, {**kwargs, "image_embeds": embeds[:-1]})
 
 
 def test_under_encoder_dp_every_rank_gathers_in_the_managers_dtype(tower, adapter, monkeypatch):
