@@ -57,6 +57,12 @@ def vllm_config(budgets=None, max_items=0, max_batched_tokens=8192):
     )
 
 
+def cpu_manager(adapter):
+    """hwgraph's single-replay manager for ``adapter`` on the CPU reference backend, at the tests' budgets."""
+    return hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
+                                                  graph_backend="cpu")
+
+
 @pytest.fixture(scope="module")
 def tower():
     torch.manual_seed(0)
@@ -70,8 +76,7 @@ def adapter(tower):
 
 @pytest.fixture(scope="module")
 def captured(adapter):
-    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
-                                               graph_backend="cpu")
+    m = cpu_manager(adapter)
     m.capture(graph_pool=None)
     yield m
     m.clear()
@@ -85,8 +90,7 @@ def manager(captured):
 
 def manager_whose_first_capture_fails(adapter, monkeypatch):
     """A manager of BUDGETS on the cpu backend, captured once; the first capture (the largest budget) raised."""
-    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
-                                               graph_backend="cpu")
+    m = cpu_manager(adapter)
     real, calls = m.backend.capture, []
 
     def capture(fn, pool=None):
@@ -408,8 +412,7 @@ def test_single_replay_decision_and_outputs(tower, adapter, manager, monkeypatch
 
 
 def test_no_captured_graph_means_one_eager_call(tower, adapter):
-    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
-                                               graph_backend="cpu")
+    m = cpu_manager(adapter)
     kwargs = mm_kwargs(tower, [(1, 8, 8)])
     assert m.decide(adapter.get_encoder_cudagraph_item_specs(kwargs)).reason == "no graphs"
     assert_matches_eager(adapter, m.execute(kwargs), eager_per_image(tower, kwargs))
@@ -467,8 +470,7 @@ def test_graphs_captured_under_other_numerics_settings_are_not_replayed(tower, a
 
 
 def test_a_capture_that_leaves_every_budget_eager_is_logged_as_a_warning(adapter, monkeypatch, caplog):
-    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
-                                               graph_backend="cpu")
+    m = cpu_manager(adapter)
 
     def capture(fn, pool=None):
         raise RuntimeError("simulated capture failure")
@@ -540,8 +542,7 @@ def test_a_group_of_exactly_a_failed_budgets_size_is_reported_as_a_capture_failu
 
 
 def test_capture_failures_are_those_of_the_last_capture(tower, adapter, monkeypatch):
-    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
-                                               graph_backend="cpu")
+    m = cpu_manager(adapter)
     real, fail = m.backend.capture, [True]
 
     def capture(fn, pool=None):
@@ -574,8 +575,7 @@ def test_a_recapture_without_clear_keeps_no_graph_of_the_earlier_capture(monkeyp
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval()
     adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
-    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
-                                               graph_backend="cpu")
+    m = cpu_manager(adapter)
     m.capture(graph_pool=None)
     real, calls = m.backend.capture, []
 
@@ -602,8 +602,7 @@ def test_a_replay_after_the_towers_weights_moved_raises_naming_the_move():
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval()
     adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
-    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
-                                               graph_backend="cpu")
+    m = cpu_manager(adapter)
     m.capture(graph_pool=None)
     kwargs = mm_kwargs(tower, [(1, 8, 8)])
     m.execute(kwargs)
@@ -626,8 +625,7 @@ def test_a_kernel_that_is_not_graph_safe_is_never_captured(monkeypatch):
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("tiny", attention=host_bound_attention).eval()
     adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
-    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(BUDGETS, MAX_ITEMS), CPU, torch.float32, adapter,
-                                               graph_backend="cpu")
+    m = cpu_manager(adapter)
     calls = []
     monkeypatch.setattr(m.backend, "capture", lambda fn, pool=None: calls.append(fn))
     m.capture(graph_pool=None)
