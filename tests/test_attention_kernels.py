@@ -333,6 +333,14 @@ def test_interpreted_triton_op_passes_opcheck():
 
 
 @interpreted
+def test_interpreted_triton_op_output_has_its_fakes_strides_for_a_q_without_unit_stride_on_d():
+    # The launcher copies such a q to unit stride on D and allocates its output like the copy.
+    batch = random_packed_batch([5, 7], heads=2, head_dim=72, zero_length=1, padding_rows=3)
+    q = batch.q.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.library.opcheck(triton_varlen_op, (q, *batch.args()[1:]), test_utils=("test_faketensor",))
+
+
+@interpreted
 def test_interpreted_triton_replays_in_the_cpu_graph_backend_with_new_cu_seqlens():
     replay_with_new_cu_seqlens(triton_varlen)
 
@@ -501,6 +509,14 @@ def test_sdpa_op_passes_opcheck():
     torch.library.opcheck(sdpa_varlen_op, batch.args())
 
 
+def test_sdpa_op_output_has_its_fakes_strides_for_a_transposed_q():
+    # A [H, T, D] q seen as [T, H, D] is dense: empty_like keeps its layout, the body returns a contiguous one, and
+    # torch.compile (which takes strides from the fake; Inductor asserts them) failed on the difference.
+    batch = random_packed_batch([5, 7], heads=2, head_dim=72, zero_length=1, padding_rows=3)
+    q = batch.q.transpose(0, 1).contiguous().transpose(0, 1)
+    torch.library.opcheck(sdpa_varlen_op, (q, *batch.args()[1:]), test_utils=("test_faketensor",))
+
+
 def plugin_ops():
     from hwgraph_cuda.attention import flash_varlen_op
     from hwgraph_npu.attention import npu_varlen_op
@@ -663,6 +679,34 @@ def test_flash_adapter_uses_either_provider_and_zeroes_padding(monkeypatch, prov
                                     dtype=torch.bfloat16)
         assert_matches_reference(attention.flash_varlen(*batch.args()), batch)
     assert ran == [(provider, 72), (provider, 40)]
+
+
+def test_flash_op_output_has_its_fakes_strides_for_a_padded_head(monkeypatch):
+    # A head of 36 lanes runs padded to 40 and comes back as a slice: the op must still return the fake's layout.
+    from hwgraph_cuda import attention
+
+    monkeypatch.setattr(attention, "flash_provider", lambda: ("aten", ()))
+    monkeypatch.setattr(attention, "aten_flash", lambda q, k, v, cu, max_seqlen, scale: reference_like(q, k, v, cu,
+                                                                                                       scale))
+    batch = random_packed_batch([9, 4], heads=2, head_dim=36, zero_length=1, padding_rows=6, dtype=torch.bfloat16)
+    torch.library.opcheck(attention.flash_varlen_op, batch.args(), test_utils=("test_faketensor",))
+
+
+def test_flash_adapter_hands_the_kernel_unit_stride_on_d(monkeypatch):
+    # ATen's flash kernel (and flash_attn's C++ API) refuse q, k, v whose last dimension is not contiguous.
+    from hwgraph_cuda import attention
+
+    def aten_flash(q, k, v, cu, max_seqlen, scale):
+        for t in (q, k, v):
+            if t.stride(-1) != 1:
+                raise RuntimeError("Input tensor must have contiguous last dimension")
+        return reference_like(q, k, v, cu, scale)
+
+    monkeypatch.setattr(attention, "flash_provider", lambda: ("aten", ()))
+    monkeypatch.setattr(attention, "aten_flash", aten_flash)
+    batch = random_packed_batch([9, 4], heads=2, head_dim=72, zero_length=1, padding_rows=6, dtype=torch.bfloat16)
+    k = batch.k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert_matches_reference(attention.flash_varlen(batch.q, k, *batch.args()[2:]), batch)
 
 
 def test_flash_provider_takes_the_flash_attn_package_when_it_has_the_varlen_function(monkeypatch):

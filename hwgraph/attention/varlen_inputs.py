@@ -70,12 +70,12 @@ def zero_padding_rows(out: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tens
 
 def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool = False,
                            dtypes: tuple[torch.dtype, ...] | None = None):
-    """Register ``body`` (the common signature, inputs unchecked) as the custom op ``hwgraph::<op_name>`` with a
-    fake returning ``empty_like(q)``. Returns ``(public, op)``: ``public`` checks its inputs (``ValueError`` naming
-    ``kernel``; q, k, v of one of ``dtypes``), runs the op while torch.compile traces and ``body`` itself in eager
-    (``eager_or_op``), and returns padding rows (rows at or past ``cu_seqlens[-1]``) as zeros: ``body`` zeroes them
-    itself when ``zeroes_padding``, otherwise ``public`` does (three small device kernels, about 50 µs of host time
-    per call on the H200's host).
+    """Register ``body`` (the common signature, inputs unchecked) as the custom op ``hwgraph::<op_name>``, whose
+    output is a new contiguous ``[tokens, heads, head_dim]`` tensor, as its fake says. Returns ``(public, op)``:
+    ``public`` checks its inputs (``ValueError`` naming ``kernel``; q, k, v of one of ``dtypes``), runs the op while
+    torch.compile traces and ``body`` itself in eager (``eager_or_op``), and returns padding rows (rows at or past
+    ``cu_seqlens[-1]``) as zeros: ``body`` zeroes them itself when ``zeroes_padding``, otherwise ``public`` does
+    (three small device kernels, about 50 µs of host time per call on the H200's host).
 
     ``public.padding_unspecified`` is the same checked kernel without that zeroing: its padding rows hold whatever
     the kernel left there. The tower uses it, because no later step mixes rows across sequences: its padding rows
@@ -84,10 +84,14 @@ def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool
 
     def impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
              scale: float) -> torch.Tensor:
-        return body(q, k, v, cu_seqlens, max_seqlen, scale)
+        # torch.compile takes the output's strides from the fake and Inductor asserts them, so the op returns the
+        # layout the fake gives whatever its body returns: TORCH_SDPA a contiguous copy of a permuted q's layout, a
+        # padded head sliced back (FLASH_ATTN, a head_dim not a multiple of 8), a q copied to unit stride on D
+        # (TRITON_ATTN), rows padded to 16 bytes (the Gluon kernel). A no-op for the tower's contiguous outputs.
+        return body(q, k, v, cu_seqlens, max_seqlen, scale).contiguous()
 
     op = torch.library.custom_op(f"hwgraph::{op_name}", impl, mutates_args=())
-    op.register_fake(lambda q, k, v, cu_seqlens, max_seqlen, scale: torch.empty_like(q))
+    op.register_fake(lambda q, k, v, cu_seqlens, max_seqlen, scale: q.new_empty(q.shape))
 
     def padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, scale: float) -> torch.Tensor:

@@ -83,6 +83,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
                     max_seqlen: int, scale: float) -> torch.Tensor:
     """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows unwritten."""
     head_dim = q.shape[-1]
+    # The flash kernels take q, k, v with unit stride on D ("Input tensor must have contiguous last dimension"); other
+    # strides pass as they are (the tower's v is a strided view of its qkv rows).
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     pad = 0
     if head_dim % 8:
         # Flash kernels take head dims in multiples of 8; zero lanes change neither q.k nor the kept slice of p.v.

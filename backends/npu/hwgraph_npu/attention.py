@@ -117,7 +117,8 @@ def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         **{scale_keyword(): scale})
     if isinstance(out, (tuple, list)):  # (attention_out, softmax_lse)
         out = out[0]
-    return out[..., :head_dim]
+    # A padded head comes back as a slice: contiguous, the layout the op's fake gives (torch.compile trusts it)
+    return out[..., :head_dim].contiguous()
 
 
 NPU_DTYPES = (torch.float16, torch.bfloat16)
@@ -126,7 +127,7 @@ npu_varlen_op = torch.library.custom_op("hwgraph::npu_varlen", npu_attention, mu
 
 @npu_varlen_op.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, scale, seq_ends):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 def npu_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -56,3 +56,14 @@ def test_every_admitted_head_dim_reaches_the_kernel_aligned_and_comes_back_exact
                                         * head_dim ** -0.5, -1).matmul(v[a:b].transpose(0, 1).float()).transpose(0, 1)
                           for a, b in ((0, 9), (9, 13))])
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_a_padded_head_comes_back_with_the_layout_of_the_ops_fake(fused_attention):
+    """72 lanes run padded to 128 and come back as a slice; torch.compile takes the output's strides from the fake."""
+    from hwgraph_npu.attention import npu_varlen_op
+
+    gen = torch.Generator().manual_seed(72)
+    q, k, v = (torch.randn(13, 2, 72, generator=gen).to(torch.bfloat16) for _ in range(3))
+    args = (q, k, v, torch.tensor([0, 9, 13], dtype=torch.int32), 9, 72 ** -0.5, [9, 13])
+    torch.library.opcheck(npu_varlen_op, args, test_utils=("test_faketensor",))
+    assert fused_attention[-1] == 128
