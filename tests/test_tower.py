@@ -555,14 +555,23 @@ def full_config(vision: dict) -> dict:
                                                                 "vision_config": vision, "text_config": {}}}
 
 
-@pytest.mark.parametrize("layout", ["full checkpoint, sharded", "thinker-style, visual.", "vision-only, bare"])
+@pytest.mark.parametrize("layout", ["full checkpoint, sharded", "thinker-style, visual.", "vision-only, bare",
+                                    "full model's state_dict(), thinker.model.visual.",
+                                    "thinker's state_dict(), model.visual."])
 def test_from_pretrained_loads_every_layout_and_equals_the_source(tmp_path, source, layout):
     tower, state, vision = source
-    if layout.startswith("full"):
+    if layout.startswith("full checkpoint"):
         tensors = {f"thinker.visual.{k}": v for k, v in state.items()}
         tensors["thinker.model.embed_tokens.weight"] = torch.zeros(4, 2)  # the rest of the model is ignored
         tensors["talker.visual.blocks.0.norm1.weight"] = torch.zeros(2)
         folder = write_checkpoint(tmp_path / "ckpt", tensors, full_config(vision), shards=3)
+    elif "state_dict()" in layout:
+        prefix = layout.rsplit(", ", 1)[1]
+        tensors = {f"{prefix}{k}": v for k, v in state.items()}
+        tensors[prefix.replace("visual.", "language_model.embed_tokens.weight")] = torch.zeros(4, 2)
+        config = full_config(vision) if prefix.startswith("thinker") else {"model_type": "qwen3_omni_moe_thinker",
+                                                                          "vision_config": vision}
+        folder = write_checkpoint(tmp_path / "ckpt", tensors, config)
     elif layout.startswith("thinker"):
         folder = write_checkpoint(tmp_path / "ckpt", {f"visual.{k}": v for k, v in state.items()},
                                   {"model_type": "qwen3_omni_moe_thinker", "vision_config": vision})
@@ -778,3 +787,18 @@ def test_from_pretrained_prefers_the_most_specific_prefix_when_two_hold_the_whol
     loaded = from_pretrained(write_checkpoint(tmp_path / "ckpt", tensors, vision), attention=masked_attention)
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, state[name], rtol=0, atol=0)
+
+
+def test_a_channels_last_patch_embedding_weight_gives_the_reference_output():
+    """``PatchEmbed`` flattened its Conv3d weight with ``view``, which fails on a weight that is not contiguous
+    (``tower.to(memory_format=torch.channels_last_3d)``, or one loaded with ``assign=True``); transformers' conv
+    runs."""
+    torch.manual_seed(0)
+    tower = perturbed(Qwen3OmniVisionTower.from_preset("tiny", attention=masked_attention))
+    reference = reference_encoder(tower)
+    tower.to(memory_format=torch.channels_last_3d)
+    assert not tower.patch_embed.proj.weight.is_contiguous()
+    grid = [(2, 4, 6)]
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        assert_same_output(tower(pixels, grid), run_reference(reference, pixels, grid))

@@ -40,7 +40,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return linear(pixel_values.to(weight.dtype), weight.view(weight.shape[0], -1), self.proj.bias)
+        return linear(pixel_values.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
 
 
 def rotary_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

@@ -14,8 +14,10 @@ import torch
 
 from hwgraph.models.qwen3_omni.config import vision_config_from_dict
 
-# Where the tower's tensors live: a full Qwen3-Omni checkpoint, a tower saved alone, or a bare state dict.
-PREFIXES = ("thinker.visual.", "visual.", "")
+# Where the tower's tensors live: a full Qwen3-Omni checkpoint, a tower saved alone, or a bare state dict; and a raw
+# state_dict() of transformers' modules (save_pretrained writes the checkpoint names above), whose thinker holds the
+# encoder at model.visual.
+PREFIXES = ("thinker.visual.", "thinker.model.visual.", "visual.", "model.visual.", "")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -120,7 +122,8 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attenti
     """A tower with the weights of the local checkpoint folder ``path``.
 
     config.json may be a full Qwen3-Omni config, a thinker config or a vision-only config; tensors may sit
-    under ``thinker.visual.``, ``visual.`` or no prefix. ``dtype`` None keeps the checkpoint's dtype; ``device``
+    under ``thinker.visual.``, ``visual.`` (``thinker.model.visual.``, ``model.visual.``: a transformers module's raw
+    ``state_dict()``) or no prefix. ``dtype`` None keeps the checkpoint's dtype; ``device``
     defaults to the CPU. Missing, unexpected or misshapen tensors raise ``CheckpointError`` listing them.
     """
     from hwgraph.platform import checked_device
