@@ -175,9 +175,13 @@ def platform_for(device: torch.device | str) -> PlatformInfo:
     device = torch.device(device)
     if device.type in ("cpu", "meta") and info.kind != "cpu":
         return PlatformInfo("cpu", "cpu", None, info.torch_version, None, None, 0)
-    if info.kind in ("cuda", "rocm") and device.type == "cuda" and device.index not in (None, 0):
+    if info.kind in ("cuda", "rocm") and device.type == "cuda":
         try:
-            props = torch.cuda.get_device_properties(device.index)
+            # "cuda" without an index is the current GPU (what the graph backend and tower.to() resolve it to)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if index == 0:
+                return info
+            props = torch.cuda.get_device_properties(index)
         except Exception:  # an index this machine lacks: the backend's device check says so
             return info
         return dataclasses.replace(info, device_name=props.name, arch=gpu_arch(props, info.kind))

@@ -128,6 +128,18 @@ def test_a_gpu_named_by_index_is_described_by_its_own_architecture(monkeypatch):
     assert platform_for("cuda:0").arch == platform_for("cuda").arch == detect().arch == "sm_90"
 
 
+def test_a_gpu_named_without_index_is_described_as_the_current_one(monkeypatch):
+    # "cuda" is the current GPU: with cuda:1 current (torch.cuda.set_device(1)) the gates judged device 0's
+    # architecture, so a T4 was offered Hopper's kernels and FLASH_ATTN
+    simulate_gpu(monkeypatch, cuda="12.8", count=2)
+    props = {0: DeviceProperties("NVIDIA H200", 9, 0, None), 1: DeviceProperties("Tesla T4", 7, 5, None)}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props[index])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert (platform_for("cuda").device_name, platform_for("cuda").arch) == ("Tesla T4", "sm_75")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert platform_for("cuda").arch == "sm_90"
+
+
 @pytest.mark.cpu_machine
 def test_this_machine_is_cpu():
     info = detect()

@@ -58,7 +58,7 @@ class ChoiceCache:
         except OSError as exc:
             log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
             return {}, False
-        except ValueError as exc:  # not JSON, or not UTF-8
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested deeper than json can read
             log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
             return {}, True
         if not isinstance(entries, dict):

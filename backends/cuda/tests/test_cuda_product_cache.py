@@ -162,3 +162,14 @@ def test_a_cache_entry_that_is_not_an_object_is_a_miss_and_an_entry_json_cannot_
     cache.put("c", {"algo": object()})  # not JSON: logged, the file left as it was
     assert "could not write the measured-products cache" in caplog.text
     assert json.loads(path.read_text()) == {cache.key("a"): [1, 2], cache.key("b"): "x"}
+
+
+def test_a_cache_file_nested_deeper_than_json_reads_is_ignored_and_replaced(tmp_path, caplog):
+    """json.loads raises RecursionError there, neither OSError nor ValueError: it escaped put() (and measure())."""
+    path = tmp_path / "cublaslt-products.json"
+    path.write_text("[" * 100_000)
+    cache, entry = product_cache.ChoiceCache(path, "H200"), products.Choice(None, None, 5.0, 5.0).entry()
+    assert cache.get("a") is None
+    assert f"ignoring the measured-products cache {path}" in caplog.text
+    cache.put("a", entry)
+    assert cache.entries() == {cache.key("a"): entry}
