@@ -159,6 +159,10 @@ class EncoderGraphManager:
         # Every argument is checked before the tower is changed (moved, given a kernel): the tower may be shared.
         platform = platform_for(device)
         backend = create_backend(graph_backend, device=device, mode=graph_mode, platform=platform)
+        if device.index is None and backend.device.type == device.type and backend.device.index is not None:
+            # "cuda" is the GPU current now, as the backend resolved it: encode() keeps to it (its copies, streams and
+            # eager calls) if the caller makes another GPU current later
+            device = backend.device
         if calibrate is None:
             calibrate = budgets is None and backend.accelerates
         if budgets is None:

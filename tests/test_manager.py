@@ -950,3 +950,27 @@ def test_a_plain_capture_leaves_dynamos_limits_alone(tower, monkeypatch):
                             attention="TORCH_SDPA")
     m.capture()
     assert sorted(m.graphs) == [8, 16] and m.stats()["capture_failures"] == {}
+
+
+def test_a_device_named_without_index_is_the_one_the_backend_resolved(monkeypatch):
+    """device="cuda" is the GPU current when the manager is made, as its graph backend resolves it; the manager kept
+    the bare name, so its copies, streams and eager calls would follow whatever GPU the caller made current later.
+    (Simulated on the CPU: a backend that resolves "cpu" to index 0, as the CUDA backend resolves "cuda".)"""
+    from hwgraph import manager as manager_module
+    from hwgraph.graphs.cpu import CpuGraphBackend
+
+    real = manager_module.create_backend
+
+    def resolving(name=None, device=None, mode=None, platform=None):
+        backend = real(name, device=device, mode=mode, platform=platform)
+        assert isinstance(backend, CpuGraphBackend) and backend.device == torch.device("cpu")
+        backend.device = torch.device(device.type, 0)
+        return backend
+
+    monkeypatch.setattr(manager_module, "create_backend", resolving)
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
+    with make_manager(tower, budgets=[16], max_images=1, device="cpu") as m:
+        assert m.device == torch.device("cpu", 0) == m.backend.device
+        m.capture()
+        encode_and_check(m, tower, [(1, 4, 4)], 5)
