@@ -32,34 +32,28 @@ class PlatformInfo:
         return asdict(self)
 
 
+def npu_import():
+    """``(torch_npu, None)`` if it is importable (already imported or installed); ``(None, why)`` where an installed
+    one does not import (``ImportError: libascendcl.so: ...`` where the CANN toolkit's environment is not set);
+    ``(None, None)`` where it is not installed."""
+    if "torch_npu" in sys.modules:
+        return sys.modules["torch_npu"], None
+    if importlib.util.find_spec("torch_npu") is None:
+        return None, None
+    try:
+        return importlib.import_module("torch_npu"), None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
 def npu_module():
     """The ``torch_npu`` module if it is importable (already imported or installed), else None."""
-    if "torch_npu" in sys.modules:
-        return sys.modules["torch_npu"]
-    if importlib.util.find_spec("torch_npu") is None:
-        return None
-    try:
-        return importlib.import_module("torch_npu")
-    except Exception:
-        return None
-
-
-def npu_import_failure() -> str | None:
-    """Why an installed ``torch_npu`` does not import (``ImportError: libascendcl.so: ...`` where the CANN toolkit's
-    environment is not set), or None: it imports, or it is not installed."""
-    if "torch_npu" in sys.modules or importlib.util.find_spec("torch_npu") is None:
-        return None
-    try:
-        importlib.import_module("torch_npu")
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    return npu_import()[0]
 
 
 def npu_info(notes: list[str]) -> PlatformInfo | None:
-    mod = npu_module()
+    mod, failure = npu_import()
     if mod is None:
-        failure = npu_import_failure()
         if failure is not None:
             notes.append(f"torch_npu is installed but does not import ({failure})")
         return None
@@ -140,13 +134,14 @@ def checked_device(spec: str | torch.device, name: str = "device", purpose: str 
     """``spec`` as a ``torch.device`` this machine has (``cpu``, ``cuda``, ``cuda:1``, ``npu:0``), else
     ``ValueError`` naming ``name``, the value and what was expected; ``purpose`` says what it is for."""
     # importing torch_npu is what registers the device type "npu" with torch: without it torch.device("npu") fails
-    if str(spec).partition(":")[0] == "npu" and npu_module() is None:
-        failure = npu_import_failure()
-        if failure is not None:
-            why = f"torch_npu is installed but does not import ({failure}); set the CANN toolkit's environment"
-        else:
-            why = f"torch_npu is not installed; install torch_npu built for torch {torch.__version__} with CANN"
-        raise ValueError(f"{name} {str(spec)!r}: npu devices need torch_npu, and {why}")
+    if str(spec).partition(":")[0] == "npu":
+        module, failure = npu_import()
+        if module is None:
+            if failure is not None:
+                why = f"torch_npu is installed but does not import ({failure}); set the CANN toolkit's environment"
+            else:
+                why = f"torch_npu is not installed; install torch_npu built for torch {torch.__version__} with CANN"
+            raise ValueError(f"{name} {str(spec)!r}: npu devices need torch_npu, and {why}")
     try:
         device = torch.device(spec)
     except (RuntimeError, ValueError, TypeError) as exc:

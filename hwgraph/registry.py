@@ -97,6 +97,11 @@ def plugin_attention(module: str, *names: str) -> tuple:
     return kernels
 
 
+def failed_plugins(problems) -> str:
+    """What an unknown name's error adds: the installed plugins (or their modules) that failed to load, whose names
+    may be the one asked for; empty without any."""
+    return f"; installed plugins that failed to load: {'; '.join(problems)}" if problems else ""
+
 
 def cpu_probe() -> BackendSpec:
     return BackendSpec(
@@ -149,8 +154,7 @@ def spec_named(name: str) -> BackendSpec:
         if spec.name == name:
             return spec
     known = ", ".join(s.name for s in backend_specs())
-    problems = discovered()[1]
-    failed = f"; installed plugins that failed to load: {'; '.join(problems)}" if problems else ""
+    failed = failed_plugins(discovered()[1])
     raise SelectionError(f"unknown graph backend {name!r}; known: {known} "
                          f"(plugins install with pip install 'hwgraph[cuda|rocm|npu]'){failed}")
 

@@ -26,7 +26,7 @@ import torch
 from hwgraph.attention.base import KernelSpec, VarlenAttention
 from hwgraph.capability import Capability
 from hwgraph.platform import PlatformInfo, detect
-from hwgraph.registry import ATTENTION_LOAD_FAILURES, SelectionError, backend_specs, discovered
+from hwgraph.registry import ATTENTION_LOAD_FAILURES, SelectionError, backend_specs, discovered, failed_plugins
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ def kernel_named(name: str) -> KernelSpec:
             return spec
     known = ", ".join(k.name for k in kernel_specs())
     # A plugin's kernels are unknown while the plugin, or its attention module, fails to load: say which failed.
-    problems = (*discovered()[1], *ATTENTION_LOAD_FAILURES.values())
-    failed = f"; installed plugins that failed to load: {'; '.join(problems)}" if problems else ""
+    failed = failed_plugins((*discovered()[1], *ATTENTION_LOAD_FAILURES.values()))
     raise SelectionError(f"unknown attention kernel {name!r}; known: {known}{failed}")
 
 

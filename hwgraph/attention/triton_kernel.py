@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hwgraph.attention.varlen_inputs import launches_on_tensor_device
+from hwgraph.attention.varlen_inputs import launches_on_tensor_device, unit_stride_on_d
 
 try:  # host-side TMA descriptors (Triton 3.4 and newer)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -509,7 +509,7 @@ def launch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if q.device.type == "cpu" and not is_interpreted():
         raise RuntimeError("TRITON_ATTN on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported in this process")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = unit_stride_on_d(q, k, v)
     tma = uses_tma(q, k, v) if use_tma is None else use_tma
     if use_gluon is None:  # uses_gluon, with uses_tma asked once per call
         use_gluon = (use_tma is None and tiles is None and tma

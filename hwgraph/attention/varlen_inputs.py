@@ -68,6 +68,12 @@ def zero_padding_rows(out: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tens
     return out.masked_fill_(padding[:, None, None], 0)
 
 
+def unit_stride_on_d(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor as it is where its last dimension has unit stride (kernels read a head's lanes contiguously; other
+    strides pass, as the tower's v, a strided view of its qkv rows), else a contiguous copy."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
 def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool = False,
                            dtypes: tuple[torch.dtype, ...] | None = None):
     """Register ``body`` (the common signature, inputs unchecked) as the custom op ``hwgraph::<op_name>``, whose

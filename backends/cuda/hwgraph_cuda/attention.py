@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.attention.base import KernelSpec
-from hwgraph.attention.varlen_inputs import register_varlen_kernel
+from hwgraph.attention.varlen_inputs import register_varlen_kernel, unit_stride_on_d
 from hwgraph.capability import Capability, sm_tuple
 from hwgraph.platform import PlatformInfo
 
@@ -83,9 +83,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
                     max_seqlen: int, scale: float) -> torch.Tensor:
     """The kernel body (unchecked): ``[T, H, D]`` in, ``[T, H, D]`` out, padding rows unwritten."""
     head_dim = q.shape[-1]
-    # The flash kernels take q, k, v with unit stride on D ("Input tensor must have contiguous last dimension"); other
-    # strides pass as they are (the tower's v is a strided view of its qkv rows).
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = unit_stride_on_d(q, k, v)  # flash kernels: "Input tensor must have contiguous last dimension"
     pad = 0
     if head_dim % 8:
         # Flash kernels take head dims in multiples of 8; zero lanes change neither q.k nor the kept slice of p.v.
