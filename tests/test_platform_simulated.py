@@ -10,11 +10,11 @@ import types
 import pytest
 import torch
 
-from hwgraph.platform import detect, platform_for
-from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
+from hwgraph.platform import checked_device, detect, platform_for
+from hwgraph.testing.simulate import DeviceProperties, simulate_broken_import, simulate_gpu
 
 
-def simulate_npu(monkeypatch, count: int = 1) -> None:
+def simulate_npu(monkeypatch, count: int = 1) -> types.SimpleNamespace:
     """A fake ``torch_npu`` in sys.modules and the ``torch.npu`` namespace it would register, on a torch that is
     neither a CUDA nor a ROCm build (detection asks torch.cuda first, so a real GPU would otherwise win)."""
     simulate_gpu(monkeypatch, count=0)
@@ -25,6 +25,7 @@ def simulate_npu(monkeypatch, count: int = 1) -> None:
     npu = types.SimpleNamespace(device_count=lambda: count, get_device_name=lambda index=0: "Ascend910B3",
                                 get_soc_version=lambda: 223, get_cann_version=lambda module="CANN": "8.3.RC1")
     monkeypatch.setattr(torch, "npu", npu, raising=False)
+    return npu
 
 
 def test_a_rocm_build_with_a_gpu_is_rocm_with_the_full_gcn_arch_name(monkeypatch):
@@ -181,3 +182,43 @@ def test_detect_touches_no_device_on_a_cpu_build(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", fail)
     assert detect().kind == "cpu"
+
+
+def test_the_npu_runtime_version_is_canns_not_torch_npus(monkeypatch):
+    simulate_npu(monkeypatch)  # torch_npu.version holds only torch_npu's own version, as the real one does
+    info = detect()
+    assert (info.kind, info.runtime) == ("npu", "CANN")
+    assert info.runtime_version == "8.3.RC1"
+
+
+def test_an_npu_soc_version_that_cannot_be_read_is_a_note_not_a_crash(monkeypatch):
+    npu = simulate_npu(monkeypatch)
+
+    def broken():
+        raise RuntimeError("aclrtGetSocName failed")
+
+    monkeypatch.setattr(npu, "get_soc_version", broken)
+    info = detect()
+    assert info.kind == "npu"
+    assert any("aclrtGetSocName failed" in note for note in info.notes), info.notes
+
+
+CANN_UNSET = "libascendcl.so: cannot open shared object file: No such file or directory"
+
+
+def test_a_device_on_an_npu_whose_torch_npu_does_not_import_names_the_import_error(monkeypatch):
+    simulate_gpu(monkeypatch, count=0)  # a CPU build of torch, as torch_npu uses
+    simulate_broken_import(monkeypatch, "torch_npu", CANN_UNSET)  # the CANN toolkit's set_env.sh not sourced
+    with pytest.raises(ValueError) as raised:
+        checked_device("npu:0", "device", "from_pretrained")
+    message = str(raised.value)
+    assert "torch_npu is installed but does not import" in message and CANN_UNSET in message, message
+    assert "is not a torch device" not in message  # it is one, once torch_npu imports
+
+
+def test_detect_notes_why_an_installed_torch_npu_was_not_used(monkeypatch):
+    simulate_gpu(monkeypatch, count=0)
+    simulate_broken_import(monkeypatch, "torch_npu", CANN_UNSET)
+    info = detect()
+    assert info.kind == "cpu"
+    assert any(CANN_UNSET in note for note in info.notes), info.notes

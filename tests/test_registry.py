@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
 import re
 import sys
@@ -19,6 +17,7 @@ from hwgraph.capability import Capability
 from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.platform import PlatformInfo
 from hwgraph.registry import GRAPH_BACKEND_ENV, BackendSpec, SelectionError, choose_backend, create_backend
+from hwgraph.testing.simulate import simulate_broken_import
 
 
 def platform_of(kind: str) -> PlatformInfo:
@@ -393,27 +392,10 @@ def test_the_fallback_names_the_installed_plugin_that_failed_to_load(monkeypatch
     assert "pip install 'hwgraph[rocm]'" not in selected.reason, selected.reason
 
 
-class BrokenModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``name`` as a module whose import raises, as a plugin's attention module built against another core."""
-
-    def __init__(self, name: str, error: str):
-        self.name, self.error = name, error
-
-    def find_spec(self, name, path, target=None):
-        return importlib.machinery.ModuleSpec(name, self) if name == self.name else None
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        raise ImportError(self.error)
-
-
 def test_an_unknown_kernel_names_the_plugin_attention_module_that_failed_to_import(monkeypatch):
     pytest.importorskip("hwgraph_rocm", reason="needs the rocm plugin installed (pip install -e backends/rocm)")
     error = "cannot import name 'register_varlen_kernel' from 'hwgraph.attention.varlen_inputs'"
-    monkeypatch.delitem(sys.modules, "hwgraph_rocm.attention", raising=False)
-    monkeypatch.setattr(sys, "meta_path", [BrokenModule("hwgraph_rocm.attention", error), *sys.meta_path])
+    simulate_broken_import(monkeypatch, "hwgraph_rocm.attention", error)
     registry.discovered.cache_clear()
 
     with pytest.raises(SelectionError) as raised:

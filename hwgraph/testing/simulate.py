@@ -4,6 +4,8 @@ and plugin tests)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import sys
 import types
 
@@ -35,6 +37,27 @@ def simulate_aiter(monkeypatch) -> types.ModuleType:
     module.flash_attn_varlen_func = lambda **kwargs: None
     monkeypatch.setitem(sys.modules, "aiter", module)
     return module
+
+
+class _BrokenModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, name: str, error: str):
+        self.name, self.error = name, error
+
+    def find_spec(self, name, path, target=None):
+        return importlib.machinery.ModuleSpec(name, self) if name == self.name else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise ImportError(self.error)
+
+
+def simulate_broken_import(monkeypatch, name: str, error: str) -> None:
+    """Make module ``name`` installed but failing to import with ``ImportError(error)``, for the duration of a test:
+    a ``torch_npu`` without the CANN toolkit's environment, a plugin module built against another core."""
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenModule(name, error), *sys.meta_path])
 
 
 class FakeStream:

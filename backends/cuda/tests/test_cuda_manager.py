@@ -35,6 +35,13 @@ def tower():
         "cuda", torch.bfloat16).eval()
 
 
+def own_tower(deepstack_visual_indexes, dtype=torch.bfloat16):
+    """A seeded two-block tower at real widths for a test that changes it for good (moves it, or changes numerics)."""
+    torch.manual_seed(0)
+    return Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=2,
+                                            deepstack_visual_indexes=deepstack_visual_indexes).to("cuda", dtype).eval()
+
+
 def grid_of(tokens: int) -> tuple[int, int, int]:
     from hwgraph.budgets import filling_grid
 
@@ -344,9 +351,7 @@ def test_replay_with_overlapped_mergers_equals_the_in_line_eager_forward(tower, 
 
 def test_a_second_manager_in_another_dtype_stops_the_first_from_replaying_freed_weights():
     # Its own tower: the second manager moves it to float16 for good.
-    torch.manual_seed(0)
-    tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=2, deepstack_visual_indexes=[0]).to(
-        "cuda", torch.bfloat16).eval()
+    tower = own_tower([0])
     grid = [grid_of(64)]
     pix = pixels(grid, 7)
     with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, attention="TORCH_SDPA") as first:
@@ -368,9 +373,7 @@ def test_a_second_manager_in_another_dtype_stops_the_first_from_replaying_freed_
 def test_a_move_that_moves_nothing_leaves_the_graphs_reading_live_buffers():
     """tower.to(<its own device>) (a serving stack's model.to(device)) moved no weight but gave the rotary frequencies
     a new buffer; replays read the freed one, off eager once later allocations reused it (1.8% on an H100)."""
-    torch.manual_seed(0)
-    tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=2, deepstack_visual_indexes=[0, 1]).to(
-        "cuda", torch.bfloat16).eval()
+    tower = own_tower([0, 1])
     grid = [grid_of(64)]
     pix = pixels(grid, 11)
     with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, attention="TORCH_SDPA") as m:
@@ -389,9 +392,7 @@ def test_a_float32_graph_captured_without_tf32_is_not_replayed_once_tf32_is_on()
     """cuBLAS reads the TF32 setting when a product is launched, so a graph keeps its capture's. Turned on after
     capture, replays would stay IEEE beside TF32 eager calls: the manager runs such groups eagerly until capture()
     captures them again."""
-    torch.manual_seed(0)
-    tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=2, deepstack_visual_indexes=[0]).to(
-        "cuda", torch.float32).eval()
+    tower = own_tower([0], torch.float32)
     grid = [(1, 16, 16)]  # 64 tokens: budget 64, no padding
     pix = torch.randn(256, 1536, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     matmul = torch.backends.cuda.matmul
