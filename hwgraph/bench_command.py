@@ -6,6 +6,7 @@ report. The measurement itself is ``hwgraph.bench``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -63,16 +64,24 @@ def check_backend_builds(name: str | None, mode: str | None, device: torch.devic
     in ``mode``, for ``device``) cannot be made: an explicit one whose class does not import, refuses ``device`` or
     refuses ``mode`` at construction (npu's aclgraph or torchair without their runtime), or ``mode`` given for a
     backend the automatic choice had to give up. The probe's gate and modes (``check_backend``,
-    ``check_graph_mode``) do not see those; the managers would raise them after a tower is built."""
+    ``check_graph_mode``) do not see those; the managers would raise them after a tower is built. The probe logs
+    nothing: the managers log the choice, and a fallback's warning, when they make the same backend."""
+    from hwgraph import registry
     from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, create_backend
 
+    def silent(record: logging.LogRecord) -> bool:
+        return False
+
     option = "--backend" if name else ("$" + GRAPH_BACKEND_ENV if os.environ.get(GRAPH_BACKEND_ENV) else None)
+    registry.log.addFilter(silent)
     try:
         create_backend(name, device=device, mode=mode)
     except (SelectionError, ImportError) as exc:
         raise ValueError(f"{option or '--graph-mode ' + repr(mode)}: {exc}") from None
     except ValueError as exc:  # a mode meant for the backend the automatic choice could not use
         raise ValueError(f"--graph-mode {mode!r}: {exc}") from None
+    finally:
+        registry.log.removeFilter(silent)
 
 
 def writable_path(option: str, spec: str) -> Path:

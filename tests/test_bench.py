@@ -23,6 +23,7 @@ from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.platform import detect
 from hwgraph.profiling import kernel_time
 from hwgraph.report import bench_markdown
+from hwgraph.testing.simulate import simulate_refused_mode_backend
 
 
 def test_group_specs_parse_into_counts_and_tokens():
@@ -879,3 +880,18 @@ def test_calibration_drops_the_compile_seconds_of_the_budgets_it_releases(monkey
     assert sorted(m.graphs) == [8]
     assert set(s["compile_seconds_per_budget"]) == {8} and set(s["capture_seconds_per_budget"]) == {8}
     m.close()
+
+
+def test_bench_logs_a_fallback_once_per_manager_not_again_for_its_own_probe(monkeypatch, caplog):
+    # the bench makes the graph backend once before building a tower, to refuse one that cannot be made; that probe
+    # logged the automatic choice's fallback warning a second time (one manager, two warnings)
+    simulate_refused_mode_backend(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="hwgraph")
+    assert cli.main(["bench", "--groups", "1x4", "--attention", "TORCH_SDPA", "--samples", "2", "--warmup", "0",
+                     "--no-transformers"]) == 0
+    fallbacks = [r for r in caplog.records if r.levelno == logging.WARNING
+                 and "refusedmode graph mode 'aclgraph' is unavailable" in r.getMessage()]
+    assert len(fallbacks) == 1, [r.getMessage() for r in fallbacks]
+    from hwgraph import registry
+
+    assert not registry.log.filters  # the probe's filter is gone: the next choice is logged

@@ -16,6 +16,7 @@ import torch
 from hwgraph import bench, bench_command, cli
 from hwgraph.dtypes import parse_dtype
 from hwgraph.registry import GRAPH_BACKEND_ENV
+from hwgraph.testing.simulate import REFUSED_MODE_CLASS, simulate_refused_mode_backend
 
 
 @pytest.fixture(autouse=True)
@@ -214,42 +215,12 @@ def test_info_selects_what_a_manager_would_when_the_best_backends_class_does_not
     assert [b["name"] for b in data["graph_backends"] if b["selected"]] == ([] if forced else ["cpu"])
 
 
-def refused_mode_backend(monkeypatch, class_path: str):
-    """A graph backend whose probe accepts this machine and outranks the others, with a mode, 'aclgraph', that its
-    class refuses at construction (as npu's does on a torch_npu without the graph API)."""
-    from hwgraph import registry
-    from hwgraph.capability import Capability
-
-    spec = registry.BackendSpec("refusedmode", class_path, (registry.detect().kind,), lambda p: Capability.available(),
-                                modes=("aclgraph", "other"), priority=1000)
-    real = registry.discovered()
-    monkeypatch.setattr(registry, "discovered", lambda: ((*real[0], spec), real[1]))
-
-
-def refused_mode_class():
-    from hwgraph.graphs.cpu import CpuGraphBackend
-    from hwgraph.registry import SelectionError
-
-    class RefusedModeBackend(CpuGraphBackend):
-        name, modes = "refusedmode", ("aclgraph", "other")
-
-        def __init__(self, device=None, mode=None):
-            if (mode or self.modes[0]) == "aclgraph":
-                raise SelectionError("refusedmode graph mode 'aclgraph' is unavailable: no graph API")
-            super().__init__(device, mode)
-
-    return RefusedModeBackend
-
-
-RefusedModeBackend = refused_mode_class()
-
-
 @pytest.mark.parametrize("argv, class_path, expected", [
     # the automatic choice refuses the mode and falls back to the cpu backend: the manager's ValueError was a traceback
-    (["--graph-mode", "aclgraph"], f"{__name__}:RefusedModeBackend",
+    (["--graph-mode", "aclgraph"], REFUSED_MODE_CLASS,
      "--graph-mode 'aclgraph': graph mode 'aclgraph' is not a mode of the cpu reference backend"),
     # an explicit backend whose class refuses its mode: refused only after the tower was built
-    (["--backend", "refusedmode"], f"{__name__}:RefusedModeBackend",
+    (["--backend", "refusedmode"], REFUSED_MODE_CLASS,
      "--backend: refusedmode graph mode 'aclgraph' is unavailable: no graph API"),
     # an explicit backend whose class does not import: the ImportError was a traceback
     (["--backend", "refusedmode", "--graph-mode", "other"], "hwgraph_no_such_module:Backend",
@@ -257,7 +228,7 @@ RefusedModeBackend = refused_mode_class()
 ])
 def test_bench_refuses_a_backend_or_mode_that_cannot_be_made_here_before_building_anything(monkeypatch, capsys, argv,
                                                                                            class_path, expected):
-    refused_mode_backend(monkeypatch, class_path)
+    simulate_refused_mode_backend(monkeypatch, class_path)
     assert expected in refused(["bench", "--groups", "1x4", *argv], capsys)
 
 
@@ -408,3 +379,4 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     child.stdout.close()  # the reader is gone before the command writes
     _, err = child.communicate(b"", timeout=300)
     assert child.returncode == cli.BROKEN_PIPE and b"Traceback" not in err and b"Exception ignored" not in err, err
+

@@ -17,7 +17,7 @@ from hwgraph.capability import Capability
 from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.platform import PlatformInfo
 from hwgraph.registry import GRAPH_BACKEND_ENV, BackendSpec, SelectionError, choose_backend, create_backend
-from hwgraph.testing.simulate import simulate_broken_import
+from hwgraph.testing.simulate import REFUSED_MODE_CLASS, RefusedModeBackend, simulate_broken_import
 
 
 def platform_of(kind: str) -> PlatformInfo:
@@ -309,20 +309,9 @@ def test_the_backend_class_judges_the_device_an_explicit_choice_raises_and_an_au
         create_backend(device="cpu:1", platform=cpu)
 
 
-class RefusedModeBackend(CpuGraphBackend):
-    """Refuses its default mode when constructed, as npu's aclgraph does on a torch_npu without torch.npu.NPUGraph."""
-    name = "refusedmode"
-    modes = ("aclgraph", "other")
-
-    def __init__(self, device=None, mode=None):
-        if (mode or self.modes[0]) == "aclgraph":
-            raise SelectionError("refusedmode graph mode 'aclgraph' is unavailable: no graph API")
-        super().__init__(device, mode)
-
-
 def test_an_automatic_choice_whose_class_refuses_its_mode_falls_back_and_a_mode_for_it_says_why(monkeypatch, caplog):
     install_probes(monkeypatch, refusedmode=lambda: BackendSpec(
-        "refusedmode", f"{__name__}:RefusedModeBackend", ("cpu",), lambda p: Capability.available(),
+        "refusedmode", REFUSED_MODE_CLASS, ("cpu",), lambda p: Capability.available(),
         modes=("aclgraph", "other"), priority=10))
     cpu = platform_of("cpu")
     with caplog.at_level(logging.WARNING, logger="hwgraph.registry"):

@@ -11,6 +11,8 @@ import types
 
 import torch
 
+from hwgraph.graphs.cpu import CpuGraphBackend
+
 
 class DeviceProperties:
     """What ``torch.cuda.get_device_properties`` returns, reduced to the fields the gates read."""
@@ -58,6 +60,34 @@ def simulate_broken_import(monkeypatch, name: str, error: str) -> None:
     a ``torch_npu`` without the CANN toolkit's environment, a plugin module built against another core."""
     monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setattr(sys, "meta_path", [_BrokenModule(name, error), *sys.meta_path])
+
+
+class RefusedModeBackend(CpuGraphBackend):
+    """A graph backend that refuses its default mode, 'aclgraph', when constructed, as npu's does on a torch_npu
+    without ``torch.npu.NPUGraph``; its other mode works (as the cpu backend)."""
+    name, modes = "refusedmode", ("aclgraph", "other")
+
+    def __init__(self, device=None, mode=None):
+        from hwgraph.registry import SelectionError
+
+        if (mode or self.modes[0]) == "aclgraph":
+            raise SelectionError("refusedmode graph mode 'aclgraph' is unavailable: no graph API")
+        super().__init__(device, mode)
+
+
+REFUSED_MODE_CLASS = f"{__name__}:RefusedModeBackend"
+
+
+def simulate_refused_mode_backend(monkeypatch, class_path: str = REFUSED_MODE_CLASS) -> None:
+    """Add ``RefusedModeBackend`` (from ``class_path``) to the discovered graph backends, for the duration of a test:
+    its probe accepts this machine and outranks every other backend, so it is the automatic choice."""
+    from hwgraph import registry
+    from hwgraph.capability import Capability
+
+    spec = registry.BackendSpec("refusedmode", class_path, (registry.detect().kind,), lambda p: Capability.available(),
+                                modes=RefusedModeBackend.modes, priority=1000)
+    real = registry.discovered()
+    monkeypatch.setattr(registry, "discovered", lambda: ((*real[0], spec), real[1]))
 
 
 class FakeStream:
