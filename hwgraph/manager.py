@@ -451,25 +451,34 @@ class EncoderGraphManager:
 
     def _replay(self, entry: BudgetGraph, pixel_values, host, tokens: int, count: int) -> list:
         slots, graph = entry.graph_for(host.num_seqs)
-        stream = self._runtime.current_stream(self.device) if self._runtime is not None else None
-        if stream is not None and self._buffers_read is not None:
-            # The last replay may have queued on another stream: its fill, replay and copy out come first, so the
-            # metadata that _fill skips as already filled is there by then.
-            stream.wait_event(self._buffers_read)
+        stream = self._after_last_replay()
         self._fill(entry, pixel_values, host)
         graph.replay()
         # One copy out of the graph's buffer: the next replay overwrites it, and rows past `tokens` are padding.
         group = graph.outputs[:, :tokens].clone()
-        if stream is not None:
-            if self._buffers_read is None:
-                self._buffers_read = self._runtime.Event()
-            self._buffers_read.record(stream)
+        self._buffers_read_on(stream)
         self._stats.hits += count
         self._stats.replays += 1
         self._stats.padding_tokens += entry.budget - tokens
         self._stats.replays_per_budget[entry.budget] = self._stats.replays_per_budget.get(entry.budget, 0) + 1
         self._stats.replays_per_slots[slots] = self._stats.replays_per_slots.get(slots, 0) + 1
         return self.tower.output_type(group[0], tuple(group[1:])).split(list(host.token_counts))
+
+    def _after_last_replay(self):
+        """The caller's current stream (None without streams), made to wait on the device for the last replay's fill,
+        replay and copy out, which may have queued on another stream: the graphs' buffers are shared, and the
+        metadata that ``_fill`` skips as already filled is there only then."""
+        stream = self._runtime.current_stream(self.device) if self._runtime is not None else None
+        if stream is not None and self._buffers_read is not None:
+            stream.wait_event(self._buffers_read)
+        return stream
+
+    def _buffers_read_on(self, stream) -> None:
+        """Mark the end of the work on ``stream`` that fills and reads the graphs' buffers (``_after_last_replay``)."""
+        if stream is not None:
+            if self._buffers_read is None:
+                self._buffers_read = self._runtime.Event()
+            self._buffers_read.record(stream)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device == self.device and tensor.dtype == self.dtype:
@@ -532,6 +541,9 @@ class EncoderGraphManager:
             return self._calibrate(warmup, samples)
 
     def _calibrate(self, warmup: int, samples: int) -> dict:
+        # its replays fill the buffers an encode() on another stream may still be reading, and leave them holding
+        # its own grids, as encode()'s replays do
+        stream = self._after_last_replay()
         findings = {}
         for budget in sorted(self.graphs):
             entry = self.graphs[budget]
@@ -548,6 +560,7 @@ class EncoderGraphManager:
                 entry.graph_for(host.num_seqs)[1].replay()
 
             timed = self.time_ms({"eager": eager, "replay": replay}, warmup, samples)
+            self._buffers_read_on(stream)
             eager_ms, replay_ms = timed["eager"], timed["replay"]
             findings[budget] = {"eager_ms": eager_ms, "replay_ms": replay_ms}
         cap = max((b for b, f in findings.items() if f["replay_ms"] < f["eager_ms"]), default=None)

@@ -974,3 +974,49 @@ def test_a_device_named_without_index_is_the_one_the_backend_resolved(monkeypatc
         assert m.device == torch.device("cpu", 0) == m.backend.device
         m.capture()
         encode_and_check(m, tower, [(1, 4, 4)], 5)
+
+
+class StreamLog:
+    """A ``torch.cuda``-like runtime for the manager's stream ordering: ``current`` names the caller's stream, and
+    what the manager asks of streams and events is appended to ``calls``."""
+
+    def __init__(self):
+        self.calls, self.current = [], "first"
+        log = self
+
+        class Event:
+            def record(self, stream):
+                log.calls.append(f"record on {stream}")
+
+        class Stream(str):
+            def wait_event(self, event):
+                log.calls.append(f"{self} waits")
+
+        self.Event, self.Stream = Event, Stream
+
+    def current_stream(self, device):
+        return self.Stream(self.current)
+
+
+def test_calibrate_on_another_stream_waits_for_the_last_replay_and_marks_its_own(tower, monkeypatch):
+    # calibrate()'s replays fill the graphs' shared buffers: they queued at once on the caller's stream, ahead of an
+    # encode() still queued on another, and left the host's record of the filled grid wrong for the next encode()
+    m = EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, graph_backend="cpu", attention="TORCH_SDPA")
+    m.capture()
+    runtime = StreamLog()
+    monkeypatch.setattr(m, "_runtime", runtime)
+    real_fill = m._fill
+    monkeypatch.setattr(m, "_fill", lambda *args: (runtime.calls.append("fill"), real_fill(*args)))
+    monkeypatch.setattr(m, "time_ms", lambda fns, warmup=3, samples=10: {  # the replay wins: the budget is kept
+        name: (fn(), {"eager": 2.0, "replay": 1.0}[name])[1] for name, fn in fns.items()})
+    grid = [(1, 14, 14)]
+    m.encode(pixels_for(tower, grid, 80), grid)
+    assert runtime.calls == ["fill", "record on first"]
+    runtime.current, runtime.calls = "second", []
+    assert m.calibrate()[64]["kept"]
+    assert runtime.calls == ["second waits", "fill", "record on second"]
+    runtime.current, runtime.calls = "first", []
+    full = [budget_rules.filling_grid(64, tower.spatial_merge_size)]
+    pixels = pixels_for(tower, full, 81)
+    assert_outputs_equal(m.encode(pixels, full), eager_per_image(tower, pixels, full))
+    assert runtime.calls == ["first waits", "fill", "record on first"]

@@ -245,6 +245,34 @@ def test_a_replay_on_another_stream_waits_for_the_last_replay_to_read_the_shared
         assert m.stats()["replays"] == 2
 
 
+def test_calibrate_on_another_stream_waits_for_the_last_replay_and_the_next_replay_reads_its_own_metadata(tower):
+    """An encode() queued behind 100 ms of work on one stream, then calibrate() on another: calibrate's first fill ran
+    at once, before that encode's metadata copy, and the host then took the buffers to hold calibrate's grid while
+    they held the encode's. The next encode() of calibrate's grid skipped its metadata and replayed the other
+    grid's. calibrate() now waits for the last replay, as a replay on another stream does."""
+    from hwgraph.budgets import filling_grid
+
+    grid = [(1, 14, 14)]
+    with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, attention="auto") as m:
+        m.capture()
+        slow, quick = torch.cuda.Stream(), torch.cuda.Stream()
+        for stream in (slow, quick):
+            stream.wait_stream(torch.cuda.current_stream())
+        first = pixels(grid, 63)
+        with torch.cuda.stream(slow):
+            torch.cuda._sleep(200_000_000)  # about 100 ms on the H200
+            got_first = m.encode(first, grid)
+        with torch.cuda.stream(quick):
+            assert m.calibrate(warmup=1, samples=2)[64]["kept"]
+        torch.cuda.synchronize()
+        check(tower, got_first, first, grid)
+        full = [filling_grid(64, tower.spatial_merge_size)]  # calibrate's grid, (1, 16, 16)
+        assert full != grid
+        second = pixels(full, 64)
+        check(tower, m.encode(second, full), second, full)
+        assert m.stats()["replays"] == 2
+
+
 def test_a_replay_of_pageable_host_pixels_does_not_wait_for_the_stream_to_drain(tower):
     """encode() of host pixels in pageable memory returns while work queued before it still runs: nothing on the
     host path waits for the device (the sync guard sees synchronising calls, not a copy that blocks). The replay
