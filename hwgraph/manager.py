@@ -233,16 +233,18 @@ class EncoderGraphManager:
         return None
 
     def _check_tower(self, what: str) -> None:
-        """``RuntimeError`` when the tower's weights were moved (``to``, ``half``, another manager's dtype or device)
-        since this manager was built: its graphs would read freed memory, its eager calls the wrong dtype."""
+        """``RuntimeError`` when the tower's weights were moved (``to``, ``half``, another manager's dtype or device, a
+        parameter replaced: ``tower.weights_key()``) since this manager was built: its graphs would read freed
+        memory, its eager calls the wrong dtype."""
         if self._closed:
             raise RuntimeError(f"{what} after close()")
         if self.tower.weights_key() != self._weights:
             raise RuntimeError(
                 f"{what}: the tower's weights were moved since this manager was built for {self.dtype} on "
                 f"{self.device} (the tower is now {self.tower.dtype} on {self.tower.device}; another manager with "
-                f"another dtype or device, or tower.to(), moves it), so its graphs would read freed memory. close() "
-                f"this manager and build a new one on the tower as it is now")
+                f"another dtype or device, or tower.to(), moves it, and so does a parameter or buffer given a new "
+                f"tensor), so its graphs would read freed memory. close() this manager and build a new one on the "
+                f"tower as it is now")
         if self.tower.attention_fn is not self._kernel:
             # Its eager calls would run the other kernel, and the CPU backend's replays (and compiled code's guards)
             # too: a compiled replay recompiled on the replay path.

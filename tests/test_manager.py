@@ -568,6 +568,51 @@ def test_a_manager_refuses_a_tower_whose_rotary_frequencies_were_reallocated():
         m.encode(pixels, grid)
 
 
+def doubled_middle_weight(tower, how: str) -> None:
+    """Give the second block's fc1 a new weight tensor (twice the old one), as ``how`` says."""
+    block = tower.blocks[1]
+    if how == "setattr":
+        block.mlp.linear_fc1.weight = torch.nn.Parameter(block.mlp.linear_fc1.weight.detach() * 2)
+    elif how == "assign":  # a checkpoint loaded into one block
+        block.load_state_dict({k: v * 2 if k == "mlp.linear_fc1.weight" else v for k, v in block.state_dict().items()},
+                              assign=True)
+    else:  # copied into the same tensor: nothing moves
+        block.load_state_dict({k: v * 2 if k == "mlp.linear_fc1.weight" else v for k, v in block.state_dict().items()})
+
+
+@pytest.mark.parametrize("how", ["setattr", "assign"])
+def test_a_manager_refuses_a_tower_one_of_whose_middle_weights_was_given_a_new_tensor(how):
+    # weights_key() read only the first and the last weight: on a GPU the graphs went on reading the old fc1 weight
+    # of block 1, freed, while eager used the new one (the CPU backend's emulated replays read the new one)
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
+    m = make_manager(tower, budgets=[16], max_images=1)
+    m.capture()
+    grid = [(1, 4, 4)]
+    pixels = pixels_for(tower, grid, 92)
+    m.encode(pixels, grid)
+    doubled_middle_weight(tower, how)
+    with pytest.raises(RuntimeError, match=r"the tower's weights were moved since this manager was built .* a "
+                                           r"parameter or buffer given a new tensor\)"):
+        m.encode(pixels, grid)
+
+
+def test_weights_copied_into_the_towers_own_tensors_keep_the_manager_replaying_them():
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
+    m = make_manager(tower, budgets=[16], max_images=1)
+    m.capture()
+    grid = [(1, 4, 4)]
+    pixels = pixels_for(tower, grid, 93)
+    before = m.encode(pixels, grid)
+    doubled_middle_weight(tower, "copy")
+    torch.nn.Linear(3, 3)  # other modules' registrations: the key lists the addresses again, and they are the same
+    after = m.encode(pixels, grid)
+    assert_outputs_equal(after, eager_per_image(tower, pixels, grid))
+    assert not torch.equal(after[0].embeds, before[0].embeds)
+    assert m.stats()["replays"] == 2
+
+
 def test_capture_goes_largest_budget_first(tower, monkeypatch):
     m = make_manager(tower)
     real_capture = m.backend.capture

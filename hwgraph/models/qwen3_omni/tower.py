@@ -25,6 +25,21 @@ from hwgraph.platform import KINDS, PlatformInfo, platform_for
 
 log = logging.getLogger(__name__)
 
+
+class _Registrations:
+    """How many parameters and buffers any module of the process has been given since hwgraph was imported: torch's
+    global registration hooks count them (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``,
+    a buffer assigned). ``weights_key`` lists every weight's address again only when this moved."""
+    count = 0
+
+    @classmethod
+    def seen(cls, module, name, value):
+        cls.count += 1  # returns None: the hook changes nothing
+
+
+nn.modules.module.register_module_parameter_registration_hook(_Registrations.seen)
+nn.modules.module.register_module_buffer_registration_hook(_Registrations.seen)
+
 AUTO = "auto"
 #: device -> the stream every tower's DeepStack mergers run on there (``merge_stream``). One per device for the
 #: process, not one per tower: cuBLAS gives a stream its workspaces on first use and keeps them for the process
@@ -139,13 +154,23 @@ class Qwen3OmniVisionTower(nn.Module):
     def device(self) -> torch.device:
         return self.patch_embed.proj.weight.device
 
-    def weights_key(self) -> tuple[int, int, int]:
-        """Where the first and the last weight of the tower and its rotary frequencies (a buffer every forward
-        reads) live. Moving the tower to another dtype or device (``to``, ``half``, ...) allocates new weights and
-        changes this key; a graph captured before would read the old, freed memory. Three pointer reads:
-        ``EncoderGraphManager`` compares it before every call."""
+    def weights_key(self) -> tuple[int, int, int, int]:
+        """Where the tower's weights and buffers live, as a key that changes when any of them moves. Moving the tower
+        to another dtype or device (``to``, ``half``, ...) allocates new weights; so does giving one block a new
+        parameter (``block.mlp.fc1.weight = nn.Parameter(w)``) or loading a state dict with ``assign=True``. A graph
+        captured before would read the old, freed memory. ``EncoderGraphManager`` compares the key before every
+        call, so it is cheap: three pointer reads (the first and the last weight, the rotary frequencies every
+        forward reads) and a layout number, which counts changes of the addresses of all the tower's parameters and
+        buffers, listed again only when a module of the process was given a parameter or buffer since the last
+        call. A new tensor set as a parameter's ``.data`` is not seen unless it is the first or last weight."""
+        if self.__dict__.get("_layout_registrations") != _Registrations.count:
+            layout = tuple(t.data_ptr() for t in (*self.parameters(), *self.buffers()))
+            if layout != self.__dict__.get("_layout"):
+                self.__dict__["_layout_version"] = self.__dict__.get("_layout_version", -1) + 1
+                self.__dict__["_layout"] = layout
+            self.__dict__["_layout_registrations"] = _Registrations.count
         return (self.patch_embed.proj.weight.data_ptr(), self.merger.mlp[-1].weight.data_ptr(),
-                self.rotary_pos_emb.inv_freq.data_ptr())
+                self.rotary_pos_emb.inv_freq.data_ptr(), self.__dict__["_layout_version"])
 
     # ------------------------------------------------------------------ attention
     def set_attention(self, name: str | VarlenAttention | None = None, platform: PlatformInfo | None = None,
