@@ -555,13 +555,18 @@ def test_a_move_that_leaves_the_weights_in_place_leaves_every_tensor_the_graphs_
     assert where() == before and tower.rotary_pos_emb.inv_freq.dtype == torch.float32
 
 
-def test_a_manager_refuses_a_tower_whose_rotary_frequencies_were_reallocated():
+def replaying_manager(seed: int):
+    """A tiny tower of its own, a manager that has captured its one budget, and a 16-token grid with pixels for it."""
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
     m = make_manager(tower, budgets=[16], max_images=1)
     m.capture()
     grid = [(1, 4, 4)]
-    pixels = pixels_for(tower, grid, 91)
+    return tower, m, grid, pixels_for(tower, grid, seed)
+
+
+def test_a_manager_refuses_a_tower_whose_rotary_frequencies_were_reallocated():
+    tower, m, grid, pixels = replaying_manager(91)
     m.encode(pixels, grid)
     tower.rotary_pos_emb.reset()  # a new buffer: graphs captured before read the old one
     with pytest.raises(RuntimeError, match=r"the tower's weights were moved since this manager was built"):
@@ -584,12 +589,7 @@ def doubled_middle_weight(tower, how: str) -> None:
 def test_a_manager_refuses_a_tower_one_of_whose_middle_weights_was_given_a_new_tensor(how):
     # weights_key() read only the first and the last weight: on a GPU the graphs went on reading the old fc1 weight
     # of block 1, freed, while eager used the new one (the CPU backend's emulated replays read the new one)
-    torch.manual_seed(0)
-    tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
-    m = make_manager(tower, budgets=[16], max_images=1)
-    m.capture()
-    grid = [(1, 4, 4)]
-    pixels = pixels_for(tower, grid, 92)
+    tower, m, grid, pixels = replaying_manager(92)
     m.encode(pixels, grid)
     doubled_middle_weight(tower, how)
     with pytest.raises(RuntimeError, match=r"the tower's weights were moved since this manager was built .* a "
@@ -598,12 +598,7 @@ def test_a_manager_refuses_a_tower_one_of_whose_middle_weights_was_given_a_new_t
 
 
 def test_weights_copied_into_the_towers_own_tensors_keep_the_manager_replaying_them():
-    torch.manual_seed(0)
-    tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
-    m = make_manager(tower, budgets=[16], max_images=1)
-    m.capture()
-    grid = [(1, 4, 4)]
-    pixels = pixels_for(tower, grid, 93)
+    tower, m, grid, pixels = replaying_manager(93)
     before = m.encode(pixels, grid)
     doubled_middle_weight(tower, "copy")
     torch.nn.Linear(3, 3)  # other modules' registrations: the key lists the addresses again, and they are the same
