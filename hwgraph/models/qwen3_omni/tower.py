@@ -157,8 +157,8 @@ class Qwen3OmniVisionTower(nn.Module):
     def weights_key(self) -> tuple[int, int, int, int]:
         """Where the tower's weights and buffers live, as a key that changes when any of them moves. Moving the tower
         to another dtype or device (``to``, ``half``, ...) allocates new weights; so does giving one block a new
-        parameter (``block.mlp.fc1.weight = nn.Parameter(w)``) or loading a state dict with ``assign=True``. A graph
-        captured before would read the old, freed memory. ``EncoderGraphManager`` compares the key before every
+        parameter (``block.mlp.linear_fc1.weight = nn.Parameter(w)``) or loading a state dict with ``assign=True``.
+        A graph captured before would read the old, freed memory. ``EncoderGraphManager`` compares the key before every
         call, so it is cheap: three pointer reads (the first and the last weight, the rotary frequencies every
         forward reads) and a layout number, which counts changes of the addresses of all the tower's parameters and
         buffers, listed again only when a module of the process was given a parameter or buffer since the last
