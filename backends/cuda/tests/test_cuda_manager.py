@@ -251,9 +251,9 @@ def test_calibrate_on_another_stream_waits_for_the_last_replay_and_the_next_repl
     they held the encode's. The next encode() of calibrate's grid skipped its metadata and replayed the other
     grid's. calibrate() now waits for the last replay, as a replay on another stream does.
 
-    A first round, in order, warms what would otherwise make the host wait for the device and so hide the race
-    (on the H100 the test passed on the previous code without it): a device allocation for a stream's first use of
-    the caching allocator and a pinned block for a grid's metadata are implicitly synchronising."""
+    A first round, in order, warms the caching allocator's pool of each stream and the pinned block of each grid's
+    metadata. Without it the test passed on the previous code on an H100 (session 53), most likely because a device
+    or pinned host allocation is implicitly synchronising, so calibrate's first fill waited for the slow stream."""
     from hwgraph.budgets import filling_grid
 
     grid = [(1, 14, 14)]
