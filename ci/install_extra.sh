@@ -19,3 +19,10 @@ if [ "$OFFLINE" = --offline ]; then
 else
   $PIP install --no-build-isolation --find-links "$WHEELS" -e ".[$EXTRAS]"
 fi
+# Every plugin is version 0.1.0, so in a reused environment (tox's, on its second run) pip keeps the plugin an earlier
+# run installed and the tests import stale code: reinstall the wheels just built for the extras asked for.
+for vendor in cuda rocm npu; do
+  case ",$EXTRAS," in
+    *",$vendor,"*) $PIP install --no-deps --no-index --force-reinstall "$WHEELS"/hwgraph_backend_"$vendor"-*.whl ;;
+  esac
+done

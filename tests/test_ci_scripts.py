@@ -72,6 +72,24 @@ def test_the_detected_accelerator_is_the_vendor_tool_found(tmp_path, tool, accel
     assert done.stdout.strip() == accel, done.stderr
 
 
+@pytest.mark.parametrize("tools, accel", [({"nvidia-smi": 0, "rocm-smi": 2}, "cuda"),
+                                          ({"nvidia-smi": 9, "rocm-smi": 0}, "rocm"),
+                                          ({"rocm-smi": 2, "npu-smi": 0}, "npu"),
+                                          ({"nvidia-smi": 9, "rocm-smi": 2, "npu-smi": 1}, "cpu")])
+def test_a_vendor_tool_that_fails_does_not_decide_the_accelerator(tmp_path, tools, accel):
+    """A rocm-smi left on a CUDA machine (it exits 2: no AMD GPU) made detect.sh say rocm, so ci/test.sh set up the
+    ROCm env on a machine whose `nvidia-smi -L` listed its GPUs."""
+    root = checkout(tmp_path, system_site_packages=None)
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for tool, status in tools.items():
+        (folder / tool).write_text(f"#!/bin/sh\nexit {status}\n")
+        (folder / tool).chmod(0o755)
+    done = subprocess.run([BASH, "-c", 'source ci/detect.sh && echo "$DETECTED"'], cwd=root, capture_output=True,
+                          text=True, timeout=60, env={"PATH": str(folder)})
+    assert done.stdout.strip() == accel, done.stderr
+
+
 @pytest.mark.parametrize("script", ["test.sh", "demo.sh"])
 def test_test_sh_and_demo_sh_default_to_the_detected_accelerator(tmp_path, script):
     """On a GPU machine whose .venv a CPU run made, both go for cuda and so meet env.sh's refusal (test.sh once
@@ -221,7 +239,7 @@ def test_accel_env_sh_names_every_missing_requirement_before_installing(tmp_path
                           capture_output=True, text=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "PYTHON": str(Path(sys.base_prefix) / "bin" / "python3")})
     assert done.returncode == 2, done.stderr
-    for wanted in ("torch>=2.10 (not installed)", "transformers>=5.17 (not installed)", "pytest-xdist>=3 (not "
+    for wanted in ("torch>=2.10.0a0 (not installed)", "transformers>=5.17 (not installed)", "pytest-xdist>=3 (not "
                    "installed)", "a ROCm build of torch", "PYTHON=/path/to/venv/bin/python tox -e rocm"):
         assert wanted in done.stderr, done.stderr
     assert not (tmp_path / "wheels").exists()  # stopped before building anything
