@@ -97,8 +97,14 @@ def writable_path(option: str, spec: str) -> Path:
                          f"{exc.strerror or exc}") from None
     if path.is_dir():
         raise ValueError(f"{option} {spec!r} is a folder: expected a file path")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"{option} {spec!r}: cannot write there")
+    existed = path.exists()
+    try:  # opened, not asked: os.access answers yes for nearly any path to root, and /proc refuses files anyway
+        with open(path, "a" if existed else "x"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option} {spec!r}: cannot write there: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink()
     return path
 
 
@@ -149,9 +155,16 @@ def cmd_bench(args) -> int:
     except SelectionError as exc:  # a requested kernel that cannot run this tower's dtype or head dim here
         print(f"hwgraph bench: {exc}", file=sys.stderr)
         return 2
+    json_error = None
     if json_path is not None:  # first: a reader that closes stdout early (| head) must not cost the results
-        json_path.write_text(json.dumps(result, indent=2, default=str))
+        try:
+            json_path.write_text(json.dumps(result, indent=2, default=str))
+        except OSError as exc:  # checked before the run, but a disk may fill meanwhile: the tables still print
+            json_error = exc
     print(bench_markdown(result))
+    if json_error is not None:
+        print(f"hwgraph bench: --json {str(json_path)!r}: could not write the results: {json_error}", file=sys.stderr)
+        return 1
     if json_path is not None:
         print(f"\nJSON report: {json_path}")
     return 0

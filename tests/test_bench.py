@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import pathlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -116,6 +117,20 @@ def test_bench_writes_its_json_before_printing_so_a_closed_stdout_does_not_lose_
     with pytest.raises(BrokenPipeError):  # cmd_bench itself: cli.main would point this process's stdout at devnull
         cmd_bench(args)
     assert json.loads(path.read_text())["rows"][0]["group"] == "1x4"
+
+
+def test_bench_prints_its_tables_when_the_json_cannot_be_written_after_the_run(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "bench.json"
+
+    def full(self, *args, **kwargs):  # checked writable before the run; the disk filled meanwhile
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    assert cli.main(["bench", "--groups", "1x4", "--warmup", "0", "--samples", "1", "--budgets", "8",
+                     "--no-transformers", "--json", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert "| 1x4 |" in out
+    assert f"--json {str(path)!r}: could not write the results: [Errno 28] No space left on device" in err
 
 
 def test_bench_command_rejects_a_bad_group_spec(capsys):

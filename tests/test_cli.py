@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,6 +119,14 @@ def test_bench_refuses_a_json_path_it_could_not_write_before_running(tmp_path, c
     assert f"--json '{tmp_path}' is a folder: expected a file path" in err
     err = refused(["bench", "--json", ""], capsys)  # was ignored: no file written, exit 0
     assert "--json '': expected a file path" in err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, a folder that refuses new files")
+def test_bench_refuses_a_json_path_whose_folder_refuses_files_before_running(capsys):
+    """os.access says yes to root for /proc: the whole bench ran, then writing the JSON raised and lost the results."""
+    err = refused(["bench", "--json", "/proc/hwgraph-bench.json"], capsys)
+    assert "--json '/proc/hwgraph-bench.json': cannot write there" in err
+    assert not Path("/proc/hwgraph-bench.json").exists()
 
 
 def test_bench_accepts_good_options_and_creates_the_json_folder(tmp_path):

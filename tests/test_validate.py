@@ -184,20 +184,40 @@ def test_the_collector_reports_skips_with_their_reason_and_setup_or_teardown_fai
     assert [r["check"] for r in failing_checks(results)] == ["T::broken_fixture", "T::leaks", "T::wrong"]
 
 
-def test_run_conformance_runs_the_explicit_backend_without_the_environments_narrowing(tmp_path, monkeypatch):
-    """``hwgraph validate --backend cpu`` with HWGRAPH_TEST_BACKENDS=rocm left in the environment must still run the
-    cpu cases (not skip them all as excluded), and leave the variable as it found it."""
+SUITE_SETTINGS = {"HWGRAPH_TEST_BACKENDS": "rocm", "HWGRAPH_TEST_ATTENTION": "TRITON_ATTN",
+                  "HWGRAPH_TEST_PRESET": "qwen3-omni-30b-a3b", "HWGRAPH_TEST_DTYPE": "bfloat16",
+                  "HWGRAPH_TEST_GRAPH_MODE": "bogus"}
+
+
+def test_run_conformance_runs_the_explicit_backend_without_the_environments_settings(tmp_path, monkeypatch):
+    """``hwgraph validate --backend cpu`` with a vendor's HWGRAPH_TEST_* settings left in the environment must still
+    run the cpu cases (not skip them all as excluded), with validate's own defaults (HWGRAPH_TEST_ATTENTION once
+    narrowed "every available kernel" to one, HWGRAPH_TEST_DTYPE replaced the dtype, a bad HWGRAPH_TEST_GRAPH_MODE
+    got past validate's check), and leave the variables as it found them."""
     seen = []
 
     def main(args, plugins=()):
-        seen.append(os.environ.get("HWGRAPH_TEST_BACKENDS"))
+        seen.append({name: os.environ.get(name) for name in SUITE_SETTINGS})
         return 0
 
-    monkeypatch.setenv("HWGRAPH_TEST_BACKENDS", "rocm")
+    for name, value in SUITE_SETTINGS.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(pytest, "main", main)
     result = run_conformance(tmp_path, "cpu", "tiny")
-    assert seen == [None] and result["exit_code"] == 0
-    assert os.environ["HWGRAPH_TEST_BACKENDS"] == "rocm"
+    assert seen == [dict.fromkeys(SUITE_SETTINGS)] and result["exit_code"] == 0
+    assert {name: os.environ[name] for name in SUITE_SETTINGS} == SUITE_SETTINGS
+
+
+@pytest.mark.cpu_machine  # on an accelerator, validate chooses its backend and preset
+def test_validate_checks_every_kernel_in_its_default_dtype_whatever_the_suites_environment(tmp_path):
+    """The whole command on the CPU, with the suite's settings for another run left in the environment."""
+    result = run_validate(["--report", str(tmp_path / "r"), "--no-bench"], env=SUITE_SETTINGS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    results = report["conformance"]["results"]
+    passed = [r["check"] for r in results if r["outcome"] == "passed"]
+    assert len(passed) >= 10 and all("[cpu-TORCH_SDPA-float32" in c for c in passed), passed
+    assert any("[cpu-TRITON_ATTN-float32" in r["check"] for r in results)  # every kernel is listed (skipped here)
 
 
 class FakeTerminal:

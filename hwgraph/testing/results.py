@@ -93,8 +93,11 @@ def suite_module(backend: str, preset: str, kernels: list[str] | None, dtype: st
 def run_conformance(workdir: Path, backend: str, preset: str, kernels: list[str] | None = None,
                     dtype: str | None = None, progress=None, log_path: Path | None = None,
                     graph_mode: str | None = None) -> dict:
-    """Run the suite; returns ``{"exit_code", "counts", "results": [CheckResult dicts], "log"}``."""
+    """Run the suite; returns ``{"exit_code", "counts", "results": [CheckResult dicts], "log"}``. Only the arguments
+    configure it: the suite's ``HWGRAPH_TEST_*`` environment variables are set aside while it runs."""
     import pytest
+
+    from hwgraph.testing.cases import SUITE_ENVIRONMENT
 
     workdir.mkdir(parents=True, exist_ok=True)
     module = workdir / f"test_hwgraph_conformance_{backend}.py"
@@ -113,12 +116,13 @@ def run_conformance(workdir: Path, backend: str, preset: str, kernels: list[str]
     collector = ResultCollector(progress)
     args = [str(module), "-c", str(ini), "--rootdir", str(workdir), "--import-mode=importlib",
             "-p", "no:cacheprovider", "-o", "console_output_style=classic"]
-    saved = os.environ.pop("HWGRAPH_TEST_BACKENDS", None)  # --backend is explicit: no narrowing applies
+    # validate's own options define the run: a vendor's HWGRAPH_TEST_* settings, meant for its own pytest run, must
+    # neither narrow the explicit backend nor replace validate's defaults (every kernel, the platform's dtype).
+    saved = {name: os.environ.pop(name) for name in SUITE_ENVIRONMENT if name in os.environ}
     try:
         with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             code = pytest.main(args, plugins=[collector])
     finally:
-        if saved is not None:
-            os.environ["HWGRAPH_TEST_BACKENDS"] = saved
+        os.environ.update(saved)
     return {"exit_code": int(code), "counts": collector.counts(), "log": str(log_path),
             "results": [r.as_dict() for r in collector.results.values()]}
