@@ -296,22 +296,65 @@ def test_missing_triton_is_a_reason(monkeypatch):
 
 def test_dtype_and_head_dim_limits_are_reasons():
     assert reasons("TORCH_SDPA", CPU, dtype=torch.int8, head_dim=300) == (
-        "TORCH_SDPA supports dtypes float32, float16, bfloat16, float64, got int8",
-        "TORCH_SDPA supports head_dim 1..256, got 300")
-    with pytest.raises(SelectionError, match="no attention kernel is available: .*head_dim 1..256, got 300"):
-        choose_attention(platform=CPU, head_dim=300)
+        "TORCH_SDPA supports dtypes float32, float16, bfloat16, float64, got int8",)  # any head dim: below
+    assert reasons("FLASH_ATTN", platform("cuda", "sm_80"), dtype=torch.int8, head_dim=300) == (
+        "FLASH_ATTN supports dtypes float16, bfloat16, got int8", "FLASH_ATTN supports head_dim 1..256, got 300")
+    with pytest.raises(SelectionError, match="no attention kernel is available: .*float64, got int8"):
+        choose_attention(platform=CPU, dtype=torch.int8)
+
+
+# Each platform's automatic choice, and the fixtures that make its first kernel available.
+AUTOMATIC = {"H200": (H200, "TRITON_ATTN", ()), "sm_80": (platform("cuda", "sm_80"), "FLASH_ATTN", ()),
+             "MI300X": (MI300X, "ROCM_AITER_FA", ("fake_aiter",)), "Ascend": (ASCEND, "NPU", ("fake_torch_npu",)),
+             "CPU": (CPU, "TORCH_SDPA", ())}
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 128, 256])
+@pytest.mark.parametrize("name", list(AUTOMATIC))
+def test_automatic_choice_keeps_each_platforms_fast_kernel_for_the_head_dims_it_takes(request, name, head_dim):
+    """TORCH_SDPA takes any head dim now (below): it stays last wherever a faster kernel takes the head dim."""
+    plat, want, fixtures = AUTOMATIC[name]
+    if want == "TRITON_ATTN":
+        pytest.importorskip("triton.tools.tensor_descriptor")  # Triton 3.4+: the TMA kernel's host descriptors
+    for fixture in fixtures:
+        request.getfixturevalue(fixture)
+    dtype = torch.float16 if plat.kind == "npu" else torch.bfloat16
+    assert choose_attention(platform=plat, dtype=dtype, head_dim=head_dim).spec.name == want
+    assert choose_attention(platform=plat, dtype=dtype, head_dim=head_dim, graph_safe=True).spec.name == \
+        ("TORCH_SDPA" if want == "NPU" else want)
+
+
+@pytest.mark.parametrize("name", list(AUTOMATIC))
+def test_a_head_dim_over_256_takes_torch_sdpa_whose_sdpa_call_takes_any_head_dim(request, name):
+    """TORCH_SDPA declared head dims 1..256, though its body (one ``scaled_dot_product_attention`` call, where torch
+    picks a backend that takes the head dim, its math one at worst) takes any: a tower of head_dim 288, which
+    transformers runs, found no kernel at its first forward."""
+    from hwgraph.attention.sdpa import sdpa_varlen
+    from hwgraph.testing.reference import assert_matches_reference, random_packed_batch
+
+    plat, fast, fixtures = AUTOMATIC[name]
+    for fixture in fixtures:
+        request.getfixturevalue(fixture)
+    dtype = torch.float16 if plat.kind == "npu" else torch.bfloat16
+    chosen = choose_attention(platform=plat, dtype=dtype, head_dim=288)
+    assert chosen.spec.name == "TORCH_SDPA" and chosen.fn is sdpa_varlen
+    if fast in ("FLASH_ATTN", "ROCM_AITER_FA", "NPU"):
+        assert f"{fast}: {fast} supports head_dim 1..256, got 288" in chosen.reason
+    for head_dim in (288, 512):
+        batch = random_packed_batch([5, 7, 1], heads=2, head_dim=head_dim, zero_length=1, padding_rows=3)
+        assert_matches_reference(chosen.fn(*batch.args()), batch)
 
 
 def test_the_attention_selection_error_names_every_refused_candidate_with_its_reasons(monkeypatch):
     monkeypatch.setitem(sys.modules, "aiter", None)
     monkeypatch.setitem(sys.modules, "triton", None)
     with pytest.raises(SelectionError) as failure:
-        choose_attention(platform=MI300X, dtype=torch.float16, head_dim=300)
+        choose_attention(platform=MI300X, dtype=torch.int8, head_dim=300)
     message = str(failure.value)
     assert message.startswith("no attention kernel is available: ")
     assert "ROCM_AITER_FA: ROCM_AITER_FA needs the aiter package" in message
     assert "TRITON_ATTN: TRITON_ATTN needs the triton package" in message
-    assert "TORCH_SDPA: TORCH_SDPA supports head_dim 1..256, got 300" in message
+    assert "TORCH_SDPA: TORCH_SDPA supports dtypes float32, float16, bfloat16, float64, got int8" in message
     # the kernels of other platforms are not candidates here
     assert "FLASH_ATTN" not in message and "NPU" not in message
 

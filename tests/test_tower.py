@@ -245,6 +245,34 @@ def test_state_dict_names_and_shapes_equal_transformers(name):
     assert not any("inv_freq" in k for k in ours)
 
 
+@pytest.mark.parametrize("act", ["prelu", "xielu"])
+def test_an_activation_with_weights_has_transformers_names_and_a_transformers_state_dict_loads(act):
+    """The block MLP's activation was ``mlp.act``, transformers' is ``mlp.act_fn``: with an activation that has
+    weights (PReLU's slope, xIELU's alphas), which ``check_config`` accepts, a transformers state dict did not load
+    (missing ``blocks.0.mlp.act.weight``), nor this tower's into transformers."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
+
+    config = preset_config("tiny", hidden_act=act)
+    with torch.device("meta"):
+        assert list(Qwen3OmniVisionTower(config).state_dict()) == list(Qwen3OmniMoeVisionEncoder(config).state_dict())
+    torch.manual_seed(0)
+    # float32 throughout: transformers builds xIELU's alphas in bfloat16, which would round them on each load.
+    reference = reference_encoder(perturbed(Qwen3OmniVisionTower(config).float()))  # this tower's weights in
+    tower = Qwen3OmniVisionTower(config, attention=masked_attention).float().eval()
+    tower.load_state_dict(reference.state_dict())  # and transformers' into a fresh tower, strictly
+    assert any(name.startswith("blocks.0.mlp.act_fn.") for name, _ in tower.named_parameters())
+    grid = [(1, 4, 6), (2, 2, 2)]
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        got = tower(pixels, grid)
+        assert_same_output(got, run_reference(reference, pixels, grid))
+        # the loaded activation weights are used: the default ones give another output
+        default = Qwen3OmniVisionTower(config, attention=masked_attention).float().eval()
+        default.load_state_dict({k: v for k, v in reference.state_dict().items() if ".mlp.act_fn." not in k},
+                                strict=False)
+        assert not torch.allclose(default(pixels, grid).embeds, got.embeds)
+
+
 def test_real_preset_has_the_qwen3_omni_30b_a3b_shapes_and_parameter_count():
     with torch.device("meta"):
         tower = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b")
@@ -296,6 +324,30 @@ def test_duplicate_deepstack_indexes_are_refused():
         Qwen3OmniVisionTower.from_preset("tiny", deepstack_visual_indexes=[1, 1])
 
 
+@pytest.mark.parametrize("alias, target, value", [("num_attention_heads", "num_heads", 2),
+                                                  ("num_hidden_layers", "depth", 5)])
+def test_preset_overrides_take_the_transformers_config_aliases(alias, target, value):
+    """transformers' config takes ``num_attention_heads`` and ``num_hidden_layers`` (its ``attribute_map``) for
+    ``num_heads`` and ``depth``; the preset refused them as unknown fields."""
+    from hwgraph.models.qwen3_omni.config import VisionConfig
+
+    config = preset_config("tiny", **{alias: value})
+    assert getattr(config, target) == getattr(VisionConfig(**{alias: value}), target) == value
+    assert config.to_dict() == preset_config("tiny", **{target: value}).to_dict()
+    assert preset_config("tiny", **{alias: value, target: value}).to_dict() == config.to_dict()  # the same value: ok
+    with torch.device("meta"):
+        tower = Qwen3OmniVisionTower.from_preset("tiny", **{alias: value})
+    assert (len(tower.blocks), tower.blocks[0].attn.num_heads) == (config.depth, config.num_heads)
+
+
+def test_a_transformers_config_alias_and_its_target_with_different_values_are_refused_naming_both():
+    with pytest.raises(ValueError, match=r"num_attention_heads=2 and num_heads=4 name the same field \(num_heads\) "
+                                         r"with different values"):
+        preset_config("tiny", num_attention_heads=2, num_heads=4)
+    with pytest.raises(ValueError, match=r"num_hidden_layers=3 and depth=2"):
+        Qwen3OmniVisionTower.from_preset("tiny", depth=2, num_hidden_layers=3)
+
+
 def test_a_config_json_with_non_axial_rope_is_refused_as_transformers_refuses_it():
     config = vision_config_from_dict(dict(preset_config("tiny").to_dict(),
                                           rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}))
@@ -321,6 +373,28 @@ def test_a_full_or_thinker_config_object_builds_the_tower_of_its_vision_config()
 def test_a_vision_only_config_needs_only_one_vision_field(fields):
     config = vision_config_from_dict(fields)
     assert all(getattr(config, k) == v for k, v in fields.items())
+
+
+def test_a_head_dim_over_256_runs_with_torch_sdpa_and_equals_transformers():
+    """hidden 576 over 2 heads (head_dim 288) is a config transformers runs: TORCH_SDPA declared head dims up to 256,
+    though its ``scaled_dot_product_attention`` takes any, so the tower built and its first forward raised
+    ``SelectionError`` (no attention kernel available)."""
+    config = preset_config("tiny", hidden_size=576, num_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    tower = perturbed(Qwen3OmniVisionTower(config))  # automatic choice
+    assert tower.head_dim == 288
+    reference = reference_encoder(tower)
+    grid = [(1, 4, 6), (2, 2, 2)]
+    pixels = pixels_for(tower, grid)
+    # Outputs reach 47 at hidden 576: summation order alone moves them by up to 5e-4 (head_dim 144 and 72 too).
+    tol = dict(rtol=1e-5, atol=2e-3)
+    with torch.no_grad():
+        assert_same_output(tower(pixels, grid), run_reference(reference, pixels, grid), **tol)
+    assert tower.attention_kernel == "TORCH_SDPA"
+    explicit = Qwen3OmniVisionTower(config, attention="TORCH_SDPA")
+    explicit.load_state_dict(tower.state_dict())
+    with torch.no_grad():
+        assert_same_output(explicit.eval()(pixels, grid), run_reference(reference, pixels, grid), **tol)
 
 
 # ---------------------------------------------------------------------------------------------- attention choice
@@ -480,6 +554,37 @@ def test_padded_forward_equals_unpadded_on_the_real_rows_and_copy_from_refills_s
         assert_same_output(tower.forward_with_metadata(pixels2, static), tower(pixels2, grid2))
     with pytest.raises(ValueError, match="does not match these static buffers"):
         static.copy_from(meta.padded(32, 4))
+
+
+def test_copy_from_refuses_metadata_of_another_merge_size_or_position_table_naming_each_field():
+    """``copy_from`` compared shapes and ``max_seqlen`` only: metadata built for another position table (same shapes)
+    was copied in silently and the tower blended the wrong rows of its table (max error 4.2 on the tiny tower); another
+    merge size was refused with "max_seqlen 16 vs 16", naming nothing that differed."""
+    from hwgraph.models.qwen3_omni import prepare_metadata
+
+    torch.manual_seed(0)
+    tower = perturbed(Qwen3OmniVisionTower.from_preset("tiny", attention=masked_attention))
+    grid, side = [(1, 4, 4)], tower.num_grid_per_side
+    static = tower.prepare_metadata(grid).padded(16, 1, 16)
+    before = {name: t.clone() for name, t in static.tensors().items()}
+    for src, named in [
+        (prepare_metadata(grid, 1, side).padded(16, 1, 16), r": spatial_merge_size 2 vs 1\b"),
+        (prepare_metadata(grid, 2, side - 3).padded(16, 1, 16), rf": num_grid_per_side {side} vs {side - 3}\b"),
+        (tower.prepare_metadata(grid).padded(16, 1, 20), r": max_seqlen 16 vs 20\b"),
+        (tower.prepare_metadata(grid).padded(32, 2, 16),
+         r": pos_indices \(4, 16\) vs \(4, 32\); .*cu_seqlens \(2,\) vs \(3,\)"),
+    ]:
+        with pytest.raises(ValueError, match=r"metadata does not match these static buffers \(theirs vs the given "
+                                             r"one's\)" + named):
+            static.copy_from(src)
+    with pytest.raises(ValueError) as failure:  # several at once: each one named
+        static.copy_from(prepare_metadata(grid, 1, 5).padded(16, 1, 20))
+    assert all(f in str(failure.value) for f in ("spatial_merge_size 2 vs 1", f"num_grid_per_side {side} vs 5",
+                                                 "max_seqlen 16 vs 20"))
+    assert all(torch.equal(t, before[name]) for name, t in static.tensors().items())  # nothing was copied
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        assert_same_output(tower.forward_with_metadata(pixels, static), tower(pixels, grid))
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int64])

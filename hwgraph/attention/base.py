@@ -28,6 +28,10 @@ from hwgraph.platform import PlatformInfo
 VarlenAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 
+# ``KernelSpec.head_dims`` of a kernel that takes any head dim (torch's SDPA, whose math backend takes any).
+ANY_HEAD_DIM = (1, 1 << 16)
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     name: str  # "TORCH_SDPA", "FLASH_ATTN", ...

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hwgraph.attention.base import KernelSpec
+from hwgraph.attention.base import ANY_HEAD_DIM, KernelSpec
 from hwgraph.attention.varlen_inputs import register_varlen_kernel, valid_rows
 from hwgraph.capability import Capability
 
@@ -76,7 +76,7 @@ TORCH_SDPA = KernelSpec(
     impl_path="hwgraph.attention.sdpa:sdpa_varlen",
     kinds=("cuda", "rocm", "npu", "cpu"),
     dtypes=SDPA_DTYPES,
-    head_dims=(1, 256),
+    head_dims=ANY_HEAD_DIM,  # torch picks an SDPA backend that takes the head dim, its math one at worst
     graph_safe=True,
     gate=lambda platform: Capability.available(),
     priority=0,

@@ -314,3 +314,30 @@ def test_triton_attn_keeps_the_tma_kernel_where_it_measured_faster():
     batch = random_packed_batch([1000, 24], HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     assert uses_tma(batch.q, batch.k, batch.v)
     assert not uses_gluon(batch.q, batch.k, batch.v, TMA_OVER_GLUON[0])
+
+
+@pytest.mark.parametrize("head_dim", [288, 512])
+def test_torch_sdpa_takes_a_head_dim_over_256_on_the_gpu_and_the_tower_chooses_it(head_dim):
+    """TORCH_SDPA admits any head dim (torch picks an SDPA backend that takes it); the GPU's fast kernels stop at 256,
+    so a tower of head_dim 288 chooses TORCH_SDPA automatically and equals transformers on the GPU."""
+    from hwgraph.attention.registry import choose_attention
+    from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+    from hwgraph.models.qwen3_omni.config import preset_config
+    from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
+
+    batch = random_packed_batch([300, 49, 1], 2, head_dim, zero_length=1, padding_rows=7, dtype=torch.bfloat16,
+                                device="cuda")
+    assert choose_attention(platform=detect(), dtype=torch.bfloat16, head_dim=head_dim).spec.name == "TORCH_SDPA"
+    assert_matches_reference(TORCH_SDPA.load()(*batch.args()), batch)
+    torch.manual_seed(0)
+    config = preset_config("tiny", hidden_size=2 * head_dim, num_heads=2, intermediate_size=64)
+    tower = Qwen3OmniVisionTower(config).to("cuda", torch.bfloat16).eval()
+    grid = [(1, 8, 6), (2, 4, 4)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grid), tower.patch_row_width, device="cuda",
+                         dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = tower(pixels, grid)
+    want = run_reference(reference_encoder(tower), pixels, grid)
+    assert tower.attention_kernel == "TORCH_SDPA"
+    for g, w in zip((got.embeds, *got.deepstack), (want.embeds, *want.deepstack), strict=True):
+        assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 2e-2  # bf16 against bf16, two op orders

@@ -32,15 +32,26 @@ PRESETS: dict[str, dict] = {
 
 
 def preset_config(name: str, **overrides) -> VisionConfig:
-    """The config of preset ``name`` with ``overrides`` (config field names) applied."""
+    """The config of preset ``name`` with ``overrides`` (config field names, or the aliases transformers' config
+    takes for them: ``num_attention_heads``, ``num_hidden_layers``) applied. An alias and its field given different
+    values is a ``ValueError`` naming both (transformers would keep the alias's silently)."""
     if name not in PRESETS:
         raise ValueError(f"unknown tower preset {name!r}; known: {', '.join(PRESETS)}")
     known = set(VisionConfig().to_dict())
-    unknown = sorted(set(overrides) - known)
+    unknown = sorted(set(overrides) - known - set(VisionConfig.attribute_map))
     if unknown:  # the config class would keep a misspelt field and build the preset's value instead
         raise ValueError(f"unknown vision config field(s) {unknown} for preset {name!r}: its fields are "
                          f"{', '.join(sorted(PRESETS[name]))}")
-    return VisionConfig(**{**copy.deepcopy(PRESETS[name]), **overrides})
+    fields = {}
+    for key, value in overrides.items():
+        field = VisionConfig.attribute_map.get(key, key)
+        if field in fields and fields[field][1] != value:
+            pair = sorted([fields[field], (key, value)], key=lambda kv: kv[0] == field)  # the alias first
+            (alias, alias_value), (_, field_value) = pair
+            raise ValueError(f"{alias}={alias_value!r} and {field}={field_value!r} name the same field ({field}) "
+                             f"with different values")
+        fields[field] = (key, value)
+    return VisionConfig(**{**copy.deepcopy(PRESETS[name]), **{field: value for field, (_, value) in fields.items()}})
 
 
 def vision_config_from_dict(data: Mapping) -> VisionConfig:

@@ -111,11 +111,11 @@ class VisionMLP(nn.Module):
         super().__init__()
         self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
-        self.act = activation(config.hidden_act)
+        self.act_fn = activation(config.hidden_act)
         self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = linear_gelu_tanh(x, self.linear_fc1) if self.gelu_tanh else self.act(self.linear_fc1(x))
+        hidden = linear_gelu_tanh(x, self.linear_fc1) if self.gelu_tanh else self.act_fn(self.linear_fc1(x))
         return linear(hidden, self.linear_fc2.weight, self.linear_fc2.bias)
 
 

@@ -166,14 +166,19 @@ class VisionMetadata:
         return dataclasses.replace(self, cu_seqlens=self.cu_seqlens[: num_seqs + 1])
 
     def copy_from(self, src: VisionMetadata) -> VisionMetadata:
-        """Overwrite these (static, e.g. device) tensors in place with ``src``'s; shapes and ``max_seqlen`` must
-        match, since a captured graph keeps both. Host fields follow ``src``. Returns self."""
-        mismatched = [f"{name} {tuple(dst.shape)} vs {tuple(getattr(src, name).shape)}"
-                      for name, dst in self.tensors().items() if dst.shape != getattr(src, name).shape]
-        if mismatched or src.max_seqlen != self.max_seqlen or src.spatial_merge_size != self.spatial_merge_size:
-            raise ValueError(f"metadata does not match these static buffers (pad it with the same num_patches, "
-                             f"num_seqs and max_seqlen): {'; '.join(mismatched)} max_seqlen {self.max_seqlen} vs "
-                             f"{src.max_seqlen}")
+        """Overwrite these (static, e.g. device) tensors in place with ``src``'s; shapes, ``max_seqlen``, the merge
+        size and the position table side must match, since a captured graph keeps the first two and the tower's
+        table lookups assume the last two. ``ValueError`` naming every field that differs, with both values, and
+        nothing copied. Host fields follow ``src``. Returns self."""
+        mismatched = [f"{name} {getattr(self, name)} vs {getattr(src, name)}"
+                      for name in ("spatial_merge_size", "num_grid_per_side", "max_seqlen")
+                      if getattr(self, name) != getattr(src, name)]
+        mismatched += [f"{name} {tuple(dst.shape)} vs {tuple(getattr(src, name).shape)}"
+                       for name, dst in self.tensors().items() if dst.shape != getattr(src, name).shape]
+        if mismatched:
+            raise ValueError(f"metadata does not match these static buffers (theirs vs the given one's): "
+                             f"{'; '.join(mismatched)}; build it for the same tower and pad it with the same "
+                             f"num_patches, num_seqs and max_seqlen")
         for name, dst in self.tensors().items():
             dst.copy_(getattr(src, name), non_blocking=True)
         self.grid_thw, self.patch_counts, self.token_counts = src.grid_thw, src.patch_counts, src.token_counts

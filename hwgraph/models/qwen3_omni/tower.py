@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from hwgraph.attention.base import KernelSpec, VarlenAttention, check_attention_request, host_cu_seqlens
+from hwgraph.attention.base import ANY_HEAD_DIM, KernelSpec, VarlenAttention, check_attention_request, host_cu_seqlens
 from hwgraph.capability import Capability
 from hwgraph.models.qwen3_omni.config import VisionConfig, check_config, preset_config, resolve_config
 from hwgraph.models.qwen3_omni.fused import add_position_embedding
@@ -53,7 +53,7 @@ def callable_spec(fn: VarlenAttention) -> KernelSpec:
     slot-bound (``KernelSpec.slot_bound``) if it says ``fn.slot_bound = True``."""
     return KernelSpec(
         name=getattr(fn, "__name__", type(fn).__name__), impl_path="", kinds=KINDS,
-        dtypes=(torch.float32, torch.bfloat16, torch.float16), head_dims=(1, 1 << 16),
+        dtypes=(torch.float32, torch.bfloat16, torch.float16), head_dims=ANY_HEAD_DIM,
         graph_safe=bool(getattr(fn, "graph_safe", True)), gate=lambda platform: Capability.available(),
         slot_bound=bool(getattr(fn, "slot_bound", False)),
         description="a callable given to the tower",
