@@ -80,7 +80,8 @@ class ManagerStats:
     calibration: dict = field(default_factory=dict)  # budget -> {"eager_ms", "replay_ms", "kept"}
 
     def as_dict(self) -> dict:
-        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+        # deep: calibration's per-budget dicts are nested, and a caller's copy must not reach the manager's own
+        return copy.deepcopy(self.__dict__)
 
 
 TOWER_METHODS = ("parameters", "set_attention", "attention_choice", "apply_attention_choice", "weights_key",
@@ -579,7 +580,7 @@ class EncoderGraphManager:
         if cap is None:
             log.warning("calibration on %s/%s: no budget's replay beat eager; every call runs eagerly",
                         self.backend.name, self.tower.attention_kernel)
-        return copy.deepcopy(findings)  # the caller's to change: stats() copies one level only
+        return copy.deepcopy(findings)  # the caller's to change, not the manager's stats
 
     def _forget_costs(self, *budgets: int) -> None:
         """Drop the memory and seconds of released budgets (all of them, given none) from the stats, which describe

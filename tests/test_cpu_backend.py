@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import operator
+import sys
+import threading
+
 import pytest
 import torch
 
 from hwgraph.graphs import CaptureError, HostSyncError
-from hwgraph.graphs.cpu import CpuGraphBackend
+from hwgraph.graphs.cpu import CpuGraphBackend, RejectHostReads
+
+# every tensor method a sync guard may replace while it is active
+GUARDED_METHODS = ("item", "tolist", "cpu", "numpy", "to", "__bool__", "__int__", "__float__", "__index__")
 
 
 @pytest.fixture
@@ -69,15 +76,60 @@ def test_an_output_read_before_the_next_replay_is_overwritten_by_it(backend, sta
     pytest.param(lambda t: t.sum().item(), id="item"),
     pytest.param(lambda t: t.tolist(), id="tolist"),
     pytest.param(lambda t: t.cpu(), id="cpu"),
-    pytest.param(lambda t: t.numpy(), id="numpy"),
     pytest.param(lambda t: bool(t.sum()), id="bool"),
     pytest.param(lambda t: int(t.sum()), id="int"),
     pytest.param(lambda t: float(t.sum()), id="float"),
+    # the emulated device is the CPU: a blocking copy to "cpu" is the device-to-host copy .cpu() is
+    pytest.param(lambda t: t.to("cpu"), id="to-str"),
+    pytest.param(lambda t: t.to(torch.device("cpu")), id="to-device"),
+    pytest.param(lambda t: t.to(device="cpu"), id="to-device-keyword"),
+    pytest.param(lambda t: t.to("cpu", torch.float16), id="to-device-and-dtype"),
+    pytest.param(lambda t: t.to("cpu", non_blocking=False, copy=True), id="to-blocking-copy"),
+    # a tensor used as a Python index reads its value on the host
+    pytest.param(lambda t: range(t.sum().long()), id="range"),
+    pytest.param(lambda t: [0, 1, 2, 3][t.sum().long()], id="list-subscript"),
+    pytest.param(lambda t: operator.index(t.sum().long()), id="operator.index"),
 ])
 def test_sync_guard_rejects_each_host_read(backend, host_read):
     tensor = torch.ones(3)
-    with backend.sync_guard(), pytest.raises(HostSyncError):
+    with backend.sync_guard(), pytest.raises(HostSyncError, match=r"inside sync_guard\(\): a device-to-host"):
         host_read(tensor)
+
+
+def test_sync_guard_names_the_host_copy_and_the_index_it_rejected(backend):
+    tensor = torch.ones(3)
+    with backend.sync_guard():
+        with pytest.raises(HostSyncError, match=r"^\.to\('cpu'\) on a tensor inside sync_guard\(\)"):
+            tensor.to(torch.device("cpu"))
+        with pytest.raises(HostSyncError, match=r"^operator\.index\(\) \(a tensor as a Python int: range\(\), "
+                                                r"a list subscript\) on a tensor inside sync_guard\(\)"):
+            range(tensor.sum().long())
+
+
+@pytest.mark.parametrize("device_work", [
+    pytest.param(lambda t: t.to(torch.float16), id="to-dtype"),
+    pytest.param(lambda t: t.to(torch.ones(1, dtype=torch.float64)), id="to-like-a-tensor"),
+    # queued without waiting: how host metadata reaches its device (VisionMetadata.to)
+    pytest.param(lambda t: t.to("cpu", non_blocking=True), id="to-non-blocking"),
+    pytest.param(lambda t: torch.zeros(4)[t.long()], id="tensor-index"),
+])
+def test_sync_guard_allows_casts_non_blocking_copies_and_tensor_indexing(backend, device_work):
+    tensor = torch.ones(3)
+    with backend.sync_guard():
+        out = device_work(tensor)
+    assert out.shape[0] == 3
+
+
+def test_sync_guard_lets_numpy_read_a_host_tensor_and_still_rejects_a_copy_to_the_host(backend):
+    # .numpy() never synchronises: torch refuses it for a device tensor (TypeError), so on the host it reads host
+    # memory, such as a grid_thw tensor the caller made there
+    grid = torch.tensor([[1, 8, 8], [2, 4, 4]])
+    with backend.sync_guard():
+        assert grid.numpy().tolist() == [[1, 8, 8], [2, 4, 4]]
+        with pytest.raises(HostSyncError, match=r"\.cpu\(\)"):
+            grid.cpu().numpy()
+        with pytest.raises(HostSyncError, match=r"\.tolist\(\)"):
+            grid.tolist()
 
 
 def test_sync_guard_allows_device_work_and_ends_with_the_block(backend):
@@ -120,6 +172,17 @@ def test_a_mode_the_backend_does_not_have_is_refused_naming_its_modes():
         CpuGraphBackend(mode="full")
 
 
+@pytest.mark.parametrize("mode, error, match", [
+    ("", ValueError, r"graph backend 'cpu' has modes \['emulated'\], got mode=''"),
+    (0, TypeError, r"graph backend 'cpu' takes a mode name \(one of \['emulated'\]\), got mode=0"),
+    (b"emulated", TypeError, r"takes a mode name \(one of \['emulated'\]\), got mode=b'emulated'"),
+])
+def test_only_none_means_the_first_mode_and_an_empty_or_non_str_mode_is_refused(mode, error, match):
+    assert CpuGraphBackend(mode=None).mode == "emulated"
+    with pytest.raises(error, match=match):
+        CpuGraphBackend(mode=mode)
+
+
 def test_a_replay_whose_outputs_differ_from_the_captured_ones_raises(backend):
     # a device graph cannot change its output shapes or count: the emulation refuses instead of broadcasting
     shape = [4]
@@ -132,3 +195,67 @@ def test_a_replay_whose_outputs_differ_from_the_captured_ones_raises(backend):
     count[0] = 2
     with pytest.raises(CaptureError, match="different number of outputs"):
         graph.replay()
+
+
+@pytest.fixture
+def tensor_methods_restored():
+    """Puts back any tensor method a failed guard test left replaced, so that later tests read tensors normally."""
+    saved = {name: torch.Tensor.__dict__.get(name) for name in GUARDED_METHODS}
+    yield saved
+    for name, original in saved.items():
+        if torch.Tensor.__dict__.get(name) is not original:
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+            RejectHostReads._depth = 0
+
+
+def test_sync_guards_entered_and_left_by_many_threads_at_once_leave_every_method_as_it_was(tensor_methods_restored):
+    originals = {name: getattr(torch.Tensor, name) for name in GUARDED_METHODS}
+    errors = []
+
+    def enter_and_leave():
+        try:
+            for _ in range(500):
+                with RejectHostReads():
+                    pass
+        except Exception as exc:  # noqa: BLE001 - reported below, with the thread's name
+            errors.append(f"{threading.current_thread().name}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=enter_and_leave, name=f"guard-{i}") for i in range(8)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: between any two guard steps
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, f"entering or leaving the guard raised: {errors[:3]}"
+    replaced = [name for name in GUARDED_METHODS if getattr(torch.Tensor, name) is not originals[name]]
+    assert not replaced, f"after every guard ended, torch.Tensor still has replaced {replaced}"
+    assert torch.tensor(1.5).item() == 1.5 and torch.ones(2).tolist() == [1.0, 1.0]
+
+
+def test_a_guard_another_thread_holds_keeps_rejecting_after_this_thread_enters_and_leaves_one(backend):
+    entered, leave = threading.Event(), threading.Event()
+
+    def hold_a_guard():
+        with backend.sync_guard():
+            entered.set()
+            leave.wait(timeout=30)
+
+    holder = threading.Thread(target=hold_a_guard)
+    holder.start()
+    try:
+        assert entered.wait(timeout=30), "the other thread never entered its guard"
+        with backend.sync_guard():
+            pass
+        with pytest.raises(HostSyncError, match=r"\.item\(\)"):  # process-wide: the other thread's guard holds
+            torch.ones(1).item()
+    finally:
+        leave.set()
+        holder.join()
+    assert torch.ones(1).item() == 1.0

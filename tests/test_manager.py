@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 
@@ -176,6 +177,37 @@ def test_encode_reads_nothing_back_from_the_device(tower, manager):
         manager.encode(pixels, grid)  # replay
         manager.encode(pixels_for(tower, [(2, 4, 4)], 41), [(2, 4, 4)])  # eager fallback
     assert manager.stats()["hits"] == 2 and manager.stats()["misses"] == 1
+
+
+def test_a_grid_tensor_the_caller_made_on_the_host_is_read_under_the_sync_guard(tower, manager):
+    """The grid is host metadata (encode() takes a list or an int tensor on the host): reading it is no sync."""
+    grid = [(1, 8, 8), (1, 4, 4)]
+    pixels = pixels_for(tower, grid, 42)
+    with manager.backend.sync_guard():
+        got = manager.encode(pixels, torch.tensor(grid))
+        by_rows = manager.encode(pixels, [torch.tensor(row) for row in grid])  # a list of 1-D tensors, one per image
+    for out in (got, by_rows):
+        assert_outputs_equal(out, eager_per_image(tower, pixels, grid))
+    assert manager.stats()["hits"] == 4
+
+
+def test_stats_are_the_callers_to_change_without_changing_the_managers(tower, monkeypatch):
+    m = EncoderGraphManager(tower, budgets=[16, 32], max_images_per_graph=4, graph_backend="cpu",
+                            attention="TORCH_SDPA")
+    m.capture()
+    times = iter([1.0, 0.5, 1.0, 0.5])  # (eager, replay) per budget: both kept
+    monkeypatch.setattr(m, "time_ms", lambda fns, warmup=3, samples=10: {name: next(times) for name in fns})
+    m.calibrate()
+    grid = [(1, 4, 4)]
+    m.encode(pixels_for(tower, grid, 43), grid)
+    before = copy.deepcopy(m.stats())
+    assert before["calibration"][16] == {"eager_ms": 1.0, "replay_ms": 0.5, "kept": True}
+    mine = m.stats()
+    mine["calibration"][16]["kept"] = "changed by the caller"
+    mine["calibration"][32].clear()
+    mine["replays_per_budget"][16] = 99
+    assert m.stats() == before, "changing what stats() returned changed the manager's own stats"
+    m.close()
 
 
 def test_close_frees_the_graph_memory(tower):

@@ -56,6 +56,11 @@ def manager(tower, **kwargs):
     ({"budgets": np.array(16)}, ValueError, r"budgets must be a list of ints \(merged-token counts\), got array\(16\)"),
     ({"budgets": torch.tensor(16)}, ValueError, r"budgets must be a list of ints .*got tensor\(16\)"),
     ({"slot_counts": np.array(2)}, ValueError, r"slot_counts must be a list of ints .*got array\(2\)"),
+    # only None means the backend's first mode: an empty or falsy mode once became it silently
+    ({"graph_mode": ""}, ValueError, r"graph backend 'cpu' has modes \['emulated'\], got mode=''"),
+    ({"graph_mode": 0}, TypeError, r"graph backend 'cpu' takes a mode name \(one of \['emulated'\]\), got mode=0"),
+    ({"graph_mode": False}, TypeError, r"takes a mode name \(one of \['emulated'\]\), got mode=False"),
+    ({"graph_mode": ["emulated"]}, TypeError, r"takes a mode name .*got mode=\['emulated'\]"),
 ])
 def test_a_bad_argument_is_refused_by_name_and_leaves_the_tower_as_it_was(tower, kwargs, error, match):
     kernel, weights, dtype = tower.attention_kernel, tower.weights_key(), tower.dtype

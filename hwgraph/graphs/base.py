@@ -54,7 +54,11 @@ class GraphBackend(ABC):
 
     def __init__(self, device: torch.device | str | None = None, mode: str | None = None):
         self.device = torch.device(device) if device is not None else self.default_device()
-        mode = mode or self.modes[0]
+        if mode is None:  # only None: a falsy mode ('' or 0) is a mistake to name, not a request for the default
+            mode = self.modes[0]
+        elif not isinstance(mode, str):
+            raise TypeError(f"graph backend {self.name!r} takes a mode name (one of {list(self.modes)}), "
+                            f"got mode={mode!r}")
         if mode not in self.modes:
             raise ValueError(f"graph backend {self.name!r} has modes {list(self.modes)}, got mode={mode!r}")
         self.mode = mode

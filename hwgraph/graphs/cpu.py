@@ -9,6 +9,7 @@ would on a device.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -70,21 +71,27 @@ class RejectHostReads:
 
     The methods are replaced on ``torch.Tensor`` itself rather than intercepted by a torch function mode: a mode
     is switched off inside its own handler, so calls nested in Python-implemented ops (custom-op bodies among
-    them) would slip through. Process-wide while active; re-entrant. Public so that device backends without a
-    runtime sync-debug mode reuse it as their sync guard.
+    them) would slip through. Process-wide while active (other threads' reads are rejected too); re-entrant and
+    safe to enter and leave from several threads: the first guard in replaces the methods, the last one out puts
+    them back. Public so that device backends without a runtime sync-debug mode reuse it as their sync guard.
+
+    On the emulated device every tensor is on the CPU, so ``.cpu()`` and a blocking ``.to("cpu")`` stand for the
+    device-to-host copies they are on a device. ``.numpy()`` is not rejected: torch refuses it for a device tensor
+    (``TypeError``, no synchronisation), so it only ever reads host memory, such as a ``grid_thw`` the caller made.
     """
 
     FORBIDDEN = {
         "item": ".item()",
         "tolist": ".tolist()",
         "cpu": ".cpu()",
-        "numpy": ".numpy()",
         "__bool__": "bool()",
         "__int__": "int()",
         "__float__": "float()",
+        "__index__": "operator.index() (a tensor as a Python int: range(), a list subscript)",
     }
-    _depth = 0
+    _depth = 0  # guards active now, in every thread; changed only under _lock
     _saved: dict = {}
+    _lock = threading.Lock()
 
     @staticmethod
     def _rejecting(what: str):
@@ -93,25 +100,54 @@ class RejectHostReads:
                                 f"on the replay path")
         return reject
 
+    @staticmethod
+    def _rejecting_host_copies(to):
+        """``Tensor.to`` that rejects a blocking copy to the host; casts and non-blocking copies go through."""
+        def reject_host_copy(self, *args, **kwargs):
+            device, non_blocking = host_copy_target(args, kwargs)
+            if device is not None and device.type == "cpu" and not non_blocking:
+                raise HostSyncError(f".to({str(device)!r}) on a tensor inside sync_guard(): a device-to-host "
+                                    f"synchronisation on the replay path")
+            return to(self, *args, **kwargs)
+        return reject_host_copy
+
     def __enter__(self):
         cls = RejectHostReads
-        if cls._depth == 0:
-            cls._saved = {name: torch.Tensor.__dict__.get(name) for name in cls.FORBIDDEN}
-            for name, what in cls.FORBIDDEN.items():
-                setattr(torch.Tensor, name, cls._rejecting(what))
-        cls._depth += 1
+        with cls._lock:  # one thread saves the originals and replaces them; the others only count themselves in
+            if cls._depth == 0:
+                cls._saved = {name: torch.Tensor.__dict__.get(name) for name in (*cls.FORBIDDEN, "to")}
+                for name, what in cls.FORBIDDEN.items():
+                    setattr(torch.Tensor, name, cls._rejecting(what))
+                torch.Tensor.to = cls._rejecting_host_copies(torch.Tensor.to)
+            cls._depth += 1
         return self
 
     def __exit__(self, *exc):
         cls = RejectHostReads
-        cls._depth -= 1
-        if cls._depth == 0:
-            for name, original in cls._saved.items():
-                if original is None:
-                    delattr(torch.Tensor, name)
-                else:
-                    setattr(torch.Tensor, name, original)
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth == 0:
+                for name, original in cls._saved.items():
+                    if original is None:
+                        delattr(torch.Tensor, name)
+                    else:
+                        setattr(torch.Tensor, name, original)
         return False
+
+
+def host_copy_target(args: tuple, kwargs: dict) -> tuple[torch.device | None, bool]:
+    """The device a ``Tensor.to(*args, **kwargs)`` call names and whether it is non-blocking; ``(None, False)`` for a
+    cast, a ``.to(other_tensor)`` (it follows a tensor, wherever that is), or arguments ``to`` itself will refuse."""
+    if args and isinstance(args[0], torch.Tensor):
+        return None, False
+    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # torch's parser of to()'s arguments lacks copy
+    for given in (args, args[:-1]):  # the second: a positional copy flag dropped
+        try:
+            device, _, non_blocking, _ = torch._C._nn._parse_to(*given, **kwargs)
+        except (TypeError, RuntimeError):
+            continue
+        return device, bool(non_blocking)
+    return None, False
 
 
 class CpuGraphBackend(GraphBackend):

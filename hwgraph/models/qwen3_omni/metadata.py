@@ -225,8 +225,8 @@ def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
                 raise ValueError(f"grid_thw[{i}] is on {row.device}; pass it on the host (a list or a CPU tensor): "
                                  f"reading a device tensor would synchronise with the device")
             if not holds_ints(row):
-                raise ValueError(f"grid_thw[{i}] = {row.tolist()!r} must hold ints, got dtype {row.dtype}")
-            row = row.tolist()
+                raise ValueError(f"grid_thw[{i}] = {row.numpy().tolist()!r} must hold ints, got dtype {row.dtype}")
+            row = row.numpy().tolist()  # numpy: a host read, which sync guards allow (they reject .tolist())
         if not isinstance(row, (Sequence, np.ndarray)) or len(row) != 3:
             raise ValueError(f"grid_thw[{i}] = {row!r} is not a (t, h, w) row; grid_thw must be a list of "
                              f"(t, h, w) rows, e.g. [(1, 32, 32)]")
