@@ -35,13 +35,12 @@ def parse_device(spec: str) -> torch.device:
 
 def check_backend(name: str | None, device: torch.device) -> None:
     """``ValueError`` when ``name`` (else ``$HWGRAPH_GRAPH_BACKEND``) is unknown or unavailable for ``device``."""
-    from hwgraph.platform import platform_for
     from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend
 
     if not (name or os.environ.get(GRAPH_BACKEND_ENV)):
         return  # an automatic choice never fails: it falls back to the cpu reference backend, and says why
     try:
-        choose_backend(name, platform_for(device))
+        choose_backend(name, device=device)  # the platform serving device
     except SelectionError as exc:
         raise ValueError(f"{'--backend' if name else '$' + GRAPH_BACKEND_ENV}: {exc}") from None
 

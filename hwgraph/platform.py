@@ -46,6 +46,14 @@ def npu_import():
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def torch_npu_unavailable(failure: str | None) -> str:
+    """Why torch_npu cannot be used, and what to do, from ``npu_import()``'s ``failure`` (None: not installed)."""
+    if failure is not None:
+        return (f"torch_npu is installed but does not import ({failure}); set the CANN toolkit's environment "
+                f"(source its set_env.sh, e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh)")
+    return f"torch_npu is not installed; install torch_npu built for torch {torch.__version__} with CANN"
+
+
 def npu_module():
     """The ``torch_npu`` module if it is importable (already imported or installed), else None."""
     return npu_import()[0]
@@ -124,6 +132,17 @@ def gpu_arch(props, kind: str) -> str | None:
     return f"sm_{props.major}{props.minor}"
 
 
+def device_type(kind: str) -> str:
+    """torch's device type for the devices of platform kind ``kind`` (ROCm builds of torch call AMD GPUs cuda)."""
+    return "cuda" if kind == "rocm" else kind
+
+
+def runs_on_host(device: torch.device | str) -> bool:
+    """Whether ``device`` is the CPU (or meta, which allocates nothing): a CPU job, whatever accelerator the machine
+    has."""
+    return torch.device(device).type in ("cpu", "meta")
+
+
 def device_runtime(device: torch.device):
     """The torch namespace of ``device``'s accelerator (``torch.cuda``, ``torch.npu``, ...); None for the CPU or a
     device type torch has no namespace for."""
@@ -137,11 +156,7 @@ def checked_device(spec: str | torch.device, name: str = "device", purpose: str 
     if str(spec).partition(":")[0] == "npu":
         module, failure = npu_import()
         if module is None:
-            if failure is not None:
-                why = f"torch_npu is installed but does not import ({failure}); set the CANN toolkit's environment"
-            else:
-                why = f"torch_npu is not installed; install torch_npu built for torch {torch.__version__} with CANN"
-            raise ValueError(f"{name} {str(spec)!r}: npu devices need torch_npu, and {why}")
+            raise ValueError(f"{name} {str(spec)!r}: npu devices need torch_npu, and {torch_npu_unavailable(failure)}")
     try:
         device = torch.device(spec)
     except (RuntimeError, ValueError, TypeError) as exc:
@@ -168,7 +183,7 @@ def platform_for(device: torch.device | str) -> PlatformInfo:
     gates judge the architecture)."""
     info = detect()
     device = torch.device(device)
-    if device.type in ("cpu", "meta") and info.kind != "cpu":
+    if runs_on_host(device) and info.kind != "cpu":
         return PlatformInfo("cpu", "cpu", None, info.torch_version, None, None, 0)
     if info.kind in ("cuda", "rocm") and device.type == "cuda":
         try:

@@ -17,7 +17,7 @@ from functools import lru_cache
 from importlib.metadata import entry_points
 
 from hwgraph.capability import Capability
-from hwgraph.platform import PlatformInfo, detect, platform_for
+from hwgraph.platform import PlatformInfo, detect, device_type, platform_for, runs_on_host
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,14 @@ class BackendSpec:
             log.debug("the %s gate failed", self.name, exc_info=True)  # its traceback, for the plugin's author
             return Capability.unavailable(f"the {self.name} gate failed: {type(exc).__name__}: {exc}")
 
+    def device_refusal(self, device) -> str | None:
+        """Why this backend cannot capture on ``device`` whatever the machine has, or None: a CPU (or meta) device
+        for a backend that serves no CPU (its gate would judge that CPU job's platform, and blame the machine's GPU)."""
+        if device is None or "cpu" in self.kinds or not runs_on_host(device):
+            return None
+        types = " or ".join(dict.fromkeys(device_type(kind) for kind in self.kinds))
+        return f"graph backend {self.name!r} captures on {types} devices; got device {str(device)!r}"
+
     def mode_refusal(self, mode: str | None) -> str | None:
         """Why ``mode`` is not one of this backend's graph modes, or None (also for None: its first mode)."""
         if mode is None or mode in self.modes:
@@ -67,10 +75,13 @@ class BackendSpec:
         return f"graph backend {self.name!r} has modes {', '.join(self.modes)}"
 
     def load(self):
-        """The backend's class. A ``class_path`` that does not import is named, with the plugin that declared it."""
+        """The backend's class. A ``class_path`` that does not import is an ``ImportError`` naming it, the plugin that
+        declared it and the exception, whatever its type (a vendor runtime may raise RuntimeError or OSError as it
+        initialises)."""
         try:
             return load_object(self.class_path)
-        except (ImportError, AttributeError) as exc:
+        except Exception as exc:
+            log.debug("graph backend %r failed to load", self.name, exc_info=True)  # its traceback, for its author
             source = f" (distribution {self.distribution})" if self.distribution else ""
             raise ImportError(f"graph backend {self.name!r}{source} declares class_path {self.class_path!r}, which "
                               f"does not load: {type(exc).__name__}: {exc}") from exc
@@ -83,14 +94,17 @@ ATTENTION_LOAD_FAILURES: dict[str, str] = {}
 
 def plugin_attention(module: str, *names: str) -> tuple:
     """The attention kernels (``KernelSpec`` objects) ``names`` of a plugin's ``module``, for its probe; empty, and
-    logged (debug when the module is absent, warning when it fails to import), so the backend still loads."""
+    logged (debug when the module is absent, warning when it fails to import, with any exception: a kernel library
+    may raise RuntimeError as it registers its ops), so the backend still loads."""
     try:
         loaded = importlib.import_module(module)
         kernels = tuple(getattr(loaded, name) for name in names)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:
         missing = isinstance(exc, ModuleNotFoundError) and exc.name == module
-        (log.debug if missing else log.warning)("%s brings no attention kernels: %s", module.split(".")[0], exc)
+        (log.debug if missing else log.warning)("%s brings no attention kernels: %s: %s", module.split(".")[0],
+                                                type(exc).__name__, exc)
         if not missing:
+            log.debug("%s failed to import", module, exc_info=True)  # its traceback, for the plugin's author
             ATTENTION_LOAD_FAILURES[module] = f"{module} brings no attention kernels: {type(exc).__name__}: {exc}"
         return ()
     ATTENTION_LOAD_FAILURES.pop(module, None)
@@ -189,17 +203,22 @@ def cpu_fallback(why: str) -> Selected:
     return Selected(spec_named("cpu"), f"{FALLBACK} (eager-equivalent, no speed-up): {why}")
 
 
-def choose_backend(name: str | None = None, platform: PlatformInfo | None = None) -> Selected:
-    """Pick a graph backend: ``name``, else ``$HWGRAPH_GRAPH_BACKEND``, else the best available for the platform.
+def choose_backend(name: str | None = None, platform: PlatformInfo | None = None, device=None) -> Selected:
+    """Pick a graph backend: ``name``, else ``$HWGRAPH_GRAPH_BACKEND``, else the best available for the platform
+    (by default the one serving ``device``, ``platform_for``; else the machine's, ``detect``).
 
-    An explicit choice that fails its gate raises ``SelectionError`` with its reasons. An automatic choice, among
-    the backends of non-negative priority that serve the platform's kind, that finds nothing falls back to the CPU
-    reference backend (eager-equivalent) and says why.
+    An explicit choice that cannot capture on ``device`` (a CPU device for a GPU backend, on a machine it serves) or
+    fails its gate raises ``SelectionError`` with its reasons. An automatic choice, among the backends of
+    non-negative priority that serve the platform's kind, that finds nothing falls back to the CPU reference backend
+    (eager-equivalent) and says why.
     """
-    platform = platform or detect()
+    platform = platform or (detect() if device is None else platform_for(device))
     name = name or os.environ.get(GRAPH_BACKEND_ENV) or None
     if name:
         spec = spec_named(name)
+        refusal = spec.device_refusal(device)
+        if refusal and spec.capability(detect()).ok:  # a machine it serves: the device is what is wrong
+            raise SelectionError(refusal)
         cap = spec.capability(platform)
         if not cap.ok:
             raise SelectionError(f"graph backend {name!r} is unavailable: " + "; ".join(cap.reasons))
@@ -229,16 +248,18 @@ def choose_backend(name: str | None = None, platform: PlatformInfo | None = None
 def create_backend(name: str | None = None, device=None, mode: str | None = None, platform=None):
     """Instantiate the chosen graph backend (importing its class only now).
 
-    The probe's gate judges the platform; the class then judges ``device`` itself (``GraphBackend.capability``: that
-    it exists, that it is a device of its runtime, its architecture). A device it refuses raises ``SelectionError``
+    An explicit backend given a CPU device it does not serve, on a machine whose accelerator it serves, raises
+    ``SelectionError`` saying so (``BackendSpec.device_refusal``); elsewhere its gate's reasons say more. The
+    probe's gate judges the platform; the class then judges ``device`` itself (``GraphBackend.capability``: that it
+    exists, that it is a device of its runtime, its architecture). A device it refuses raises ``SelectionError``
     with the reasons for an explicit choice; an automatic choice falls back to the CPU reference backend, as when no
     gate accepts the platform, and says why. So does an automatic choice whose class does not import (an explicit
     one raises that ``ImportError``), whose ``capability`` raises (a reason, as a gate's crash is), or whose
     construction refuses its graph mode with ``SelectionError`` (npu's ``aclgraph`` on a torch_npu without its graph
-    API). A ``mode`` meant for the backend an automatic choice could not use raises ``ValueError`` with the reason."""
-    if platform is None and device is not None:
-        platform = platform_for(device)  # that device's architecture (a host may mix GPUs), not device 0's
-    chosen = choose_backend(name, platform)
+    API). A ``mode`` meant for the backend an automatic choice could not use raises ``ValueError`` with the
+    reason."""
+    # the platform serving device: its architecture (a host may mix GPUs), not device 0's; the CPU's for a CPU device
+    chosen = choose_backend(name, platform, device)
     selected, cls = loaded_class(chosen)
     refusal = device_refusal(selected.spec.name, cls, device)
     if refusal:

@@ -96,6 +96,15 @@ def test_bench_refuses_an_unavailable_backend_with_its_reasons(capsys):
     assert "graph backend 'cuda' is unavailable: " in err and why in err
 
 
+def test_bench_refuses_a_gpu_backend_for_a_cpu_device_saying_so_on_a_gpu_machine(monkeypatch, capsys):
+    """It said the cuda backend was unavailable as no NVIDIA GPU was visible, judging the CPU job, on an H200."""
+    from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
+
+    simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("NVIDIA H200", 9, 0))
+    err = refused(["bench", "--backend", "cuda", "--device", "cpu"], capsys)
+    assert "--backend: graph backend 'cuda' captures on cuda devices; got device 'cpu'" in err
+
+
 @pytest.mark.cpu_machine
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_bench_refuses_a_device_this_torch_cannot_reach(device, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.machinery
 import logging
 import re
 import sys
@@ -391,3 +393,96 @@ def test_an_unknown_kernel_names_the_plugin_attention_module_that_failed_to_impo
         kernel_named("ROCM_AITER_FA")
     assert "unknown attention kernel 'ROCM_AITER_FA'" in str(raised.value)
     assert f"hwgraph_rocm.attention brings no attention kernels: ImportError: {error}" in str(raised.value)
+
+
+class RaisingModule:
+    """A meta path finder under which importing module ``name`` raises ``error``: a plugin module whose vendor runtime
+    fails as it initialises (RuntimeError, OSError), or whose kernel registration fails (TypeError)."""
+
+    def __init__(self, name: str, error: Exception):
+        self.name, self.error = name, error
+
+    def find_spec(self, name, path, target=None):
+        return importlib.machinery.ModuleSpec(name, self) if name == self.name else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise self.error
+
+
+def raise_on_import(monkeypatch, name: str, error: Exception) -> None:
+    """Make importing ``name``, a module of a package that imports, raise ``error`` for the duration of a test."""
+    package = types.ModuleType(name.rpartition(".")[0])
+    package.__path__ = []
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [RaisingModule(name, error), *sys.meta_path])
+
+
+@pytest.mark.parametrize("error", [RuntimeError("vendor runtime: driver version is insufficient"),
+                                   OSError("libvendor.so: undefined symbol: vendorInit")],
+                         ids=lambda e: type(e).__name__)
+def test_a_backend_class_whose_module_raises_any_exception_is_a_reason_naming_the_plugin(monkeypatch, caplog, error):
+    """Only ImportError and AttributeError were caught: an automatic choice whose class's module raised anything else
+    crashed every manager instead of falling back to the CPU reference backend with the reason."""
+    raise_on_import(monkeypatch, "hwgraph_fake_vendor.graphs", error)
+    install_probes(monkeypatch, vendor=lambda: BackendSpec(
+        "vendor", "hwgraph_fake_vendor.graphs:VendorGraphBackend", ("cpu",), lambda p: Capability.available(),
+        priority=5, distribution="hwgraph-backend-vendor"))
+    reason = (f"graph backend 'vendor' (distribution hwgraph-backend-vendor) declares class_path "
+              f"'hwgraph_fake_vendor.graphs:VendorGraphBackend', which does not load: {type(error).__name__}: {error}")
+    cpu = platform_of("cpu")
+    with caplog.at_level(logging.WARNING, logger="hwgraph.registry"):
+        assert type(create_backend(device="cpu", platform=cpu)) is CpuGraphBackend
+    [message] = [m for m in caplog.messages if "falling back" in m]
+    assert message.endswith(reason), message
+    with pytest.raises(ImportError, match=f"^{re.escape(reason)}$") as raised:
+        create_backend("vendor", device="cpu", platform=cpu)
+    assert raised.value.__cause__ is error
+
+
+@pytest.mark.parametrize("error", [RuntimeError("hwgraph::vendor_varlen: a kernel is already registered"),
+                                   TypeError("custom_op() got an unexpected keyword argument 'device_types'")],
+                         ids=lambda e: type(e).__name__)
+def test_a_plugin_attention_module_that_raises_any_exception_leaves_the_backend_loaded(monkeypatch, caplog, error):
+    """Only ImportError and AttributeError were caught: any other exception from a plugin's attention module escaped
+    its probe, and the whole graph backend became a failed entry point."""
+    module = "hwgraph_fake_vendor.attention"
+    raise_on_import(monkeypatch, module, error)
+    install_probes(monkeypatch, vendor=lambda: dataclasses.replace(
+        spec("vendor", "cpu"), attention=registry.plugin_attention(module, "VENDOR_ATTN")))
+    try:
+        with caplog.at_level(logging.WARNING, logger="hwgraph.registry"):
+            specs, problems = registry.discovered()
+        failure = registry.ATTENTION_LOAD_FAILURES.get(module)
+    finally:
+        registry.ATTENTION_LOAD_FAILURES.pop(module, None)
+    [vendor] = [s for s in specs if s.name == "vendor"]
+    assert (vendor.attention, problems) == ((), ())
+    assert failure == f"{module} brings no attention kernels: {type(error).__name__}: {error}"
+    assert f"hwgraph_fake_vendor brings no attention kernels: {type(error).__name__}: {error}" in caplog.messages
+
+
+def test_an_explicit_backend_serving_no_cpu_is_refused_a_cpu_device_for_that_on_a_machine_it_serves(monkeypatch):
+    """Its gate judged the CPU job's platform, so a GPU backend named for a CPU tower said no GPU was visible, on a
+    machine whose GPU is. On a machine it does not serve, its gate's reasons (no GPU) stay the message. A plugin
+    serving cpu takes a CPU device as before, and an automatic choice for one is the cpu reference backend."""
+    from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
+
+    install_probes(monkeypatch, gpu=lambda: BackendSpec("gpu", "hwgraph.graphs.cpu:CpuGraphBackend", ("cuda", "rocm"),
+                                                        lambda p: Capability(() if p.kind == "cuda" else
+                                                                             ("no GPU is visible",)), priority=5),
+                   host=lambda: spec("host", "cpu", priority=-1))
+    simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("NVIDIA H200", 9, 0))
+    for device in ("cpu", torch.device("cpu"), "meta"):
+        with pytest.raises(SelectionError, match=f"^graph backend 'gpu' captures on cuda devices; got device "
+                                                 f"{re.escape(repr(str(device)))}$"):
+            choose_backend("gpu", device=device)
+    assert choose_backend("gpu", device="cuda:0").spec.name == "gpu"
+    assert choose_backend("host", device="cpu").spec.name == "host"
+    simulate_gpu(monkeypatch, count=0)  # no GPU: what the gate says is what to fix
+    with pytest.raises(SelectionError, match="^graph backend 'gpu' is unavailable: no GPU is visible$"):
+        choose_backend("gpu", device="cpu")
+    assert choose_backend(device="cpu").spec.name == "cpu"

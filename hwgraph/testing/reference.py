@@ -88,9 +88,10 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      scale: float) -> torch.Tensor:
     """float64 CPU ``[T, H, D]``: softmax(q k^T * scale) v within each sequence; rows past the last one are zero.
 
-    ``cu_seqlens`` may be host ints, so that fake vendor kernels can call this inside a sync guard.
+    ``cu_seqlens`` may be host ints, so that fake vendor kernels can call this inside a sync guard (on CPU tensors
+    it makes no host copy, which the CPU backend's guard would reject as one).
     """
-    q, k, v = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
+    q, k, v = ((t if t.device.type == "cpu" else t.cpu()).detach().to(torch.float64) for t in (q, k, v))
     bounds = cu_seqlens.detach().cpu().tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     out = torch.zeros_like(q)
     for start, end in pairwise(bounds):

@@ -4,6 +4,7 @@ torch versions the shared ``torch.cuda`` backend accepts."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 
 import pytest
@@ -11,9 +12,10 @@ import torch
 from hwgraph_cuda.graphs import CudaGraphBackend
 from hwgraph_cuda.platform import attention_kernels, gate, probe
 
+from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.graphs.torch_cuda import torch_build, torch_version_capability
 from hwgraph.platform import PlatformInfo, detect
-from hwgraph.registry import SelectionError, choose_backend, create_backend
+from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend, create_backend
 from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
 
 H200 = DeviceProperties("NVIDIA H200", 9, 0)
@@ -90,6 +92,25 @@ def test_a_device_index_that_does_not_exist_is_refused(monkeypatch):
     simulate_gpu(monkeypatch, cuda="12.8", props=H200)
     assert CudaGraphBackend.capability("cuda:3").reasons == ("cuda:3 does not exist: 1 device(s) are visible",)
     assert "captures on cuda devices" in CudaGraphBackend.capability("cpu").describe()
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), "meta"], ids=str)
+def test_the_cuda_backend_named_for_a_cpu_device_on_a_gpu_machine_says_it_captures_on_cuda_devices(monkeypatch,
+                                                                                                  device):
+    """A tower left on the CPU with the cuda backend named (or in $HWGRAPH_GRAPH_BACKEND): the gate judged the CPU
+    job's platform and said no NVIDIA GPU was visible, to check nvidia-smi and CUDA_VISIBLE_DEVICES, on a machine
+    whose H200 is visible. An automatic choice for that device is still the cpu reference backend."""
+    simulate_gpu(monkeypatch, cuda="12.8", props=H200)
+    monkeypatch.delenv(GRAPH_BACKEND_ENV, raising=False)
+    expected = f"graph backend 'cuda' captures on cuda devices; got device {str(device)!r}"
+    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
+        create_backend("cuda", device=device)
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "cuda")
+    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
+        create_backend(device=device)
+    monkeypatch.delenv(GRAPH_BACKEND_ENV)
+    assert type(create_backend(device=device)) is CpuGraphBackend
+    assert type(create_backend("cuda", device="cuda:0")) is CudaGraphBackend
 
 
 def test_a_device_index_equal_to_the_device_count_does_not_exist(monkeypatch):

@@ -66,7 +66,7 @@ class NpuGraphBackend(TorchCudaGraphBackend):
     runtime_name = "npu"
 
     def __init__(self, device=None, mode=None):
-        chosen = mode or self.modes[0]
+        chosen = self.modes[0] if mode is None else mode  # only None: '' is the base class's unknown mode
         if chosen in self.modes:  # an unknown mode is the base class's ValueError
             cap = self.mode_capability(chosen)
             if not cap.ok:
@@ -94,8 +94,11 @@ class NpuGraphBackend(TorchCudaGraphBackend):
         """Whether graph mode ``mode`` can run here; the reasons say what to install otherwise."""
         if mode not in cls.modes:
             return Capability.unavailable(f"the npu graph backend has modes {', '.join(cls.modes)}; got {mode!r}")
-        if npu_module() is None:
-            return require_module("torch_npu", f"npu graph mode {mode!r}")
+        from hwgraph_npu.platform import torch_npu_refusal
+
+        refusal = torch_npu_refusal(f"npu graph mode {mode!r}")
+        if refusal:
+            return Capability.unavailable(refusal)
         if mode == "aclgraph":
             runtime = getattr(torch, "npu", None)
             missing = [name for name in ("NPUGraph", "graph", "graph_pool_handle") if not hasattr(runtime, name)]

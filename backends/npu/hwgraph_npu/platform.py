@@ -10,19 +10,31 @@ import torch
 
 from hwgraph.capability import Capability, require_module
 from hwgraph.graphs.torch_cuda import torch_version_capability
-from hwgraph.platform import PlatformInfo, npu_module
+from hwgraph.platform import PlatformInfo, npu_import, torch_npu_unavailable
 from hwgraph.registry import BackendSpec, plugin_attention
 
 MODES = ("aclgraph", "torchair")
+
+
+def torch_npu_refusal(what: str) -> str | None:
+    """Why ``what`` cannot use torch_npu, with what to do (install it; or, where an installed one does not import,
+    set the CANN toolkit's environment); None where it imports."""
+    module, failure = npu_import()
+    if module is not None:
+        return None
+    if failure is not None:
+        return f"{what} needs torch_npu, and {torch_npu_unavailable(failure)}"
+    missing = require_module("torch_npu", what).describe()
+    return f"{missing}; install torch_npu built for torch {torch.__version__} with the CANN toolkit"
 
 
 def not_npu_reason(platform: PlatformInfo) -> str:
     """Why the detected platform is not a usable Ascend NPU, in words that say what to do."""
     if platform.kind in ("cuda", "rocm"):
         return f"this machine's accelerator is {platform.kind}, not an Ascend NPU: use the {platform.kind} backend"
-    if npu_module() is None:
-        missing = require_module("torch_npu", "the npu graph backend").describe()
-        return f"{missing}; install torch_npu built for torch {torch.__version__} with the CANN toolkit"
+    refusal = torch_npu_refusal("the npu graph backend")
+    if refusal:
+        return refusal
     notes = f" ({'; '.join(platform.notes)})" if platform.notes else ""
     return f"torch_npu imports but no Ascend NPU is usable{notes}; check npu-smi info and ASCEND_RT_VISIBLE_DEVICES"
 

@@ -17,9 +17,9 @@ from hwgraph_npu.platform import gate, probe
 
 from hwgraph.graphs import CaptureError, HostSyncError
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower  # here: its first import must not meet a fake torch_npu
-from hwgraph.platform import PlatformInfo, detect, npu_module
-from hwgraph.registry import SelectionError, choose_backend, create_backend
-from hwgraph.testing.simulate import FakeGraphRuntime, simulate_gpu
+from hwgraph.platform import PlatformInfo, checked_device, detect, npu_module, torch_npu_unavailable
+from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend, create_backend
+from hwgraph.testing.simulate import FakeGraphRuntime, simulate_broken_import, simulate_gpu
 
 
 class FakeGraph:
@@ -102,12 +102,14 @@ def simulate_npu(monkeypatch, runtime: FakeNpu) -> FakeNpu:
     fake.__version__ = "2.13.0"
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setattr(torch, "npu", runtime, raising=False)
-    torch.utils.rename_privateuse1_backend("npu")  # what importing torch_npu does; idempotent
+    # What importing torch_npu does, and torch cannot undo: only in the child process whose tests request
+    # simulated_npu_process (conftest.py), so that the tests after these do not see "npu" as a torch device type.
+    torch.utils.rename_privateuse1_backend("npu")
     return runtime
 
 
 @pytest.fixture
-def npu(monkeypatch):
+def npu(monkeypatch, simulated_npu_process):
     return simulate_npu(monkeypatch, FakeNpu())
 
 
@@ -123,6 +125,26 @@ def test_refused_without_torch_npu_with_what_to_install(monkeypatch):
         assert "torch_npu" in NpuGraphBackend.mode_capability(mode).describe()
 
 
+CANN_UNSET = "libascendcl.so: cannot open shared object file: No such file or directory"
+
+
+def test_an_installed_torch_npu_that_does_not_import_is_refused_saying_to_set_the_cann_environment(monkeypatch):
+    """The CANN toolkit's set_env.sh not sourced: the gate said torch_npu was missing and to install it, while
+    ``checked_device("npu:0")`` said it is installed and to set CANN's environment. Both now say the latter, in the
+    same words, and so do both graph modes."""
+    simulate_gpu(monkeypatch, count=0)
+    simulate_broken_import(monkeypatch, "torch_npu", CANN_UNSET)
+    why = torch_npu_unavailable(f"ImportError: {CANN_UNSET}")
+    assert "torch_npu is installed but does not import" in why and "set_env.sh" in why
+    assert gate(detect()).reasons == (f"the npu graph backend needs torch_npu, and {why}",)
+    with pytest.raises(SelectionError, match=re.escape(why)):
+        create_backend("npu")
+    for mode in ("aclgraph", "torchair"):
+        assert NpuGraphBackend.mode_capability(mode).reasons == (f"npu graph mode {mode!r} needs torch_npu, and {why}",)
+    with pytest.raises(ValueError, match=re.escape(why)):
+        checked_device("npu:0")
+
+
 def test_refused_when_torch_npu_sees_no_device(monkeypatch, npu):
     monkeypatch.setattr(npu, "device_count", lambda: 0)
     (reason,) = gate(detect()).reasons
@@ -134,6 +156,23 @@ def test_chosen_automatically_on_a_simulated_npu(npu):
     assert (selected.spec.name, selected.reason) == ("npu", "best available for npu")
     backend = NpuGraphBackend()
     assert (backend.device, backend.mode) == (torch.device("npu", 0), "aclgraph")
+
+
+def test_the_npu_backend_named_for_a_cpu_device_on_an_npu_machine_says_it_captures_on_npu_devices(monkeypatch, npu):
+    """A tower left on the CPU with the npu backend named (or in $HWGRAPH_GRAPH_BACKEND): the gate judged the CPU
+    job's platform and said no Ascend NPU was usable, to check npu-smi and ASCEND_RT_VISIBLE_DEVICES, on a machine
+    whose NPU is. An automatic choice for that device is still the cpu reference backend."""
+    from hwgraph.graphs.cpu import CpuGraphBackend
+
+    monkeypatch.delenv(GRAPH_BACKEND_ENV, raising=False)
+    expected = "graph backend 'npu' captures on npu devices; got device 'cpu'"
+    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
+        create_backend("npu", device=torch.device("cpu"))
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "npu")
+    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
+        create_backend(device="cpu")
+    monkeypatch.delenv(GRAPH_BACKEND_ENV)
+    assert type(create_backend(device="cpu")) is CpuGraphBackend
 
 
 def test_the_probe_describes_both_modes():
@@ -293,6 +332,7 @@ def test_sync_guard_falls_back_to_rejecting_host_reads(npu):
         torch.ones(2).sum().item()
 
 
+@pytest.mark.usefixtures("simulated_npu_process")
 def test_sync_guard_uses_the_runtime_sync_debug_mode_and_restores_it(monkeypatch):
     npu = simulate_npu(monkeypatch, FakeNpu(with_sync_debug_mode=True))
     npu.debug_mode = 1
@@ -329,6 +369,9 @@ def test_aclgraph_mode_needs_the_graph_api(npu, monkeypatch):
     assert NpuGraphBackend.mode_capability("aclgraph").reasons == (reason,)
     with pytest.raises(SelectionError, match=re.escape(f"npu graph mode 'aclgraph' is unavailable: {reason}")):
         NpuGraphBackend()  # the default mode
+    # only None means the default: '' was taken for it, and refused for aclgraph's graph API, not as no mode
+    with pytest.raises(ValueError, match=r"graph backend 'npu' has modes \['aclgraph', 'torchair'\], got mode=''"):
+        NpuGraphBackend(mode="")
 
 
 def fake_torchair(monkeypatch, events: list[str] | None = None, shared_outputs: bool = False,
@@ -713,3 +756,13 @@ def test_an_automatic_choice_falls_back_to_cpu_when_the_default_mode_lacks_its_g
                for m in caplog.messages), caplog.messages
     with pytest.raises(SelectionError, match="npu graph mode 'aclgraph' is unavailable"):
         create_backend("npu")  # named: its refusal, not a fallback
+
+
+@pytest.mark.skipif(npu_module() is not None, reason="torch_npu imports here: it names privateuse1 'npu' itself")
+def test_the_npu_simulations_above_leave_npu_no_torch_device_type_for_the_tests_after_them():
+    """The simulation renames privateuse1 to "npu", which torch cannot undo: it did so in this process, and every
+    later test of the session (any module's) took "npu" for a device type, as no machine without torch_npu does. Last
+    in this module, so that the simulations above have run (here, their reports; they ran in a child process)."""
+    assert torch._C._get_privateuse1_backend_name() == "privateuseone"
+    with pytest.raises(RuntimeError):
+        torch.device("npu:0")

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend
 from hwgraph.platform import detect, platform_for
@@ -25,5 +27,7 @@ class RocmGraphBackend(TorchCudaGraphBackend):
     def capability(cls, device=None) -> Capability:
         from hwgraph_rocm.platform import gate
 
+        if device is not None and torch.device(device).type != cls.runtime_name:
+            return cls.device_capability(device)  # its platform is not a GPU's: the gate would say no GPU is visible
         cap = gate(detect() if device is None else platform_for(device))  # that GPU's architecture, not device 0's
         return cls.device_capability(device) if cap.ok else cap

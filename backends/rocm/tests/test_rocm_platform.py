@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import sys
 import types
 
@@ -13,9 +14,10 @@ from hwgraph_rocm.graphs import RocmGraphBackend
 from hwgraph_rocm.platform import gate, probe
 
 from hwgraph.graphs import CaptureError
+from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.graphs.torch_cuda import TorchCudaCapturedGraph
 from hwgraph.platform import PlatformInfo, detect
-from hwgraph.registry import SelectionError, choose_backend, create_backend
+from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend, create_backend
 from hwgraph.testing.simulate import DeviceProperties, simulate_aiter, simulate_gpu
 
 
@@ -116,6 +118,25 @@ def test_aiter_is_judged_by_the_architecture_of_the_towers_gpu(monkeypatch, fake
     assert "ROCM_AITER_FA: ROCM_AITER_FA needs gfx942 or gfx950, found gfx90a" in chosen.reason
     assert choose_attention(platform=platform_for("cuda:0"), dtype=torch.bfloat16, head_dim=72).spec.name == \
         "ROCM_AITER_FA"
+
+
+def test_the_rocm_backend_named_for_a_cpu_device_on_a_gpu_machine_says_it_captures_on_cuda_devices(monkeypatch):
+    """A tower left on the CPU with the rocm backend named (or in $HWGRAPH_GRAPH_BACKEND): the gate judged the CPU
+    job's platform and said no AMD GPU was visible, to check rocm-smi and HIP_VISIBLE_DEVICES, on a machine whose
+    MI300X is visible; so did the class's own device check. An automatic choice for that device is still the cpu
+    reference backend."""
+    simulate_rocm(monkeypatch)
+    monkeypatch.delenv(GRAPH_BACKEND_ENV, raising=False)
+    expected = "graph backend 'rocm' captures on cuda devices; got device 'cpu'"  # torch's name for AMD GPUs
+    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
+        create_backend("rocm", device=torch.device("cpu"))
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "rocm")
+    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
+        create_backend(device="cpu")
+    monkeypatch.delenv(GRAPH_BACKEND_ENV)
+    assert type(create_backend(device="cpu")) is CpuGraphBackend
+    assert RocmGraphBackend.capability("cpu").reasons == ("the rocm graph backend captures on cuda devices, got cpu",)
+    assert RocmGraphBackend.capability("cuda:0").ok
 
 
 def test_a_device_that_is_not_visible_is_refused_without_reading_its_properties(monkeypatch):
