@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.machinery
 import logging
 import re
 import sys
@@ -395,30 +394,12 @@ def test_an_unknown_kernel_names_the_plugin_attention_module_that_failed_to_impo
     assert f"hwgraph_rocm.attention brings no attention kernels: ImportError: {error}" in str(raised.value)
 
 
-class RaisingModule:
-    """A meta path finder under which importing module ``name`` raises ``error``: a plugin module whose vendor runtime
-    fails as it initialises (RuntimeError, OSError), or whose kernel registration fails (TypeError)."""
-
-    def __init__(self, name: str, error: Exception):
-        self.name, self.error = name, error
-
-    def find_spec(self, name, path, target=None):
-        return importlib.machinery.ModuleSpec(name, self) if name == self.name else None
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        raise self.error
-
-
 def raise_on_import(monkeypatch, name: str, error: Exception) -> None:
     """Make importing ``name``, a module of a package that imports, raise ``error`` for the duration of a test."""
     package = types.ModuleType(name.rpartition(".")[0])
     package.__path__ = []
     monkeypatch.setitem(sys.modules, package.__name__, package)
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setattr(sys, "meta_path", [RaisingModule(name, error), *sys.meta_path])
+    simulate_broken_import(monkeypatch, name, error)
 
 
 @pytest.mark.parametrize("error", [RuntimeError("vendor runtime: driver version is insufficient"),

@@ -52,12 +52,13 @@ class _BrokenModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def exec_module(self, module):
-        raise ImportError(self.error)
+        raise ImportError(self.error) if isinstance(self.error, str) else self.error
 
 
-def simulate_broken_import(monkeypatch, name: str, error: str) -> None:
-    """Make module ``name`` installed but failing to import with ``ImportError(error)``, for the duration of a test:
-    a ``torch_npu`` without the CANN toolkit's environment, a plugin module built against another core."""
+def simulate_broken_import(monkeypatch, name: str, error: str | Exception) -> None:
+    """Make module ``name`` installed but failing to import with ``ImportError(error)`` (or ``error`` itself, an
+    exception), for the duration of a test: a ``torch_npu`` without the CANN toolkit's environment, a plugin module
+    built against another core, a vendor runtime failing as it initialises (RuntimeError, OSError)."""
     monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setattr(sys, "meta_path", [_BrokenModule(name, error), *sys.meta_path])
 
@@ -139,3 +140,24 @@ class FakeGraphRuntime:
 
     def is_current_stream_capturing(self):
         return self.capturing
+
+
+def assert_refused_for_a_host_device(monkeypatch, backend: str, device, device_types: str) -> None:
+    """On a (simulated) machine ``backend`` serves: naming it, as an argument or in ``$HWGRAPH_GRAPH_BACKEND``, for the
+    CPU device ``device`` raises ``SelectionError`` saying it captures on ``device_types`` devices (not its gate's
+    "no GPU visible"), and an automatic choice for that device is the cpu reference backend."""
+    import re
+
+    import pytest
+
+    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, create_backend
+
+    expected = f"graph backend {backend!r} captures on {device_types} devices; got device {str(device)!r}"
+    monkeypatch.delenv(GRAPH_BACKEND_ENV, raising=False)
+    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
+        create_backend(backend, device=device)
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, backend)
+    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
+        create_backend(device=device)
+    monkeypatch.delenv(GRAPH_BACKEND_ENV)
+    assert type(create_backend(device=device)) is CpuGraphBackend

@@ -4,7 +4,6 @@ torch versions the shared ``torch.cuda`` backend accepts."""
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 
 import pytest
@@ -12,11 +11,10 @@ import torch
 from hwgraph_cuda.graphs import CudaGraphBackend
 from hwgraph_cuda.platform import attention_kernels, gate, probe
 
-from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.graphs.torch_cuda import torch_build, torch_version_capability
 from hwgraph.platform import PlatformInfo, detect
-from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend, create_backend
-from hwgraph.testing.simulate import DeviceProperties, simulate_gpu
+from hwgraph.registry import SelectionError, choose_backend, create_backend
+from hwgraph.testing.simulate import DeviceProperties, assert_refused_for_a_host_device, simulate_gpu
 
 H200 = DeviceProperties("NVIDIA H200", 9, 0)
 
@@ -101,15 +99,7 @@ def test_the_cuda_backend_named_for_a_cpu_device_on_a_gpu_machine_says_it_captur
     job's platform and said no NVIDIA GPU was visible, to check nvidia-smi and CUDA_VISIBLE_DEVICES, on a machine
     whose H200 is visible. An automatic choice for that device is still the cpu reference backend."""
     simulate_gpu(monkeypatch, cuda="12.8", props=H200)
-    monkeypatch.delenv(GRAPH_BACKEND_ENV, raising=False)
-    expected = f"graph backend 'cuda' captures on cuda devices; got device {str(device)!r}"
-    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
-        create_backend("cuda", device=device)
-    monkeypatch.setenv(GRAPH_BACKEND_ENV, "cuda")
-    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
-        create_backend(device=device)
-    monkeypatch.delenv(GRAPH_BACKEND_ENV)
-    assert type(create_backend(device=device)) is CpuGraphBackend
+    assert_refused_for_a_host_device(monkeypatch, "cuda", device, "cuda")
     assert type(create_backend("cuda", device="cuda:0")) is CudaGraphBackend
 
 

@@ -18,8 +18,13 @@ from hwgraph_npu.platform import gate, probe
 from hwgraph.graphs import CaptureError, HostSyncError
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower  # here: its first import must not meet a fake torch_npu
 from hwgraph.platform import PlatformInfo, checked_device, detect, npu_module, torch_npu_unavailable
-from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend, create_backend
-from hwgraph.testing.simulate import FakeGraphRuntime, simulate_broken_import, simulate_gpu
+from hwgraph.registry import SelectionError, choose_backend, create_backend
+from hwgraph.testing.simulate import (
+    FakeGraphRuntime,
+    assert_refused_for_a_host_device,
+    simulate_broken_import,
+    simulate_gpu,
+)
 
 
 class FakeGraph:
@@ -162,17 +167,8 @@ def test_the_npu_backend_named_for_a_cpu_device_on_an_npu_machine_says_it_captur
     """A tower left on the CPU with the npu backend named (or in $HWGRAPH_GRAPH_BACKEND): the gate judged the CPU
     job's platform and said no Ascend NPU was usable, to check npu-smi and ASCEND_RT_VISIBLE_DEVICES, on a machine
     whose NPU is. An automatic choice for that device is still the cpu reference backend."""
-    from hwgraph.graphs.cpu import CpuGraphBackend
-
-    monkeypatch.delenv(GRAPH_BACKEND_ENV, raising=False)
-    expected = "graph backend 'npu' captures on npu devices; got device 'cpu'"
-    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
-        create_backend("npu", device=torch.device("cpu"))
-    monkeypatch.setenv(GRAPH_BACKEND_ENV, "npu")
-    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
-        create_backend(device="cpu")
-    monkeypatch.delenv(GRAPH_BACKEND_ENV)
-    assert type(create_backend(device="cpu")) is CpuGraphBackend
+    assert_refused_for_a_host_device(monkeypatch, "npu", torch.device("cpu"), "npu")
+    assert_refused_for_a_host_device(monkeypatch, "npu", "cpu", "npu")
 
 
 def test_the_probe_describes_both_modes():

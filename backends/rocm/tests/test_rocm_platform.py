@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import re
 import sys
 import types
 
@@ -14,11 +13,10 @@ from hwgraph_rocm.graphs import RocmGraphBackend
 from hwgraph_rocm.platform import gate, probe
 
 from hwgraph.graphs import CaptureError
-from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.graphs.torch_cuda import TorchCudaCapturedGraph
 from hwgraph.platform import PlatformInfo, detect
-from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend, create_backend
-from hwgraph.testing.simulate import DeviceProperties, simulate_aiter, simulate_gpu
+from hwgraph.registry import SelectionError, choose_backend, create_backend
+from hwgraph.testing.simulate import DeviceProperties, assert_refused_for_a_host_device, simulate_aiter, simulate_gpu
 
 
 def simulate_rocm(monkeypatch, arch="gfx942:sramecc+:xnack-", count=1):
@@ -126,15 +124,8 @@ def test_the_rocm_backend_named_for_a_cpu_device_on_a_gpu_machine_says_it_captur
     MI300X is visible; so did the class's own device check. An automatic choice for that device is still the cpu
     reference backend."""
     simulate_rocm(monkeypatch)
-    monkeypatch.delenv(GRAPH_BACKEND_ENV, raising=False)
-    expected = "graph backend 'rocm' captures on cuda devices; got device 'cpu'"  # torch's name for AMD GPUs
-    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
-        create_backend("rocm", device=torch.device("cpu"))
-    monkeypatch.setenv(GRAPH_BACKEND_ENV, "rocm")
-    with pytest.raises(SelectionError, match=f"^{re.escape(expected)}$"):
-        create_backend(device="cpu")
-    monkeypatch.delenv(GRAPH_BACKEND_ENV)
-    assert type(create_backend(device="cpu")) is CpuGraphBackend
+    assert_refused_for_a_host_device(monkeypatch, "rocm", torch.device("cpu"), "cuda")  # torch's name for AMD GPUs
+    assert_refused_for_a_host_device(monkeypatch, "rocm", "cpu", "cuda")
     assert RocmGraphBackend.capability("cpu").reasons == ("the rocm graph backend captures on cuda devices, got cpu",)
     assert RocmGraphBackend.capability("cuda:0").ok
 
