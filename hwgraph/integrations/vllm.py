@@ -19,7 +19,6 @@ from collections.abc import Hashable
 from typing import Any, ClassVar, Literal
 
 import torch
-from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,7 @@ PADDING_LOGICS = {"pos_indices": pad_columns, "pos_weights": pad_columns, "cu_se
 
 
 # ---------------------------------------------------------------------------------------------------- adapter
-class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
+class Qwen3OmniEncoderCudaGraphAdapter:
     """vLLM's ``SupportsEncoderCudaGraph`` for a ``Qwen3OmniVisionTower`` (image modality, one ``default`` path).
 
     ``mm_kwargs`` are vLLM's image kwargs: ``pixel_values`` ``[patches, patch_row_width]`` (device, merge order)
@@ -94,13 +93,19 @@ class Qwen3OmniEncoderCudaGraphAdapter(nn.Module):
     Auto-inferred budgets run from ``min_token_budget`` (64: the smallest image the processor makes) to
     ``max_token_budget`` (default hwgraph's uncalibrated cap, 256), clipped to the scheduler's token budget; beyond
     that cap replay is not known to beat eager.
+
+    Not an ``nn.Module``: a model that holds the adapter does not get the tower's parameters in its own
+    ``named_parameters()``, which vLLM's loader would report as not loaded from its checkpoint.
+
+    Features are in the tower's dtype. Under encoder data parallelism (``mm_encoder_tp_mode="data"``) vLLM all-gathers
+    them with empty ranks' ``torch.empty`` in the model's dtype: ``SingleReplayEncoderCudaGraphManager`` casts to it;
+    with vLLM's own manager, load the tower in the model's dtype.
     """
 
     supports_encoder_cudagraph: ClassVar[Literal[True]] = True
 
     def __init__(self, tower, min_token_budget: int = budget_rules.MIN_AUTO_BUDGET,
                  max_token_budget: int | None = None):
-        super().__init__()
         for name, value in (("min_token_budget", min_token_budget), ("max_token_budget", max_token_budget)):
             if name == "max_token_budget" and value is None:
                 continue  # the default: hwgraph's uncalibrated cap

@@ -115,15 +115,16 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
                 self.captured_budgets(), self.capture_failures or "none")
 
     def _capture_budget_graph(self, token_budget: int, path: str = "default", axis_keys: tuple = ()):
-        values = self.model.prepare_encoder_cudagraph_capture_inputs(
-            token_budget, self.max_batch_size, self.max_frames_per_batch, self.device, self.dtype, path, axis_keys,
-        ).values
         model = self.model
+        try:  # the buffers too: allocating them on the device may fail (out of memory) as the capture may
+            values = model.prepare_encoder_cudagraph_capture_inputs(
+                token_budget, self.max_batch_size, self.max_frames_per_batch, self.device, self.dtype, path,
+                axis_keys,
+            ).values
 
-        def forward() -> torch.Tensor:
-            return model.encoder_cudagraph_forward({**values}, path=path)  # a copy: forwards may pop keys
+            def forward() -> torch.Tensor:
+                return model.encoder_cudagraph_forward({**values}, path=path)  # a copy: forwards may pop keys
 
-        try:
             with torch.inference_mode():
                 graph = self.backend.capture(forward, self.graph_pool)
         except Exception as exc:  # a failed capture leaves that budget eager: a slower answer, never a wrong one
@@ -269,7 +270,8 @@ def install_single_replay_manager(manager_cls: type = SingleReplayEncoderCudaGra
     Call it before the engine creates its workers (in the worker process, e.g. from a vLLM plugin). Returns a
     function that restores upstream's class. Nothing is changed unless this is called. ``TypeError`` unless
     ``manager_cls`` subclasses upstream's manager; ``RuntimeError`` when an install is already in place (undo it
-    first: a second one would be ignored by modules the first rewired, and undoing either would undo both).
+    first: a second one would be ignored by modules the first rewired, and undoing either would undo both). The undo
+    acts once, and not at all after a later install: it cannot remove another install's class.
     """
     original = EncoderCudaGraphManager  # upstream's class, as imported above
     if not (isinstance(manager_cls, type) and issubclass(manager_cls, original)):
@@ -282,12 +284,22 @@ def install_single_replay_manager(manager_cls: type = SingleReplayEncoderCudaGra
                                f"call the undo that install_single_replay_manager returned before installing "
                                f"{manager_cls.__qualname__}")
     swap(original, manager_cls)
+    token = object()
+    _INSTALLED[:] = [token]
 
     def undo() -> None:
+        """Restore upstream's class, once, and only while this install is the live one: an undo kept from an earlier
+        install does nothing to a later one."""
+        if _INSTALLED != [token]:
+            return
+        _INSTALLED.clear()
         # Also the modules imported since: the v2 model state binds whatever the defining module held then.
         swap(manager_cls, original)
 
     return undo
+
+
+_INSTALLED: list[object] = []  # the token of the live install_single_replay_manager, if any
 
 
 def swap(current: type, replacement: type) -> None:

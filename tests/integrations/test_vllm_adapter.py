@@ -541,6 +541,29 @@ def test_a_group_of_exactly_a_failed_budgets_size_is_reported_as_a_capture_failu
         m.clear()
 
 
+def test_a_failure_allocating_a_budgets_buffers_leaves_that_budget_eager(tower, adapter, monkeypatch):
+    """The buffers are allocated on the device before the capture: running out of memory there aborted capture()
+    and left the manager half made (its pool set, budgets after 128 not captured, no failure recorded)."""
+    m = cpu_manager(adapter)
+    real = adapter.prepare_encoder_cudagraph_capture_inputs
+
+    def prepare(token_budget, *args, **kwargs):
+        if token_budget == 128:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+        return real(token_budget, *args, **kwargs)
+
+    monkeypatch.setattr(adapter, "prepare_encoder_cudagraph_capture_inputs", prepare)
+    try:
+        m.capture(graph_pool=None)
+        assert m.captured_budgets() == [64, 256]
+        assert m.capture_failures == {128: "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB"}
+        kwargs = mm_kwargs(tower, [(1, 16, 24)], seed=5)  # 96 tokens: the failed 128 would hold it, 256 does
+        assert_matches_eager(adapter, m.execute(kwargs), eager_per_image(tower, kwargs))
+        assert m.get_cumulative_stats()["replays_per_budget"] == {256: 1}
+    finally:
+        m.clear()
+
+
 def test_capture_failures_are_those_of_the_last_capture(tower, adapter, monkeypatch):
     m = cpu_manager(adapter)
     real, fail = m.backend.capture, [True]
@@ -695,6 +718,37 @@ def test_install_refuses_a_class_that_is_not_a_vllm_manager_and_a_second_install
     finally:
         undo()
     assert not issubclass(upstream.EncoderCudaGraphManager, hv.SingleReplayEncoderCudaGraphManager)
+
+
+def test_an_undo_kept_from_an_earlier_install_leaves_a_later_install_in_place():
+    """undo() swapped back whatever the modules held: install, undo, install again, then the first undo once more
+    silently put vLLM's manager back under the second install."""
+    first = hv.install_single_replay_manager()
+    first()
+    second = hv.install_single_replay_manager()
+    try:
+        first()  # stale: its install is gone
+        assert upstream.EncoderCudaGraphManager is hv.SingleReplayEncoderCudaGraphManager
+    finally:
+        second()
+    assert upstream.EncoderCudaGraphManager is hv.SingleReplayEncoderCudaGraphManager.__mro__[1]
+    second()  # once is enough: a second call changes nothing
+    assert upstream.EncoderCudaGraphManager is hv.SingleReplayEncoderCudaGraphManager.__mro__[1]
+
+
+def test_a_model_holding_the_adapter_gets_none_of_the_towers_parameters(tower):
+    """The adapter was an nn.Module holding the tower: a model that kept it as an attribute (to forward the protocol
+    to it) got every tower weight in its named_parameters(), which vLLM's loader reports as not loaded."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+            self.cg = hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
+
+    model = Model()
+    assert [name for name, _ in model.named_parameters()] == ["proj.weight", "proj.bias"]
+    assert model.cg.tower is tower and supports_encoder_cudagraph(model.cg)
 
 
 class TwoModeBackend(CpuGraphBackend):
