@@ -27,4 +27,9 @@ def graph_dtype(dtype: str | torch.dtype) -> torch.dtype:
             raise ValueError(f"dtype must be a floating-point torch.dtype or its name, got {dtype!r}: expected one of "
                              f"{', '.join(DTYPES)} or torch.float64")
         return dtype
-    return parse_dtype(dtype)
+    if str(dtype).removeprefix("torch.") == "float64":  # by name as by dtype
+        return torch.float64
+    try:
+        return parse_dtype(dtype)
+    except ValueError:
+        raise ValueError(f"unknown dtype {str(dtype)!r}: expected one of {', '.join(DTYPES)} or float64") from None

@@ -19,14 +19,25 @@ def latency_plot(result: dict, path: Path) -> str | None:
     missing = matplotlib_missing()
     if missing:
         return missing
+    rows = [r for r in result["rows"] if r["images"] == 1]
+    if not rows:
+        return "no single-image groups were measured"
+    try:
+        draw(result, rows, path)
+    except Exception as exc:  # a full disk, an unwritable folder, a broken matplotlib: a reason, not a lost report
+        return f"could not write {path}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def draw(result: dict, rows: list[dict], path: Path) -> None:
+    """Plot ``rows`` into ``path``, through a temporary file beside it: a failure leaves no half-written plot."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if r["images"] == 1]
-    if not rows:
-        return "no single-image groups were measured"
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     try:
         kernels = list(dict.fromkeys(r["kernel"] for r in rows))
@@ -55,7 +66,8 @@ def latency_plot(result: dict, path: Path) -> str | None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(path)
+        fig.savefig(partial, format=path.suffix.lstrip(".") or "png")
+        partial.replace(path)
     finally:
         plt.close(fig)
-    return None
+        partial.unlink(missing_ok=True)

@@ -10,9 +10,14 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     """A markdown table; None cells show "-", and a cell's ``|`` and line breaks (an error message's) are escaped
     so that it stays in its row and column."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join("-" if c is None else str(c).replace("|", "\\|").replace("\n", " ") for c in row)
-              + " |" for row in rows]
+    lines += ["| " + " | ".join("-" if c is None else table_cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def table_cell(value) -> str:
+    r"""``value`` as one markdown table cell: every line break (``\r`` too) a space, backslashes and pipes escaped
+    (a ``\|`` already in the text would otherwise become an escaped backslash and a column break)."""
+    return " ".join(str(value).splitlines()).replace("\\", "\\\\").replace("|", "\\|")
 
 
 def ms(lat: dict | None) -> str | None:

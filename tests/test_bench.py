@@ -910,3 +910,20 @@ def test_bench_logs_a_fallback_once_per_manager_not_again_for_its_own_probe(monk
     from hwgraph import registry
 
     assert not registry.log.filters  # the probe's filter is gone: the next choice is logged
+
+
+def test_a_markdown_cell_keeps_to_its_row_and_column_whatever_its_line_breaks_and_backslashes():
+    """Only "|" and "\\n" were escaped: a lone "\\r" (a line ending in CommonMark) split the row, and a "\\|" in a
+    message became an escaped backslash and a column break."""
+    from hwgraph.report import md_table
+
+    table = md_table(["budget", "failure"], [[128, "RuntimeError: a\r\nb\rc"], [256, "path C:\\x\\| or a|b"]])
+    lines = table.split("\n")
+    assert "\r" not in table and len(lines) == 4
+    assert lines[2] == "| 128 | RuntimeError: a b c |"
+    assert lines[3] == "| 256 | path C:\\\\x\\\\\\| or a\\|b |"
+    # a GFM cell break is a "|" after an even number of backslashes: the row's two ends and the one between
+    for line in lines[2:]:
+        breaks = [i for i, ch in enumerate(line) if ch == "|" and (i - len(line[:i].rstrip("\\"))) % 2 == 0]
+        assert len(breaks) == 3, line
+

@@ -54,6 +54,17 @@ def test_any_other_dtype_is_refused_naming_it_and_the_accepted_names(name):
         parse_dtype(name)
 
 
+@pytest.mark.parametrize("name", ["float64", "torch.float64", torch.float64])
+def test_a_towers_dtype_takes_float64_by_name_as_by_dtype(name):
+    """graph_dtype took torch.float64 but refused "float64", with a message that did not list it."""
+    from hwgraph.dtypes import graph_dtype
+
+    assert graph_dtype(name) is torch.float64
+    for bad in ("int8", torch.int8):
+        with pytest.raises(ValueError, match="expected one of float32, bfloat16, float16 or (torch.)?float64"):
+            graph_dtype(bad)
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--device", "bogus"], ["--device 'bogus' is not a torch device", "cuda:1"]),
     (["--device", "cuda:x"], ["--device 'cuda:x' is not a torch device"]),

@@ -460,6 +460,30 @@ def test_validate_reports_the_benchmark_its_kernels_and_the_emulation_and_lists_
     assert "emulates replay" not in (out / "report.md").read_text()
 
 
+def test_a_plot_that_cannot_be_written_is_a_reason_and_validate_still_writes_its_reports(
+        validate_in_process, monkeypatch, tmp_path, capsys):
+    """savefig raised (a full disk) out of latency_plot and validate: after the whole suite and benchmark, no
+    report.json or report.md, and a half-written latency.png beside them."""
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib")
+    import errno
+
+    from matplotlib.figure import Figure
+
+    def full_disk(fig, path, *args, **kwargs):
+        Path(path).write_bytes(b"\x89PNG\r\n\x1a\n partial")  # what was written before the disk filled
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    out = tmp_path / "report"
+    code, stdout = validate_in_process(["--backend", "cpu", "--report", str(out), *FAST],
+                                       bench_result([bench_row("TORCH_SDPA", 16, 4.0, 1.0, 10.0)]), capsys)
+    assert code == 0
+    assert (f"latency.png not written: could not write {out / 'latency.png'}: OSError: [Errno 28] No space left"
+            in stdout)
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]  # the suite is faked: no log
+    assert "could not write" in json.loads((out / "report.json").read_text())["plot"]["skipped"]
+
+
 def test_validate_hands_its_graph_mode_to_the_suite_and_the_benchmark_and_reports_it(validate_in_process,
                                                                                      monkeypatch, tmp_path, capsys):
     from hwgraph import bench as bench_module

@@ -137,6 +137,12 @@ class Mark:
     phases: dict[str, float]
 
 
+# The version of how choices are measured, in every cache entry's setting: bump it whenever what a measurement
+# decides changes (RANKING, MARGIN, CALLS, the configurations tried, how ATen's call is timed), so that choices an
+# earlier method made (ATen's call among them, recalled unchecked) are measured again rather than kept for good.
+METHOD_VERSION = 2
+
+
 class MeasuredProducts:
     """The product chooser of CUDA graphs (``hwgraph.products.ProductChooser``) on one GPU: per shape (rows, K, N,
     dtype, epilogue), the measured fastest of cuBLASLt's candidates, or one an earlier process measured on the same
@@ -151,7 +157,7 @@ class MeasuredProducts:
             cublaslt.check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
             major, minor = torch.cuda.get_device_capability(device)
             setting = (f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}), "
-                       f"cuBLASLt {lib.cublasLtGetVersion()}, torch {torch.__version__}")
+                       f"cuBLASLt {lib.cublasLtGetVersion()}, torch {torch.__version__}, method {METHOD_VERSION}")
         self.cache = ChoiceCache(path, setting)
         self.descriptors: OrderedDict[tuple, cublaslt.LtProduct] = OrderedDict()  # least recently used first
         self.choices: dict[tuple, Choice] = {}

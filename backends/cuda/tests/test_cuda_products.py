@@ -405,6 +405,22 @@ def test_a_choice_is_recalled_only_on_the_same_gpu_model_and_cublaslt(tmp_path, 
     assert chooser_on(path, FakeLt(version=130000)).cache.get(label) is None
 
 
+def test_a_choice_an_earlier_measuring_method_made_is_measured_again(tmp_path, fake_gpu, monkeypatch):
+    """The setting named the GPU, cuBLASLt and torch only: a choice an earlier plugin's method made (ATen's call,
+    recalled without a check) was kept for good, however the measuring changed."""
+    path = tmp_path / "c.json"
+    x, w, b = aligned_operands()
+    version = products.METHOD_VERSION
+    monkeypatch.setattr(products, "METHOD_VERSION", version - 1)
+    earlier = chooser_on(path)
+    earlier.cache.put(earlier.label(x, w, False), products.Choice(None, None, 21.0, 21.0).entry())
+    assert chooser_on(path).recall(x, w, b, gelu=False) is not None  # the same method recalls it
+    monkeypatch.setattr(products, "METHOD_VERSION", version)
+    now = chooser_on(path)
+    assert now.cache.setting.endswith(f", method {products.METHOD_VERSION}")
+    assert now.recall(x, w, b, gelu=False) is None
+
+
 def aligned(shape, dtype=torch.bfloat16, shift_bytes=0):
     """A contiguous tensor starting ``shift_bytes`` past a 256-byte boundary."""
     numel, size = math.prod(shape), torch.tensor([], dtype=dtype).element_size()
