@@ -63,9 +63,14 @@ def test_backends_outside_the_allowed_list_are_skipped_saying_so():
     assert skip_reason(param) == f"{BACKENDS_ENV}=rocm excludes the cpu graph backend"
 
 
-def test_an_unknown_backend_is_one_skip_naming_it():
-    [param] = conformance_params(settings(backend="nonesuch"))
-    assert "unknown graph backend 'nonesuch'" in skip_reason(param)
+def test_an_unknown_backend_is_an_error_naming_it_and_the_known_ones():
+    """It was one skip: a misspelt backend, or a plugin that failed to load, passed a vendor's CI with nothing
+    checked. So is a misspelt name in HWGRAPH_TEST_BACKENDS, which excluded the backend under test."""
+    with pytest.raises(ValueError, match=r"^the conformance suite's graph backend: unknown graph backend 'nonesuch'; "
+                                         r"known: cpu"):
+        conformance_params(settings(backend="nonesuch"))
+    with pytest.raises(ValueError, match=rf"^{BACKENDS_ENV}=cpu,cdua: unknown graph backend 'cdua'; known: cpu"):
+        conformance_params(settings(backend="cpu", allowed_backends=("cpu", "cdua")))
 
 
 @pytest.mark.cpu_machine
@@ -236,6 +241,19 @@ def run_pytest(tmp_path, env_extra, module=VENDOR_MODULE,
                            str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+def test_a_vendor_whose_graphs_take_one_image_sets_max_images_to_1(tmp_path):
+    """The slot-count check asked for slot counts 1, 2 and max_images: with max_images = 1 the manager refused
+    slot count 2, and the check crashed on the suite's own arguments."""
+    module = VENDOR_MODULE + """
+
+class TestMultiImageGroups(TestMultiImageGroups):
+    max_images = 1
+"""
+    run = run_pytest(tmp_path, {}, module, select="test_each_slot_count_graph_of_a_budget_replays_its_own_groups")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 passed" in run.stdout, run.stdout
+
+
 def test_a_vendor_overrides_a_check_by_subclassing_and_narrows_backends_by_environment(tmp_path):
     run = run_pytest(tmp_path, {})
     assert run.returncode == 0, run.stdout + run.stderr
@@ -404,6 +422,47 @@ def zeroing_capture(self, fn, pool=None):
 
 CpuGraphBackend.capture = zeroing_capture
 ''', "TestReplayEqualsEager", "changed the tower's weights in place"),
+    # capture repacks square weights in place (a transpose): the sums of their bits did not change
+    "transposed weights": ('''
+import torch
+from hwgraph.graphs.cpu import CpuGraphBackend
+
+capture = CpuGraphBackend.capture
+
+
+def transposing_capture(self, fn, pool=None):
+    for cell in fn.__closure__ or ():
+        if isinstance(cell.cell_contents, torch.nn.Module) and not hasattr(cell.cell_contents, "repacked"):
+            cell.cell_contents.repacked = True
+            with torch.no_grad():
+                for p in cell.cell_contents.parameters():
+                    if p.dim() == 2 and p.shape[0] == p.shape[1]:
+                        p.copy_(p.t().clone())
+    return capture(self, fn, pool)
+
+
+CpuGraphBackend.capture = transposing_capture
+''', "TestReplayEqualsEager", "changed the tower's weights in place"),
+    # capture scales a non-persistent buffer (rotary inv_freq), which the tower's state_dict() leaves out
+    "inv_freq": ('''
+import torch
+from hwgraph.graphs.cpu import CpuGraphBackend
+
+capture = CpuGraphBackend.capture
+
+
+def scaling_capture(self, fn, pool=None):
+    for cell in fn.__closure__ or ():
+        if isinstance(cell.cell_contents, torch.nn.Module):
+            with torch.no_grad():
+                for name, b in cell.cell_contents.named_buffers():
+                    if name.endswith("inv_freq"):
+                        b.mul_(1.5)
+    return capture(self, fn, pool)
+
+
+CpuGraphBackend.capture = scaling_capture
+''', "TestReplayEqualsEager", "changed the tower's weights in place"),
     # replay() writes new tensors instead of the static outputs (vLLM's integration reads those after every replay)
     "fresh outputs": ('''
 import torch
@@ -469,7 +528,38 @@ def item_only(self):
 
 CpuGraphBackend.sync_guard = item_only
 ''', "test_sync_guard_rejects_a_host_read",
-        "sync_guard() let .tolist(), .cpu(), bool(), int(), float() read device memory back to the host"),
+        "sync_guard() let .tolist(), .cpu(), .to(\"cpu\"), .to(\"cpu\", copy=True), bool(), int(), float(), "
+        "operator.index() (range(t)) read device memory back to the host"),
+    # a hand-written guard that rejects the six reads the check tried, and not a copy to the host or a tensor index
+    "six reads only": ('''
+import contextlib
+import torch
+from hwgraph.graphs.base import HostSyncError
+from hwgraph.graphs.cpu import CpuGraphBackend
+
+SIX = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
+
+
+@contextlib.contextmanager
+def six_reads(self):
+    saved = {name: getattr(torch.Tensor, name) for name in SIX}
+
+    def reject(*args, **kwargs):
+        raise HostSyncError("a host read")
+
+    for name in SIX:
+        setattr(torch.Tensor, name, reject)
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+CpuGraphBackend.sync_guard = six_reads
+''', "test_sync_guard_rejects_a_host_read",
+        "sync_guard() let .to(\"cpu\"), .to(\"cpu\", copy=True), operator.index() (range(t)) read device memory "
+        "back to the host"),
     # a sync guard that is never switched off again: other checks failed, pointing at the wrong place
     "leaky guard": ('''
 import contextlib

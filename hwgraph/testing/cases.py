@@ -3,8 +3,9 @@
 A case is skipped, with the gate's own reasons, when the backend or the kernel reports itself unavailable here; the
 suite never looks at device names. The one exception: a backend that refuses a machine of the kind it serves (the
 cuda backend on a CUDA machine) errs in every check, at setup, with its reasons, since a vendor's CI on its own
-hardware would otherwise pass with nothing checked. Settings come from, in order: the test class, the test module,
-the environment.
+hardware would otherwise pass with nothing checked. For the same reason a backend name that no installed plugin has
+(a typo, or a plugin that failed to load), as ``HWGRAPH_BACKEND`` or in ``HWGRAPH_TEST_BACKENDS``, is a collection
+error naming it. Settings come from, in order: the test class, the test module, the environment.
 
 =========================  ==============================  =============================================
 setting                    class/module attribute          environment
@@ -105,22 +106,28 @@ def skipped(case_id: str, reason: str):
 def conformance_params(settings: SuiteSettings) -> list:
     """``pytest.param`` per case: runnable ones carry a ``ConformanceCase``; the others are skips with reasons.
 
-    Raises ValueError for a selected kernel name no installed kernel has, and for a graph mode the backend does not
-    have: a typo would otherwise skip, or fail, every case."""
+    Raises ValueError for a graph backend (``HWGRAPH_BACKEND``, or a name in ``$HWGRAPH_TEST_BACKENDS``) that is not
+    installed or failed to load, for a selected kernel name no installed kernel has, and for a graph mode the backend
+    does not have: a typo would otherwise skip, or fail, every case."""
     from hwgraph.attention.registry import kernel_specs
     from hwgraph.models.qwen3_omni import preset_config
     from hwgraph.platform import detect, platform_for
     from hwgraph.registry import SelectionError, choose_backend, spec_named
 
     platform = detect()
+    for allowed in settings.allowed_backends or ():
+        try:  # a misspelt name would exclude the backend under test, and every check skip
+            spec_named(allowed)
+        except SelectionError as exc:
+            raise ValueError(f"{BACKENDS_ENV}={','.join(settings.allowed_backends)}: {exc}") from None
     name = settings.backend or choose_backend(platform=platform).spec.name
     if settings.allowed_backends and name not in settings.allowed_backends:
         return [skipped(f"{name}-excluded", f"{BACKENDS_ENV}={','.join(settings.allowed_backends)} "
                                             f"excludes the {name} graph backend")]
     try:
         spec = spec_named(name)
-    except SelectionError as exc:
-        return [skipped(f"{name}-not-installed", str(exc))]
+    except SelectionError as exc:  # a typo, or a plugin that failed to load: skipping would pass with nothing checked
+        raise ValueError(f"the conformance suite's graph backend: {exc}") from None
     refusal = spec.mode_refusal(settings.mode)
     if refusal:
         raise ValueError(f"unknown graph mode {settings.mode!r} in HWGRAPH_GRAPH_MODE or {GRAPH_MODE_ENV}: {refusal}")

@@ -90,6 +90,9 @@ def suite_module(backend: str, preset: str, kernels: list[str] | None, dtype: st
     return "\n".join(lines) + "\n"
 
 
+PYTEST_ENVIRONMENT = ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")  # options and plugins pytest.main takes from the environment
+
+
 def run_conformance(workdir: Path, backend: str, preset: str, kernels: list[str] | None = None,
                     dtype: str | None = None, progress=None, log_path: Path | None = None,
                     graph_mode: str | None = None) -> dict:
@@ -118,7 +121,8 @@ def run_conformance(workdir: Path, backend: str, preset: str, kernels: list[str]
             "-p", "no:cacheprovider", "-o", "console_output_style=classic"]
     # validate's own options define the run: a vendor's HWGRAPH_TEST_* settings, meant for its own pytest run, must
     # neither narrow the explicit backend nor replace validate's defaults (every kernel, the platform's dtype).
-    saved = {name: os.environ.pop(name) for name in SUITE_ENVIRONMENT if name in os.environ}
+    # Nor may pytest's own variables: PYTEST_ADDOPTS="-k ..." or "--deselect" would narrow the checks validate counts.
+    saved = {name: os.environ.pop(name) for name in (*SUITE_ENVIRONMENT, *PYTEST_ENVIRONMENT) if name in os.environ}
     try:
         with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             code = pytest.main(args, plugins=[collector])
