@@ -39,7 +39,9 @@ def runs_in_child(item) -> bool:
 def pytest_runtest_protocol(item, nextitem):
     if REPORTS_FILE in os.environ or not runs_in_child(item):
         return None
-    reports = child_reports(item.session).get(item.nodeid) or [missing_report(item)]
+    reports = child_reports(item.session).get(item.nodeid, [])
+    if not any(report.when == "teardown" for report in reports):  # the child died or timed out during this test
+        reports = [*reports, missing_report(item, "teardown" if any(r.when == "call" for r in reports) else "call")]
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     for report in reports:
         item.ihook.pytest_runtest_logreport(report=report)
@@ -86,14 +88,17 @@ def child_reports(session) -> dict[str, list]:
             output = f"timed out after {exc.timeout} s"
         for line in path.read_text().splitlines():
             report = config.hook.pytest_report_from_serializable(config=config, data=json.loads(line))
+            if report.skipped and isinstance(report.longrepr, list):  # JSON made the (path, line, reason) a list
+                report.longrepr = tuple(report.longrepr)
             reports.setdefault(report.nodeid, []).append(report)
     session.stash[CHILD_REPORTS] = reports
     session.stash[CHILD_OUTPUT] = output
     return reports
 
 
-def missing_report(item) -> pytest.TestReport:
-    """A failure for a test the child process did not report (it crashed, or did not collect the test)."""
+def missing_report(item, when: str) -> pytest.TestReport:
+    """A failure for a test the child process did not report in full (it crashed or timed out during the test, or
+    did not collect it)."""
     output = item.session.stash.get(CHILD_OUTPUT, "")
     return pytest.TestReport(item.nodeid, item.location, {}, "failed",
-                             f"the child process did not report this test: {output}", "call")
+                             f"the child process did not report this test to its end: {output}", when)
