@@ -345,7 +345,8 @@ def bench_result(rows, accelerates=False) -> dict:
 
 def drawn_lines(monkeypatch, result, path):
     """``latency_plot``'s answer and the lines it drew, by label: (tokens, medians, colour)."""
-    matplotlib = pytest.importorskip("matplotlib", reason="the plot needs matplotlib")
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib")
+    import matplotlib.pyplot  # here: latency_plot imports it only when it has rows to draw
     from matplotlib.figure import Figure
 
     from hwgraph.plot import latency_plot
