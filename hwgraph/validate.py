@@ -106,16 +106,15 @@ def bench_refusal(backend: str, device: torch.device) -> str | None:
 
 def device_for_backend(name: str) -> torch.device:
     """The device the suite runs this backend on (the accelerator it serves, else the CPU)."""
-    from hwgraph.platform import detect
+    from hwgraph.platform import detect, device_type
     from hwgraph.registry import SelectionError, spec_named
-    from hwgraph.testing.cases import DEVICE_TYPE
 
     platform = detect()
     try:
         kinds = spec_named(name).kinds
     except SelectionError:
         return torch.device("cpu")  # the suite reports the unknown backend; the benchmark says why it could not run
-    return torch.device(DEVICE_TYPE[platform.kind] if platform.kind in kinds else "cpu")
+    return torch.device(device_type(platform.kind) if platform.kind in kinds else "cpu")
 
 
 def verdict(conformance: dict, requested: list[str] | None = None) -> tuple[bool, str]:

@@ -386,6 +386,32 @@ def test_the_suite_allows_low_precision_rounding_up_to_its_widened_atol():
     ConformanceSuite().assert_close(g, w, "embeddings")
 
 
+TOWER_CHANGING_CAPTURE = '''
+import torch
+from hwgraph.graphs.cpu import CpuGraphBackend
+
+capture = CpuGraphBackend.capture
+
+
+def changing_capture(self, fn, pool=None):
+    for cell in fn.__closure__ or ():
+        tower = cell.cell_contents
+        if isinstance(tower, torch.nn.Module):
+            with torch.no_grad():
+{change}
+    return capture(self, fn, pool)
+
+
+CpuGraphBackend.capture = changing_capture
+'''
+
+
+def tower_changing_capture(change: str) -> str:
+    """A broken backend's patch: its capture first runs ``change`` (statements on ``tower``, each module the captured
+    function closes over) under ``torch.no_grad()``, changing the tower in place."""
+    return TOWER_CHANGING_CAPTURE.format(change=textwrap.indent(textwrap.dedent(change).strip("\n"), " " * 16))
+
+
 BROKEN_BACKENDS = {
     # numerics_settings() reads something that changes at every call (a counter, a time): the manager would never
     # replay, since every graph would look captured under other settings
@@ -403,66 +429,25 @@ from hwgraph.graphs.cpu import CpuGraphBackend
 CpuGraphBackend.numerics_settings = lambda self, dtype: ["tf32"]
 ''', "test_graphs_record_the_numerics_settings_they_keep", "must return a tuple of (name, value) pairs"),
     # capture changes the tower's weights in place: eager changes with them, so every comparison with eager agreed
-    "weights": ('''
-import torch
-from hwgraph.graphs.cpu import CpuGraphBackend
-
-capture = CpuGraphBackend.capture
-
-
-def zeroing_capture(self, fn, pool=None):
-    for cell in fn.__closure__ or ():
-        if isinstance(cell.cell_contents, torch.nn.Module):
-            with torch.no_grad():
-                for name, p in cell.cell_contents.named_parameters():
-                    if name.endswith("bias"):
-                        p.zero_()
-    return capture(self, fn, pool)
-
-
-CpuGraphBackend.capture = zeroing_capture
-''', "TestReplayEqualsEager", "changed the tower's weights in place"),
+    "weights": (tower_changing_capture('''
+        for name, p in tower.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+    '''), "TestReplayEqualsEager", "changed the tower's weights in place"),
     # capture repacks square weights in place (a transpose): the sums of their bits did not change
-    "transposed weights": ('''
-import torch
-from hwgraph.graphs.cpu import CpuGraphBackend
-
-capture = CpuGraphBackend.capture
-
-
-def transposing_capture(self, fn, pool=None):
-    for cell in fn.__closure__ or ():
-        if isinstance(cell.cell_contents, torch.nn.Module) and not hasattr(cell.cell_contents, "repacked"):
-            cell.cell_contents.repacked = True
-            with torch.no_grad():
-                for p in cell.cell_contents.parameters():
-                    if p.dim() == 2 and p.shape[0] == p.shape[1]:
-                        p.copy_(p.t().clone())
-    return capture(self, fn, pool)
-
-
-CpuGraphBackend.capture = transposing_capture
-''', "TestReplayEqualsEager", "changed the tower's weights in place"),
+    "transposed weights": (tower_changing_capture('''
+        if not hasattr(tower, "repacked"):
+            tower.repacked = True
+            for p in tower.parameters():
+                if p.dim() == 2 and p.shape[0] == p.shape[1]:
+                    p.copy_(p.t().clone())
+    '''), "TestReplayEqualsEager", "changed the tower's weights in place"),
     # capture scales a non-persistent buffer (rotary inv_freq), which the tower's state_dict() leaves out
-    "inv_freq": ('''
-import torch
-from hwgraph.graphs.cpu import CpuGraphBackend
-
-capture = CpuGraphBackend.capture
-
-
-def scaling_capture(self, fn, pool=None):
-    for cell in fn.__closure__ or ():
-        if isinstance(cell.cell_contents, torch.nn.Module):
-            with torch.no_grad():
-                for name, b in cell.cell_contents.named_buffers():
-                    if name.endswith("inv_freq"):
-                        b.mul_(1.5)
-    return capture(self, fn, pool)
-
-
-CpuGraphBackend.capture = scaling_capture
-''', "TestReplayEqualsEager", "changed the tower's weights in place"),
+    "inv_freq": (tower_changing_capture('''
+        for name, b in tower.named_buffers():
+            if name.endswith("inv_freq"):
+                b.mul_(1.5)
+    '''), "TestReplayEqualsEager", "changed the tower's weights in place"),
     # replay() writes new tensors instead of the static outputs (vLLM's integration reads those after every replay)
     "fresh outputs": ('''
 import torch

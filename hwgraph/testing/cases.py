@@ -36,7 +36,6 @@ DTYPE_ENV = "HWGRAPH_TEST_DTYPE"
 GRAPH_MODE_ENV = "HWGRAPH_TEST_GRAPH_MODE"
 SUITE_ENVIRONMENT = (BACKENDS_ENV, ATTENTION_ENV, PRESET_ENV, DTYPE_ENV, GRAPH_MODE_ENV)  # what the suite reads
 DEFAULT_PRESET = "tiny"
-DEVICE_TYPE = {"cuda": "cuda", "rocm": "cuda", "npu": "npu", "cpu": "cpu"}  # ROCm builds answer to "cuda"
 
 
 @dataclass(frozen=True)
@@ -111,7 +110,7 @@ def conformance_params(settings: SuiteSettings) -> list:
     does not have: a typo would otherwise skip, or fail, every case."""
     from hwgraph.attention.registry import kernel_specs
     from hwgraph.models.qwen3_omni import preset_config
-    from hwgraph.platform import detect, platform_for
+    from hwgraph.platform import detect, device_type, platform_for
     from hwgraph.registry import SelectionError, choose_backend, spec_named
 
     platform = detect()
@@ -141,7 +140,7 @@ def conformance_params(settings: SuiteSettings) -> list:
                                  id=f"{name}-unavailable")]
         return [skipped(f"{name}-unavailable", reason)]
     kind = platform.kind if platform.kind in spec.kinds else "cpu"
-    device = DEVICE_TYPE[kind]
+    device = device_type(kind)  # ROCm builds answer to "cuda"
     dtype = parse_dtype(settings.dtype) if settings.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
     config = preset_config(settings.preset)
     head_dim = config.hidden_size // config.num_heads
