@@ -256,15 +256,21 @@ class TorchCudaGraphBackend(GraphBackend):
                     raise
         except BaseException as exc:
             self.abandon_capture(graph, pool, stream, previous)
-            first = raised_by_fn if raised_by_fn is not None else exc
-            if not isinstance(first, Exception):  # Ctrl-C or SystemExit is never a failed capture, also when
-                raise first from (None if first is exc else exc)  # ending the capture then raised too
-            if not isinstance(exc, Exception):
-                raise
-            message = f"capture failed: {type(first).__name__}: {first}"
-            if exc is not first:
-                message += f" (ending the capture then failed too: {type(exc).__name__}: {exc})"
-            raise CaptureError(message) from first
+            first, raised_by_fn = (raised_by_fn if raised_by_fn is not None else exc), None
+            try:
+                if not isinstance(first, Exception):  # Ctrl-C or SystemExit is never a failed capture, also when
+                    raise first from (None if first is exc else exc)  # ending the capture then raised too
+                if not isinstance(exc, Exception):
+                    raise
+                message = f"capture failed: {type(first).__name__}: {first}"
+                if exc is not first:
+                    message += f" (ending the capture then failed too: {type(exc).__name__}: {exc})"
+                raise CaptureError(message) from first
+            finally:
+                # The exception's traceback holds this frame: a name for it here would be a reference cycle keeping
+                # what fn allocated in the pool before it failed (a budget's activations) until the garbage collector
+                # runs, while the manager captures the next budget.
+                del first
         captured = TorchCudaCapturedGraph(graph, outputs)
         try:
             flat_tensors(outputs)

@@ -1,12 +1,13 @@
 """The on-disk cache of the CUDA plugin's measured product choices (``hwgraph_cuda.products``): one JSON file
 (``cache_path()``) of choices by setting (GPU, cuBLASLt and torch versions) and shape, so that a later process recalls
-what an earlier one measured instead of measuring it again. Writes are locked and atomic; what cannot be read or
-written is logged and costs only a measurement.
+what an earlier one measured instead of measuring it again. Writes are atomic, and locked where the file system takes
+locks; what cannot be read or written is logged and costs only a measurement.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -15,21 +16,30 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+#: ``flock``'s errors where the file system takes no locks (ENOLCK: NFS without its lock daemon).
+UNLOCKABLE = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK})
+
 
 def cache_path() -> Path | None:
     """Where choices persist between processes: ``$HWGRAPH_CACHE_DIR`` (set empty: nowhere), else
     ``$XDG_CACHE_HOME/hwgraph``, else ``~/.cache/hwgraph``; the file is ``cublaslt-products.json``."""
-    folder = os.environ.get("HWGRAPH_CACHE_DIR")
-    if folder == "":
+    named = os.environ.get("HWGRAPH_CACHE_DIR")
+    if named == "":
         return None
     try:
+        folder = named
         if folder is None:
             folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hwgraph"
         # "~" is the shell's to expand (not done in Docker's ENV, systemd units or .env files), and a relative
         # folder would move with the working directory between reads and writes
         return Path(folder).expanduser().absolute() / "cublaslt-products.json"
-    except RuntimeError as exc:  # no $HOME and no passwd entry (a container's arbitrary user)
-        log.warning("measured products are not cached between processes: %s; set HWGRAPH_CACHE_DIR", exc)
+    except RuntimeError as exc:  # no $HOME and no passwd entry (a container's arbitrary user), or "~nosuchuser"
+        if named is None:
+            log.warning("measured products are not cached between processes: %s; set HWGRAPH_CACHE_DIR", exc)
+        else:  # the variable is the bad value: telling the user to set it would send them in a circle
+            log.warning("measured products are not cached between processes: HWGRAPH_CACHE_DIR=%r names a home "
+                        "folder that cannot be found (%s); set it to a folder path without '~', or to '' for no "
+                        "cache", named, exc)
         return None
 
 
@@ -71,7 +81,9 @@ class ChoiceCache:
     def locked(self):
         """An exclusive lock on the cache's folder for a read, add and replace: another process's ``put`` between
         this one's read and its replace would otherwise be lost (one process per GPU, parallel jobs). Where there
-        is no ``fcntl`` (Windows), no lock."""
+        is no ``fcntl`` (Windows), or the folder's file system takes no locks (Lustre mounted without flock), no
+        lock: at worst an entry written at the same moment is lost and measured again, where refusing to write
+        would lose them all."""
         try:
             import fcntl
         except ImportError:
@@ -79,7 +91,12 @@ class ChoiceCache:
             return
         fd = os.open(self.path.parent, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                if exc.errno not in UNLOCKABLE:
+                    raise
+                log.debug("writing the measured-products cache %s without a lock: %s", self.path, exc)
             yield
         finally:
             os.close(fd)  # releases the lock

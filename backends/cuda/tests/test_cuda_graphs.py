@@ -10,8 +10,10 @@ every tensor is a CPU tensor.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -389,6 +391,47 @@ def test_a_failed_capture_ends_the_allocators_routing_into_the_pool_on_the_backe
         backend.capture(fails_in_capture, pool)
     assert ended == [(1, pool)]
     assert runtime.current is runtime.default and runtime.graphs[-1].was_reset
+
+
+@contextlib.contextmanager
+def garbage_collector_off():
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("ending_fails", [False, True], ids=["capture-fails", "ending-the-capture-fails-too"])
+def test_a_failed_capture_frees_what_its_function_allocated_without_the_garbage_collector(runtime, monkeypatch,
+                                                                                         ending_fails):
+    """What the function allocated before failing lives in the graph's pool (the manager's, shared by its budgets).
+    The exception held the capturing frame through its traceback and that frame held the exception: a reference
+    cycle that kept those tensors (a budget's activations) until the garbage collector ran, while the manager went
+    on to capture the next budget into the same pool."""
+    if ending_fails:
+        def failing_end(graph):
+            runtime.capturing = False
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+        monkeypatch.setattr(FakeGraph, "capture_end", failing_end)
+    backend, made = on(runtime)("cuda:0"), []
+
+    def fails_in_capture():
+        activations = torch.ones(1024)
+        if runtime.capturing:
+            made.append(weakref.ref(activations))
+            raise RuntimeError("out of memory while capturing")
+        return activations
+
+    with garbage_collector_off():
+        try:
+            backend.capture(fails_in_capture)
+        except CaptureError as exc:
+            assert "capture failed: RuntimeError: out of memory while capturing" in str(exc)
+        else:
+            pytest.fail("the capture did not fail")
+        assert made and made[0]() is None, "the failed capture's tensors outlived its CaptureError"
 
 
 def assert_ctrl_c_in_a_capture_stays_ctrl_c(backend, runtime):

@@ -3,6 +3,7 @@ entries per setting, and what it does with files it cannot read or write and wit
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -90,6 +91,23 @@ def test_the_cache_folder_is_expanded_and_absolute_and_no_home_folder_means_no_c
     assert "measured products are not cached between processes: " in caplog.text
 
 
+@pytest.mark.parametrize("named", ["~nosuchuser-hwgraph/cache", "~"])
+def test_a_cache_folder_naming_a_home_that_cannot_be_found_is_named_in_the_warning(monkeypatch, caplog, named):
+    """The warning said "Could not determine home directory.; set HWGRAPH_CACHE_DIR" to a user who had set it: the
+    value at fault was neither named nor blamed."""
+    monkeypatch.setenv("HWGRAPH_CACHE_DIR", named)
+    monkeypatch.delenv("HOME", raising=False)
+
+    def no_entry(name):
+        raise KeyError(name)
+
+    monkeypatch.setattr("pwd.getpwnam", no_entry)
+    monkeypatch.setattr("pwd.getpwuid", no_entry)
+    assert product_cache.cache_path() is None
+    assert f"HWGRAPH_CACHE_DIR={named!r} names a home folder that cannot be found" in caplog.text
+    assert "; set HWGRAPH_CACHE_DIR" not in caplog.text
+
+
 CACHE_WRITER = """
 import sys
 from pathlib import Path
@@ -108,6 +126,31 @@ def test_processes_writing_the_cache_at_once_lose_no_entry(tmp_path):
     assert [w.wait(timeout=300) for w in writers] == [0] * 4
     assert len(json.loads(path.read_text())) == 160
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+@pytest.mark.parametrize("code", [errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK], ids=errno.errorcode.get)
+def test_a_folder_whose_file_system_takes_no_locks_still_gets_the_cache_written(tmp_path, caplog, monkeypatch, code):
+    """flock fails on a file system without locks (Lustre mounted without flock: ENOSYS): every write was refused
+    with a warning, so no choice was ever kept between processes. Now such a folder is written unlocked, as where
+    there is no fcntl; any other failure to lock still refuses the write."""
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    path = tmp_path / "cublaslt-products.json"
+    cache, entry = product_cache.ChoiceCache(path, "H200"), products.Choice(None, None, 5.0, 5.0).entry()
+    cache.put("a", entry)
+    assert cache.get("a") == entry
+    assert "could not write the measured-products cache" not in caplog.text
+
+    def interrupted(fd, operation):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(fcntl, "flock", interrupted)
+    cache.put("b", entry)
+    assert "could not write the measured-products cache" in caplog.text and cache.get("b") is None
 
 
 def test_a_cache_file_that_cannot_be_read_is_left_alone(tmp_path, caplog, monkeypatch):
