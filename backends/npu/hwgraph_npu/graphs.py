@@ -12,6 +12,7 @@ crashed NPU replays). torch_npu and torchair are imported only when a backend is
 
 from __future__ import annotations
 
+import contextlib
 from typing import ClassVar
 
 import torch
@@ -114,6 +115,17 @@ class NpuGraphBackend(TorchCudaGraphBackend):
 
     def new_graph(self):
         return self.runtime().NPUGraph()
+
+    def end_allocate_to_pool(self, pool) -> None:
+        # torch_npu binds the allocator's call in its own module, not in torch._C where the shared code looks. Older
+        # torch_npu make it in capture_end only after the capture ended cleanly: after a failed one the allocator kept
+        # routing into the pool of the graph just released.
+        end = getattr(getattr(npu_module(), "_C", None), "_npu_endAllocateCurrentStreamToPool", None)
+        if end is None:
+            return
+        # Raises "not currently recording to mempool_id" when torch_npu already ended it.
+        with contextlib.suppress(Exception):
+            end(self.device.index, pool)
 
     def compile_support(self) -> Capability:
         """Inductor generates no NPU code; on Ascend the compiler is torchair, which graph mode 'torchair' applies

@@ -311,6 +311,28 @@ def test_a_failed_capture_raises_the_original_message_and_leaves_no_capture_stat
     assert len(npu.streams) == 2
 
 
+@pytest.mark.parametrize("already_ended", [False, True], ids=["left routing", "already ended"])
+def test_a_failed_capture_ends_torch_npus_allocation_to_the_pool(npu, monkeypatch, already_ended):
+    """torch_npu binds the allocator's end of routing into a graph pool as
+    ``torch_npu._C._npu_endAllocateCurrentStreamToPool``; older torch_npu reach it in ``capture_end`` only after the
+    capture ended cleanly. The cleanup of a failed capture looked for ``torch._C._npu_endAllocateToPool``, which no
+    torch has, so the allocator kept routing into the pool of the graph just released. Where torch_npu ended it
+    already, its refusal to end it twice is not the capture's error."""
+    ended = []
+
+    def end_allocate_to_pool(device, pool):
+        ended.append((device, pool))
+        if already_ended:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    monkeypatch.setattr(sys.modules["torch_npu"], "_C",
+                        types.SimpleNamespace(_npu_endAllocateCurrentStreamToPool=end_allocate_to_pool), raising=False)
+    npu.invalidated = True
+    with pytest.raises(CaptureError, match="the capture was invalidated"):
+        NpuGraphBackend(device="npu:0").capture(lambda: torch.ones(2) + 1)
+    assert ended == [(0, ("pool", 7))]
+
+
 def test_a_warm_up_failure_is_a_capture_error(npu):
     backend = NpuGraphBackend()
 
