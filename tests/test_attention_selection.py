@@ -9,6 +9,7 @@ installed plugins bring the same kernels.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import types
 
@@ -142,6 +143,35 @@ def test_an_interpreter_set_after_triton_was_imported_leaves_triton_attn_out_on_
     name, reason = done.stdout.strip().splitlines()[-1].split(" | ")
     assert name == "TORCH_SDPA"
     assert "TRITON_INTERPRET=1 was set after triton was imported in this process" in reason
+
+
+INTERPRETER_SET_AFTER_AN_AUTOMATIC_CHOICE = """
+import os, sys
+from hwgraph.attention.registry import choose_attention
+from hwgraph.platform import PlatformInfo
+from hwgraph.testing.reference import random_packed_batch
+cpu = PlatformInfo("cpu", None, None, "", None, None, 0)
+first = choose_attention(platform=cpu)  # what a tower's first forward does
+print(first.spec.name, "triton" in sys.modules)
+os.environ["TRITON_INTERPRET"] = "1"  # the user's own triton use starts only now
+chosen = choose_attention("TRITON_ATTN", platform=cpu)
+chosen.fn(*random_packed_batch([5, 7], heads=1, head_dim=72).args())
+print(chosen.spec.name)
+"""
+
+
+def test_an_automatic_choice_on_cpu_does_not_import_triton_so_the_interpreter_can_still_be_turned_on():
+    """TRITON_ATTN's gate imported triton before it looked at TRITON_INTERPRET, so every automatic choice on CPU (a
+    tower's first forward, ``hwgraph info``) imported it, and a TRITON_INTERPRET=1 set afterwards was refused as
+    'set after triton was imported' though only hwgraph had imported it."""
+    import subprocess
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETER_SET_AFTER_AN_AUTOMATIC_CHOICE], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["TORCH_SDPA", "False", "TRITON_ATTN"]
 
 
 def test_h200_prefers_triton_attn_then_flash_then_sdpa():
@@ -419,6 +449,43 @@ def test_a_plugin_kernel_that_does_not_import_is_passed_over_automatically_and_n
             "which does not load: ModuleNotFoundError") in chosen.reason
     with pytest.raises(ImportError, match=r"attention kernel 'TOY_ATTN' declares impl_path"):
         choose_attention("TOY_ATTN", platform=CPU, dtype=torch.float32, head_dim=72)
+
+
+@pytest.mark.parametrize("name", [torch.bfloat16, 72, print])
+def test_a_kernel_name_that_is_not_a_string_is_refused_naming_it(name):
+    """choose_attention(torch.bfloat16) (name is the first argument) raised AttributeError: 'torch.dtype' object has
+    no attribute 'strip', naming neither the argument nor what it takes."""
+    with pytest.raises(TypeError, match=rf"an attention kernel name must be a string \(or 'auto'\), got "
+                                        rf"{re.escape(repr(name))} \({type(name).__name__}\)"):
+        choose_attention(name, platform=CPU)
+    with pytest.raises(TypeError, match="an attention kernel name must be a string"):
+        kernel_named(name)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dtype": "bfloat16", "head_dim": 72}, r"dtype must be a torch\.dtype \(e\.g\. torch\.bfloat16\), got 'bfloat16' "
+                                            r"\(str\)"),
+    ({"dtype": torch.bfloat16, "head_dim": "72"}, r"head_dim must be an int, got '72' \(str\)"),
+    ({"dtype": torch.bfloat16, "head_dim": 72.0}, r"head_dim must be an int, got 72\.0 \(float\)"),
+])
+def test_a_dtype_or_head_dim_of_the_wrong_type_is_refused_naming_it(kwargs, match):
+    """A dtype's name was refused by every kernel as "TORCH_SDPA supports dtypes float32, float16, bfloat16, float64,
+    got bfloat16", and a head dim given as a string raised "'<=' not supported between instances of 'int' and 'str'"."""
+    with pytest.raises(TypeError, match=match):
+        choose_attention(platform=CPU, **kwargs)
+    with pytest.raises(TypeError, match=match):
+        choose_attention("TORCH_SDPA", platform=CPU, **kwargs)
+    with pytest.raises(TypeError, match=match):
+        list_kernels(platform=CPU, **kwargs)
+    np = pytest.importorskip("numpy")  # a numpy int is an int here, as everywhere else
+    assert choose_attention(platform=CPU, dtype=torch.bfloat16, head_dim=np.int64(72)).spec.name == "TORCH_SDPA"
+
+
+def test_a_kernel_name_with_surrounding_blanks_is_found_as_auto_is(monkeypatch):
+    # " auto " asked for automatic choice while " torch_sdpa " was an unknown kernel
+    assert choose_attention(" torch_sdpa ", platform=CPU).spec.name == "TORCH_SDPA"
+    monkeypatch.setenv(registry.ATTENTION_ENV, "TORCH_SDPA\n")
+    assert choose_attention(platform=H200, dtype=torch.bfloat16).spec.name == "TORCH_SDPA"
 
 
 def test_unknown_kernel_name_lists_the_known_ones():

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hwgraph.budgets import is_int
 from hwgraph.capability import Capability
 from hwgraph.platform import PlatformInfo
 
@@ -62,6 +63,14 @@ class KernelSpec:
 
     def capability(self, platform: PlatformInfo, dtype: torch.dtype | None = None,
                    head_dim: int | None = None) -> Capability:
+        """Whether the kernel runs on ``platform`` for ``dtype`` (a ``torch.dtype``) and ``head_dim`` (an int), each
+        judged when given; ``TypeError`` naming either when it is of another type (a dtype's name, "bfloat16", was
+        refused as "supports dtypes ..., bfloat16, ..., got bfloat16")."""
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r} "
+                            f"({type(dtype).__name__})")
+        if head_dim is not None and not is_int(head_dim):
+            raise TypeError(f"head_dim must be an int, got {head_dim!r} ({type(head_dim).__name__})")
         try:
             reasons = list(self.gate(platform).reasons)
         except Exception as exc:  # a gate that crashes is a reason, not a crash

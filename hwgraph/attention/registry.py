@@ -60,13 +60,23 @@ _REPEATS_WARNED: set[tuple[str, str]] = set()
 
 
 def kernel_named(name: str) -> KernelSpec:
+    """The kernel called ``name`` (case and surrounding blanks ignored, as for ``"auto"``); ``SelectionError``
+    listing the known ones when there is none, ``TypeError`` naming ``name`` when it is not a string."""
+    check_kernel_name(name)
     for spec in kernel_specs():
-        if spec.name == name.upper():
+        if spec.name == name.strip().upper():
             return spec
     known = ", ".join(k.name for k in kernel_specs())
     # A plugin's kernels are unknown while the plugin, or its attention module, fails to load: say which failed.
     failed = failed_plugins((*discovered()[1], *ATTENTION_LOAD_FAILURES.values()))
     raise SelectionError(f"unknown attention kernel {name!r}; known: {known}{failed}")
+
+
+def check_kernel_name(name) -> None:
+    # Anything else failed with AttributeError ("'torch.dtype' object has no attribute 'strip'"), naming nothing.
+    if not isinstance(name, str):
+        raise TypeError(f"an attention kernel name must be a string (or 'auto'), got {name!r} "
+                        f"({type(name).__name__})")
 
 
 def list_kernels(platform: PlatformInfo | None = None, dtype=None,
@@ -93,6 +103,8 @@ def choose_attention(name: str | None = None, platform: PlatformInfo | None = No
     passed over with the reason. ``graph_safe=True`` chooses automatically only among kernels that may be captured
     in a graph (the reason names those passed over); an explicit kernel is honoured either way.
     """
+    if name is not None:
+        check_kernel_name(name)
     platform = platform or detect()
     name = name or os.environ.get(ATTENTION_ENV) or None
     if name is not None and name.strip().lower() == "auto":  # as a tower takes it: $HWGRAPH_ATTENTION=auto too

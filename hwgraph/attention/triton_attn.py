@@ -33,12 +33,14 @@ def triton_gate(platform: PlatformInfo) -> Capability:
     if platform.kind not in ("cuda", "rocm", "cpu"):
         return Capability.unavailable(
             f"TRITON_ATTN runs on cuda/rocm (cpu only under the Triton interpreter), this platform is {platform.kind}")
-    found = require_module("triton", "TRITON_ATTN")
-    if not found.ok:
-        return found
+    # On CPU the interpreter is asked about before triton is imported: importing it here, in every automatic choice,
+    # made a TRITON_INTERPRET=1 set later in the process useless (triton reads it at import).
     if platform.kind == "cpu" and not interpreter_enabled():
         return Capability.unavailable(
             "on CPU TRITON_ATTN runs only under the Triton interpreter (TRITON_INTERPRET=1)")
+    found = require_module("triton", "TRITON_ATTN")
+    if not found.ok:
+        return found
     if platform.kind == "cpu" and not imported_interpreted():
         return Capability.unavailable(
             "TRITON_INTERPRET=1 was set after triton was imported in this process; triton decides at import "
