@@ -210,8 +210,9 @@ class EncoderGraphManager:
         self._block_forward = None  # compile=True: the compiled block forward, shared by every budget
         self._closed = False
         # The graphs share their static buffers' pool: one encode() at a time fills, replays and copies out (threads),
-        # and each waits on the device for the last one's copy out (streams: see _replay).
-        self._lock = threading.Lock()
+        # and each waits on the device for the last one's copy out (streams: see _replay). stats() takes its turn too;
+        # reentrant, so that a logging handler reading stats() inside a call's own log record does not deadlock.
+        self._lock = threading.RLock()
         runtime = device_runtime(self.device)
         self._runtime = runtime if hasattr(runtime, "Event") and hasattr(runtime, "current_stream") else None
         self._buffers_read = None  # recorded after the last replay's copy out, on its stream
@@ -440,7 +441,7 @@ class EncoderGraphManager:
                 outputs = self._replay(entry, pixel_values, host, tokens, len(grid))
             self._calls += 1  # a served call: one replay or one eager group (a call that raised counts in neither)
             if self.log_every and self._calls % self.log_every == 0:
-                log.info("encoder graph stats after %d calls: %s", self._calls, self.stats())
+                log.info("encoder graph stats after %d calls: %s", self._calls, self._stats_snapshot())
             return outputs
 
     def _eager(self, pixel_values, host, why: str, count: int) -> list:
@@ -592,6 +593,12 @@ class EncoderGraphManager:
 
     # ---------------------------------------------------------------- bookkeeping
     def stats(self) -> dict:
+        """A copy of the counters, taken between calls: safe from any thread while others encode (a copy taken during
+        a call raised "dictionary changed size during iteration", or counted a group before its call)."""
+        with self._lock:
+            return self._stats_snapshot()
+
+    def _stats_snapshot(self) -> dict:
         out = self._stats.as_dict()
         out.update(budgets=sorted(self.graphs), slot_counts=list(self.slot_counts), graph_backend=self.backend.name,
                    graph_mode=self.backend.mode, attention=self.tower.attention_kernel, calls=self._calls,

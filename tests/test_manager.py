@@ -1092,3 +1092,63 @@ def test_calibrate_on_another_stream_waits_for_the_last_replay_and_marks_its_own
     pixels = pixels_for(tower, full, 81)
     assert_outputs_equal(m.encode(pixels, full), eager_per_image(tower, pixels, full))
     assert runtime.calls == ["first waits", "fill", "record on first"]
+
+
+def test_stats_read_from_another_thread_during_an_encode_are_those_of_whole_calls(tower):
+    """stats() from a metrics thread while another thread encodes: it copied the counters in the middle of a call
+    (a group counted, its call not: calls != replays + eager groups) and, when the call added a key to a counter
+    dict meanwhile, raised "dictionary changed size during iteration". It now takes its turn, as calls do."""
+    import threading
+
+    m = make_manager(tower, budgets=[16], max_images=1)
+    m.capture()
+    worker, entered, release = None, threading.Event(), threading.Event()
+
+    class PausingDict(dict):
+        def __setitem__(self, key, value):
+            if threading.current_thread() is worker:  # the encode's own update, not stats()'s deep copy
+                entered.set()
+                release.wait(timeout=0.5)  # the fixed stats() waits for the call: this pause ends it
+            super().__setitem__(key, value)
+
+    m._stats.eager_reasons = PausingDict()
+    grid = [(1, 8, 12)]  # 24 tokens: over the budget, an eager group
+    worker = threading.Thread(target=m.encode, args=(pixels_for(tower, grid, 1), grid))
+    worker.start()
+    assert entered.wait(timeout=60)  # the worker is inside its call, between the group's counters
+    s = m.stats()
+    release.set()
+    worker.join(timeout=60)
+    assert s["calls"] == s["replays"] + s["eager_groups"] and s["images"] == s["misses"] + s["hits"]
+    assert (s["calls"], s["eager_groups"], s["eager_reasons"]) == (1, 1, {"over budget": 1})
+    m.close()
+
+
+def test_stats_read_by_a_log_handler_inside_an_encode_does_not_deadlock(tower):
+    """stats() waits for a call in flight; a handler of the manager's own log records runs inside that call, in the
+    same thread, and reads stats() there: it gets them instead of waiting for itself."""
+    import threading
+
+    m = make_manager(tower, budgets=[16], max_images=1, log_every=1)
+    m.capture()
+    seen = []
+
+    class StatsHandler(logging.Handler):
+        def emit(self, record):
+            seen.append(m.stats()["calls"])
+
+    handler, logger = StatsHandler(level=logging.INFO), logging.getLogger("hwgraph.manager")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        grid = [(1, 4, 4)]
+        worker = threading.Thread(target=m.encode, args=(pixels_for(tower, grid, 1), grid), daemon=True)
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive(), "encode() deadlocked in its own log handler's stats()"
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert seen == [1]
+    m.close()
