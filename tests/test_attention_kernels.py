@@ -275,7 +275,8 @@ def test_triton_attn_takes_the_tma_kernel_only_on_nvidia_hopper_with_aligned_k_a
     def takes_tma(q=batch.q, k=batch.k, v=batch.v, *, major=9, hip=None):
         simulate_gpu(monkeypatch, cuda="12.8", hip=hip, props=DeviceProperties("simulated GPU", major, 0))
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (major, 0))
-        on_gpu = types.SimpleNamespace(is_cuda=True, dtype=q.dtype, shape=q.shape, device=torch.device("cuda", 0))
+        on_gpu = types.SimpleNamespace(is_cuda=True, dtype=q.dtype, shape=q.shape, element_size=q.element_size,
+                                       device=torch.device("cuda", 0))
         return triton_kernel.uses_tma(on_gpu, k, v)
 
     qkv = torch.stack([batch.q, batch.k, batch.v], dim=1)  # the tower's views of one fused projection
@@ -294,18 +295,21 @@ def test_triton_attn_takes_the_tma_kernel_only_on_nvidia_hopper_with_aligned_k_a
         assert not takes_tma(k=bad) and not takes_tma(v=bad)
 
 
-def test_the_tma_kernel_serves_a_head_of_128_lanes(monkeypatch):
-    """128 lanes is the widest head whose TMA tiles fit shared memory (``uses_tma``); 200 (256 lanes) is not."""
+def test_the_tma_kernel_serves_heads_of_16_byte_multiples_up_to_128_lanes(monkeypatch):
+    """128 lanes is the widest head whose TMA tiles fit shared memory (``uses_tma``); 200 (256 lanes) is not. A head
+    whose bytes are not a multiple of 16 takes the pointer kernel."""
     pytest.importorskip("triton.tools.tensor_descriptor")
     module = pytest.importorskip("hwgraph.attention.triton_kernel")
     monkeypatch.setattr(module, "has_tma", module.has_tma.__wrapped__)
     monkeypatch.setattr(module, "is_interpreted", lambda: False)
     simulate_gpu(monkeypatch, cuda="12.8", props=DeviceProperties("simulated H200", 9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    for head_dim, tma in ((128, True), (16, True), (200, False)):
+    # A head of 4, 12, 20 or 36 lanes is not a multiple of 16 bytes: the TMA and Gluon kernels crashed the H100 there.
+    for head_dim, tma in ((128, True), (16, True), (200, False), (8, True), (4, False), (12, False), (20, False),
+                          (36, False), (24, True)):
         batch = random_packed_batch([5], heads=2, head_dim=head_dim, dtype=torch.bfloat16)
         on_gpu = types.SimpleNamespace(is_cuda=True, dtype=batch.q.dtype, shape=batch.q.shape,
-                                       device=torch.device("cuda", 0))
+                                       element_size=batch.q.element_size, device=torch.device("cuda", 0))
         assert module.uses_tma(on_gpu, batch.k, batch.v) is tma, head_dim
 
 

@@ -365,9 +365,13 @@ def is_interpreted() -> bool:
 
 
 def uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a call takes the TMA kernel: NVIDIA Hopper or newer, fp16/bf16, and k and v addressable by TMA
-    descriptors (16-byte aligned base and token stride, heads adjacent: one row of ``heads * head_dim`` lanes)."""
+    """Whether a call takes the TMA kernel: NVIDIA Hopper or newer, fp16/bf16, a head of a multiple of 16 bytes,
+    and k and v addressable by TMA descriptors (16-byte aligned base and token stride, heads adjacent: one row of
+    ``heads * head_dim`` lanes). The TMA and Gluon kernels crashed the H100 ("an illegal instruction", which leaves
+    the process's CUDA context unusable) at head dims 4, 12, 20 and 36 in bf16; the pointer kernel takes those."""
     if not q.is_cuda or torch.version.hip or q.dtype not in (torch.float16, torch.bfloat16) or is_interpreted():
+        return False
+    if (q.shape[-1] * q.element_size()) % 16:
         return False
     if head_width(q.shape[-1]) > 128:  # the wider tiles do not fit shared memory with 3 stages
         return False
