@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import math
 import os
 import random
@@ -24,12 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hwgraph.attention.base import KernelSpec
 from hwgraph.attention.sdpa import masked_sdpa, sdpa_varlen, sdpa_varlen_op
 from hwgraph.attention.triton_attn import interpreter_enabled, triton_varlen, triton_varlen_op
-from hwgraph.attention.varlen_inputs import launches_on_tensor_device
+from hwgraph.attention.varlen_inputs import launches_on_tensor_device, register_varlen_kernel
 from hwgraph.graphs.base import HostSyncError
 from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.testing.reference import (
@@ -872,3 +874,67 @@ def test_random_batches_fill_padding_rows_with_large_garbage():
         assert torch.equal(t[6:], torch.full_like(t[6:], 1e3)) and t[:6].abs().max() < 100
     assert batch.cu_seqlens.tolist() == [0, 4, 6, 6] and batch.max_seqlen == 4
     assert math.isclose(batch.scale, 8 ** -0.5)
+
+
+def nograd_body(q, k, v, cu_seqlens, max_seqlen, scale):
+    """A varlen kernel as a vendor's is to autograd: the right values, no history."""
+    with torch.no_grad():
+        return masked_sdpa(q, k, v, cu_seqlens, scale)
+
+
+NOGRAD_VARLEN, _ = register_varlen_kernel("NOGRAD_TEST", "nograd_test_varlen", nograd_body)
+
+
+def attention_grads(fn, batch: PackedBatch):
+    leaves = [t.detach().clone().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    out = fn(*leaves, batch.cu_seqlens, batch.max_seqlen, batch.scale)
+    valid = int(batch.cu_seqlens[-1])
+    (out[:valid].float() * torch.linspace(-1, 1, out[:valid].numel()).view_as(out[:valid])).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kernel", ["kernel-without-backward", "TORCH_SDPA"])
+def test_varlen_kernels_give_gradients_while_autograd_records(kernel, compiled):
+    """A kernel without a backward (TRITON_ATTN, FLASH_ATTN's op, aiter's, the NPU's) returned outputs without a
+    history: everything before attention silently got no gradient. And under torch.compile every kernel, TORCH_SDPA's
+    included, is its custom op, which has no autograd formula ("Trying to backward through hwgraph.sdpa_varlen").
+    While autograd records they all run TORCH_SDPA's differentiable body, whose gradients equal a per-sequence
+    reference's; without recording, the kernel itself runs."""
+    fn = NOGRAD_VARLEN.padding_unspecified if kernel == "kernel-without-backward" else sdpa_varlen.padding_unspecified
+    batch = random_packed_batch((5, 9), heads=2, head_dim=8, zero_length=1, padding_rows=3, seed=3)
+    run = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False) if compiled else fn
+    out, grads = attention_grads(run, batch)
+
+    def per_sequence(q, k, v, cu_seqlens, max_seqlen, scale):  # plain SDPA on each sequence alone
+        ends = cu_seqlens.tolist()
+        rows = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), scale=scale)
+                .transpose(0, 1) for a, b in zip(ends, ends[1:], strict=False)]
+        return torch.cat(rows + [torch.zeros_like(q[ends[-1]:])])
+
+    want_out, want = attention_grads(per_sequence, batch)
+    valid = int(batch.cu_seqlens[-1])
+    torch.testing.assert_close(out[:valid], want_out[:valid])
+    if kernel == "kernel-without-backward":
+        assert torch.count_nonzero(out[valid:]) == 0  # the stand-in's padding rows come back zero
+    for name, got, expected in zip("qkv", grads, want, strict=True):
+        assert got is not None, f"{kernel}: no gradient reached {name}"
+        torch.testing.assert_close(got, expected, msg=lambda m, name=name: f"{kernel}: d{name}: {m}")
+    with torch.no_grad():  # without recording: the kernel's own body
+        plain = fn(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.max_seqlen, batch.scale)
+    torch.testing.assert_close(plain[:valid], want_out[:valid])
+
+
+def test_the_differentiable_stand_in_is_logged_once_naming_the_kernel(monkeypatch, caplog):
+    """A caller who only forgot ``torch.inference_mode()`` learns why attention got slower, once per kernel."""
+    from hwgraph.attention import varlen_inputs
+
+    monkeypatch.setattr(varlen_inputs, "_RECORDING_LOGGED", set())
+    batch = random_packed_batch((5, 9), heads=2, head_dim=8, padding_rows=3, seed=4)
+    with caplog.at_level(logging.WARNING, logger="hwgraph.attention.varlen_inputs"):
+        for _ in range(2):
+            attention_grads(NOGRAD_VARLEN.padding_unspecified, batch)
+        attention_grads(sdpa_varlen.padding_unspecified, batch)  # differentiable itself: nothing to say
+    (record,) = caplog.records
+    assert "NOGRAD_TEST attention, which has no backward" in record.getMessage()
+    assert "torch.inference_mode()" in record.getMessage()

@@ -22,6 +22,7 @@ CHILD = textwrap.dedent("""
     from hwgraph.models.qwen3_omni import fused
 
     assert fused.use_triton(torch.empty(1)), "the interpreter path must be active in this child"
+    torch.set_grad_enabled(False)  # the kernels run only without autograd recording (the norms' weights want grads)
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for tokens, heads, dim in ((7, 3, 8), (33, 4, 72), (1, 16, 72), (0, 2, 16)):
@@ -110,6 +111,95 @@ def test_the_position_embedding_kernel_rounds_the_blend_before_the_add_in_float1
     assert "fp16 position ok" in done.stdout
 
 
+GRAD_CHILD = textwrap.dedent("""
+    import os, sys, types
+    import torch
+    import hwgraph.models
+
+    package = types.ModuleType("hwgraph.models.qwen3_omni")  # the kernels without transformers (start-up time)
+    package.__path__ = [os.path.join(os.path.dirname(hwgraph.models.__file__), "qwen3_omni")]
+    sys.modules[package.__name__] = package
+    from hwgraph.models.qwen3_omni import fused
+
+    assert fused.use_triton(torch.empty(1)), "the interpreter path must be active in this child"
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(16, eps=1e-6)
+    torch.nn.init.normal_(norm.weight); torch.nn.init.normal_(norm.bias)
+    qkv, x, delta = torch.randn(5, 3, 2, 8), torch.randn(5, 16), torch.randn(5, 16)
+    angles = torch.randn(5, 4)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1)
+    table, indices, weights = torch.randn(9, 16), torch.randint(0, 9, (4, 5)), torch.rand(4, 5)
+
+    def forward(rotary, add_norm, position, qkv, x, table):
+        q, k = rotary(qkv, cos, sin)
+        total, normed = add_norm(position(x, table, indices, weights), delta, norm)
+        return (q * k).sum() + (total * normed).sum()
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (qkv, x, table)]
+        norm.zero_grad(set_to_none=True)
+        fn(*leaves).backward()
+        return [t.grad for t in leaves] + [norm.weight.grad, norm.bias.grad]
+
+    fused_ops = (fused.rotary_qk, fused.add_layer_norm, fused.add_position_embedding)
+    unfused = (fused.rotary_qk_reference, fused.add_layer_norm_reference, fused.add_position_embedding_reference)
+    want = grads(lambda *t: forward(*unfused, *t))
+    for label, fn in (("eager", lambda *t: forward(*fused_ops, *t)),
+                      ("compiled", torch.compile(lambda *t: forward(*fused_ops, *t), backend="aot_eager",
+                                                 fullgraph=True))):
+        got = grads(fn)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g is not None, f"{label}: gradient {i} is missing"
+            torch.testing.assert_close(g, w, msg=lambda m: f"{label}: gradient {i}: {m}")
+    # Without autograd recording the kernels still run.
+    launched = []
+    for name in ("rotary_qk_launch", "add_layer_norm_launch", "add_position_embedding_launch"):
+        setattr(fused, name, (lambda f, name: lambda *a: launched.append(name) or f(*a))(getattr(fused, name), name))
+    with torch.no_grad():
+        forward(*fused_ops, qkv, x, table)
+    assert len(launched) == 3, launched
+    print("fused gradients ok")
+""")
+
+
+def test_fused_ops_take_the_differentiable_path_while_autograd_records_and_compile_with_gradients():
+    """The Triton kernels have no backward: with autograd recording, an eager call returned outputs without a history
+    (the norm's, the table's and the inputs' gradients were None) and torch.compile failed ("no autograd formula was
+    registered"). They now run the unfused computations then, and the kernels only without autograd."""
+    pytest.importorskip("triton", reason="the fused kernels need triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", HWGRAPH_FUSED="1")
+    done = subprocess.run([sys.executable, "-c", GRAD_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "fused gradients ok" in done.stdout
+
+
+def test_fc1_with_tanh_gelu_takes_the_unfused_pair_while_autograd_records(monkeypatch):
+    """On CUDA the GELU is the matmul's epilogue (``torch._addmm_activation``), which has no derivative: backward
+    raised "derivative for aten::_addmm_activation is not implemented". Recording autograd takes the unfused pair."""
+    from hwgraph import products
+
+    calls = []
+
+    def epilogue(x, weight, bias):  # as on CUDA: the right values, no autograd history
+        calls.append(x.shape)
+        with torch.no_grad():
+            return torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias), approximate="tanh")
+
+    monkeypatch.setattr(products, "linear_gelu_tanh", epilogue)
+    torch.manual_seed(0)
+    fc1, x = torch.nn.Linear(8, 6), torch.randn(3, 8)
+    out = fused.linear_gelu_tanh(x, fc1)
+    out.sum().backward()
+    assert not calls and fc1.weight.grad is not None
+    want = fc1.weight.grad.clone()
+    fc1.zero_grad()
+    torch.nn.functional.gelu(fc1(x), approximate="tanh").sum().backward()
+    torch.testing.assert_close(fc1.weight.grad, want, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(fused.linear_gelu_tanh(x, fc1), out, rtol=0, atol=0)
+    assert len(calls) == 1  # without autograd: the epilogue
+
+
 def test_the_rotary_kernel_refuses_an_odd_head_dim_by_name():
     pytest.importorskip("triton", reason="the rotary kernel's launcher imports triton")
     qkv = torch.zeros(2, 3, 2, 7)
@@ -165,6 +255,7 @@ def test_fused_paths_can_be_switched_off(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()  # the kernels run only without autograd recording (the norm's and fc1's weights want grads)
 def test_fused_kernels_on_the_gpu_equal_the_unfused_computation(dtype):
     torch.manual_seed(0)
     for tokens in (1, 196, 4096):

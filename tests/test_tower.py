@@ -907,3 +907,27 @@ def test_a_channels_last_patch_embedding_weight_gives_the_reference_output():
     pixels = pixels_for(tower, grid)
     with torch.no_grad():
         assert_same_output(tower(pixels, grid), run_reference(reference, pixels, grid))
+
+
+def test_the_compiled_tower_gives_every_parameter_the_eager_gradient():
+    """Under torch.compile the attention kernel is its custom op, which has no autograd formula: compiling the tower
+    with autograd recording failed ("Trying to backward through hwgraph.sdpa_varlen"). While autograd records the
+    kernels run differentiable torch code, so the compiled tower's gradients are the eager tower's."""
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny")
+    grid = torch.tensor([[1, 4, 6], [1, 2, 2]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), tower.patch_row_width)
+    metadata = tower.prepare_metadata(grid, pixels)
+
+    def gradients(forward):
+        tower.zero_grad(set_to_none=True)
+        out = forward(pixels, metadata)
+        (out.embeds.sum() + sum(d.square().sum() for d in out.deepstack)).backward()
+        return {name: p.grad for name, p in tower.named_parameters()}
+
+    eager = gradients(tower.forward_with_metadata)
+    compiled = gradients(torch.compile(tower.forward_with_metadata, backend="aot_eager"))
+    assert [name for name, g in eager.items() if g is None] == []
+    for name, g in compiled.items():
+        assert g is not None, f"no gradient reached {name}"
+        torch.testing.assert_close(g, eager[name], msg=lambda m, name=name: f"{name}: {m}")

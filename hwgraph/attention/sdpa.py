@@ -68,7 +68,7 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 SDPA_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 sdpa_varlen, sdpa_varlen_op = register_varlen_kernel(
     "TORCH_SDPA", "sdpa_varlen", lambda q, k, v, cu_seqlens, max_seqlen, scale: masked_sdpa(q, k, v, cu_seqlens, scale),
-    dtypes=SDPA_DTYPES)
+    dtypes=SDPA_DTYPES, differentiable=True)
 
 
 TORCH_SDPA = KernelSpec(

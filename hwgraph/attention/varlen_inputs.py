@@ -8,12 +8,16 @@ replay path and under capture. Zeroing the padding rows is a device-side ``torch
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import numbers
 
 import torch
 
 from hwgraph.budgets import is_int
+
+log = logging.getLogger(__name__)
+_RECORDING_LOGGED: set[str] = set()  # kernels whose differentiable stand-in was logged (differentiable_attention)
 
 
 def check_varlen_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -75,7 +79,7 @@ def unit_stride_on_d(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool = False,
-                           dtypes: tuple[torch.dtype, ...] | None = None):
+                           dtypes: tuple[torch.dtype, ...] | None = None, differentiable: bool = False):
     """Register ``body`` (the common signature, inputs unchecked) as the custom op ``hwgraph::<op_name>``, whose
     output is a new contiguous ``[tokens, heads, head_dim]`` tensor, as its fake says. Returns ``(public, op)``:
     ``public`` checks its inputs (``ValueError`` naming ``kernel``; q, k, v of one of ``dtypes``), runs the op while
@@ -86,6 +90,9 @@ def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool
     ``public.padding_unspecified`` is the same checked kernel without that zeroing: its padding rows hold whatever
     the kernel left there. The tower uses it, because no later step mixes rows across sequences: its padding rows
     stay in padding rows, which the manager never hands out.
+
+    While autograd records through q, k or v (``records_grad``) the op, which has no autograd formula, is not used:
+    a ``differentiable`` body (plain torch ops) runs itself, any other kernel ``differentiable_attention``.
     """
 
     def impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -102,6 +109,10 @@ def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool
     def padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, scale: float) -> torch.Tensor:
         check_varlen_inputs(kernel, q, k, v, cu_seqlens, max_seqlen, scale, dtypes)
+        if records_grad(q, k, v):  # the op has no autograd formula: the body itself, or a differentiable stand-in
+            if differentiable:
+                return body(q, k, v, cu_seqlens, int(max_seqlen), float(scale))
+            return differentiable_attention(kernel, q, k, v, cu_seqlens, scale)
         return eager_or_op(op, body)(q, k, v, cu_seqlens, int(max_seqlen), float(scale))
 
     if zeroes_padding:
@@ -116,6 +127,31 @@ def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool
     padding_unspecified.__name__ = padding_unspecified.__qualname__ = f"{op_name}_padding_unspecified"
     public.padding_unspecified = padding_unspecified
     return public, op
+
+
+def records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Autograd records through one of ``tensors``. The varlen kernels and the tower's fused kernels have no
+    backward: their outputs came without a history (gradients silently missing) and torch.compile refused to trace
+    them ("no autograd formula"), so differentiable torch computations run instead while this is True. The manager,
+    the bench and the vLLM integration run under ``no_grad``/``inference_mode``, where it is False."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def differentiable_attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """What every varlen kernel runs while autograd records (``records_grad``): TORCH_SDPA's body, plain torch ops
+    (the same attention; ``tokens**2`` bytes of mask), called directly rather than as its custom op, so it has a
+    backward in eager and under torch.compile. Padding rows come back zero. Logged once per ``kernel``: a caller
+    who only forgot ``torch.inference_mode()`` learns why the forward is slow."""
+    from hwgraph.attention.sdpa import masked_sdpa  # sdpa registers its kernel through this module
+
+    if kernel not in _RECORDING_LOGGED and not torch.compiler.is_compiling():
+        _RECORDING_LOGGED.add(kernel)
+        log.warning("autograd records through %s attention, which has no backward: the differentiable TORCH_SDPA "
+                    "computation runs instead (and the tower's fused kernels run unfused); call under "
+                    "torch.inference_mode() or torch.no_grad() for the kernels", kernel)
+    out = masked_sdpa(q, k, v, cu_seqlens, scale)
+    return out.masked_fill(~valid_rows(cu_seqlens, out.shape[0])[:, None, None], 0)
 
 
 def eager_or_op(op, body):

@@ -25,7 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph.attention.base import KernelSpec, given_host_cu_seqlens, host_cu_seqlens  # noqa: F401 (re-exported)
-from hwgraph.attention.varlen_inputs import check_varlen_inputs, eager_or_op, zero_padding_rows
+from hwgraph.attention.varlen_inputs import (
+    check_varlen_inputs,
+    differentiable_attention,
+    eager_or_op,
+    records_grad,
+    zero_padding_rows,
+)
 from hwgraph.capability import Capability, require_module
 from hwgraph.platform import PlatformInfo
 
@@ -145,6 +151,8 @@ def npu_varlen_padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """``npu_varlen`` without zeroing the padding rows (what the tower uses: its padding rows never mix into real
     ones; the same split as ``hwgraph.attention.varlen_inputs.register_varlen_kernel``'s)."""
     check_varlen_inputs("NPU", q, k, v, cu_seqlens, max_seqlen, scale, NPU_DTYPES)
+    if records_grad(q, k, v):  # the op has no backward
+        return differentiable_attention("NPU", q, k, v, cu_seqlens, scale)
     tokens = q.shape[0]
     host = given_host_cu_seqlens()
     if host is None:

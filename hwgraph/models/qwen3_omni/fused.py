@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph import products
-from hwgraph.attention.varlen_inputs import eager_or_op, launches_on_tensor_device
+from hwgraph.attention.varlen_inputs import eager_or_op, launches_on_tensor_device, records_grad
 
 FUSED_ENV = "HWGRAPH_FUSED"
 
@@ -102,7 +102,8 @@ def _(qkv, cos, sin):
 
 def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated ``q``, ``k`` ``[T, H, D]`` from the ``[T, 3, H, D]`` qkv view (see ``rotary_qk_reference``)."""
-    if not use_triton(qkv) or qkv.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
+    if not use_triton(qkv) or qkv.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous() \
+            or records_grad(qkv, cos, sin):
         return rotary_qk_reference(qkv, cos, sin)
     out = eager_or_op(rotary_qk_op, rotary_qk_launch)(qkv, cos, sin)
     return out[0], out[1]
@@ -150,7 +151,7 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNor
     """``(x + delta, norm(x + delta))`` for ``[rows, N]`` activations, in one kernel on GPUs."""
     fusable = (use_triton(x) and x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.stride(-1) == 1
                and delta.stride(-1) == 1 and delta.shape == x.shape and norm.weight is not None
-               and norm.bias is not None)
+               and norm.bias is not None and not records_grad(x, delta, norm.weight, norm.bias))
     if not fusable:
         return add_layer_norm_reference(x, delta, norm)
     args = (x, delta, norm.weight, norm.bias, float(norm.eps))
@@ -203,7 +204,7 @@ def add_position_embedding(x: torch.Tensor, table: torch.Tensor, indices: torch.
                and table.dim() == 2 and x.stride(-1) == 1 and table.stride(-1) == 1
                and table.shape[1] == x.shape[1] and indices.dtype == torch.int64 and weights.dtype == torch.float32
                and indices.shape == weights.shape and indices.shape[1] == x.shape[0]
-               and indices.stride(-1) == 1 and weights.stride(-1) == 1)
+               and indices.stride(-1) == 1 and weights.stride(-1) == 1 and not records_grad(x, table, weights))
     if not fusable:
         return add_position_embedding_reference(x, table, indices, weights)
     return eager_or_op(add_position_embedding_op, add_position_embedding_launch)(x, table, indices, weights)
@@ -212,5 +213,8 @@ def add_position_embedding(x: torch.Tensor, table: torch.Tensor, indices: torch.
 # ---------------------------------------------------------------- fc1 + tanh-GELU
 def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """``gelu(linear(x), approximate="tanh")``; on CUDA the GELU runs as the matmul's epilogue
-    (``products.aten_linear_gelu_tanh``), or as the active product chooser runs it (``hwgraph.products``)."""
+    (``products.aten_linear_gelu_tanh``), or as the active product chooser runs it (``hwgraph.products``); the
+    unfused pair while autograd records (``records_grad``)."""
+    if records_grad(x, linear.weight, linear.bias):
+        return F.gelu(F.linear(x, linear.weight, linear.bias), approximate="tanh")
     return products.linear_gelu_tanh(x, linear.weight, linear.bias)
