@@ -35,8 +35,11 @@ def parse_device(spec: str) -> torch.device:
 
 def check_backend(name: str | None, device: torch.device) -> None:
     """``ValueError`` when ``name`` (else ``$HWGRAPH_GRAPH_BACKEND``) is unknown or unavailable for ``device``."""
-    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend
+    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, backend_specs, choose_backend
 
+    if name == "":  # a script's unset variable (--backend "$BACKEND"): not a request for the automatic choice
+        raise ValueError(f"--backend '': expected a graph backend name, one of "
+                         f"{', '.join(s.name for s in backend_specs())} (leave the option out for the best available)")
     if not (name or os.environ.get(GRAPH_BACKEND_ENV)):
         return  # an automatic choice never fails: it falls back to the cpu reference backend, and says why
     try:

@@ -64,6 +64,9 @@ def choose_backend_name(name: str | None) -> tuple[str, str]:
     a name no installed package brings, and for an unusable ``$HWGRAPH_GRAPH_BACKEND``."""
     from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend, spec_named
 
+    if name == "":  # a script's unset variable (--backend "$BACKEND"): not a request for the automatic choice
+        raise SelectionError("--backend '': expected a graph backend name (leave the option out for the best "
+                             "available)")
     if name:
         try:
             spec_named(name)  # a typo is not worth a report: the error lists the known backends

@@ -73,6 +73,8 @@ def test_a_towers_dtype_takes_float64_by_name_as_by_dtype(name):
     (["--preset", "qwen3-omni-7b"], ["--preset", "'qwen3-omni-7b'", "tiny"]),
     (["--attention", "TORCH_SDPA", "FLASH_ATTENTION"], ["--attention", "'FLASH_ATTENTION'", "TORCH_SDPA"]),
     (["--backend", "cudagraph"], ["--backend", "'cudagraph'", "known: cpu"]),
+    # a script's unset variable: it ran the automatic choice (or $HWGRAPH_GRAPH_BACKEND's), exit 0
+    (["--backend", ""], ["--backend '': expected a graph backend name, one of cpu", "leave the option out"]),
     (["--backend", "cpu", "--graph-mode", "full"], ["--graph-mode 'full': graph backend 'cpu' has modes emulated"]),
     (["--budgets", "64", "0"], ["--budgets 0 is out of range: expected an integer >= 1"]),
     (["--budgets", "-64"], ["--budgets -64", ">= 1"]),
@@ -242,6 +244,28 @@ def test_info_selects_what_a_manager_would_when_the_best_backends_class_does_not
     assert "declares class_path 'hwgraph_no_such_module.graphs:Backend', which does not load" in \
         data["selection_reason"]
     assert [b["name"] for b in data["graph_backends"] if b["selected"]] == ([] if forced else ["cpu"])
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_info_selects_what_a_manager_would_when_the_best_backend_refuses_its_default_mode(monkeypatch, capsys,
+                                                                                         forced):
+    """npu's gate accepts a torch_npu without torch.npu.NPUGraph, and its class then refuses its default mode,
+    aclgraph: info marked npu selected while every manager fell back to the CPU reference backend (automatic) or
+    raised (forced)."""
+    from hwgraph.registry import create_backend
+
+    simulate_refused_mode_backend(monkeypatch)
+    if forced:
+        monkeypatch.setenv(GRAPH_BACKEND_ENV, "refusedmode")
+    else:
+        assert create_backend().name == "cpu"  # what a manager takes
+    assert cli.main(["info", "--json"]) == (1 if forced else 0)
+    data = json.loads(capsys.readouterr().out)
+    assert data["selected_backend"] == (None if forced else "cpu")
+    assert "refusedmode graph mode 'aclgraph' is unavailable: no graph API" in data["selection_reason"]
+    assert [b["name"] for b in data["graph_backends"] if b["selected"]] == ([] if forced else ["cpu"])
+    assert cli.main(["info"]) == (1 if forced else 0)
+    assert ("selected: none" if forced else "selected: cpu (falling back") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, class_path, expected", [

@@ -102,6 +102,16 @@ def test_a_benchmark_that_cannot_run_here_is_explained_without_a_traceback(tmp_p
     assert json.loads((out / "report.json").read_text())["bench_error"].startswith(reason)
 
 
+def test_an_empty_backend_is_refused_not_taken_for_the_automatic_choice(tmp_path, capsys):
+    """``--backend "$BACKEND"`` with the variable unset validated the automatic choice and could PASS."""
+    from hwgraph import cli
+
+    assert cli.main(["validate", "--backend", "", "--report", str(tmp_path / "r"), "--no-bench"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend '': expected a graph backend name" in err
+    assert not (tmp_path / "r" / "report.json").exists()
+
+
 def test_the_verdict_fails_when_no_check_ran():
     conformance = {"exit_code": 0, "counts": {"passed": 0, "failed": 0, "error": 0, "skipped": 2},
                    "results": [{"check": "x", "outcome": "skipped", "message": "graph backend 'cuda' is unavailable"}]}
