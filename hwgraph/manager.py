@@ -333,7 +333,14 @@ class EncoderGraphManager:
             log.warning("measure_products=True on %s: %s; capturing ATen's matrix products", self.backend.name,
                         support.describe())
             return None
-        return self.backend.product_chooser()
+        try:
+            return self.backend.product_chooser()
+        except Exception as exc:  # e.g. cublasLtCreate failing after the gate passed: ATen's products, as refused
+            reason = f"{type(exc).__name__}: {exc}"
+            self._stats.products = f"ATen's: the product chooser failed to start: {reason}"
+            log.warning("measure_products=True on %s: the product chooser failed to start (%s); capturing ATen's "
+                        "matrix products", self.backend.name, reason)
+            return None
 
     def _capture_budget_compiled(self, budget: int) -> BudgetGraph:
         """A compiled capture; if compiling or capturing it fails, the plain capture of that budget, logged. The

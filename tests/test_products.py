@@ -105,6 +105,25 @@ def test_a_backend_without_a_chooser_captures_atens_products_and_says_why(caplog
     m.close()
 
 
+def test_a_chooser_that_fails_to_start_leaves_atens_products_and_every_budget_captured(monkeypatch, caplog):
+    """The gate passed but making the chooser failed (cublasLtCreate out of memory): capture() raised before any
+    budget was captured. It is now a logged fallback to ATen's products, as a refused chooser is."""
+    def fails(self):
+        raise RuntimeError("cublasLtCreate returned 3 (CUBLAS_STATUS_ALLOC_FAILED)")
+
+    monkeypatch.setattr(CpuGraphBackend, "products_support", lambda self: Capability.available())
+    monkeypatch.setattr(CpuGraphBackend, "product_chooser", fails)
+    tower = tiny_tower()
+    with caplog.at_level(logging.WARNING, logger="hwgraph.manager"):
+        m = EncoderGraphManager(tower, budgets=[8, 16], graph_backend="cpu", measure_products=True)
+        m.capture()
+    assert sorted(m.graphs) == [8, 16] and m.stats()["capture_failures"] == {}
+    assert "CUBLAS_STATUS_ALLOC_FAILED" in m.stats()["products"] and m.stats()["products"].startswith("ATen's")
+    assert "the product chooser failed to start" in caplog.text
+    check_equal_to_eager(m, tower, [(1, 4, 8)])
+    m.close()
+
+
 def products_per_forward(tower) -> int:
     """The patch embedding, qkv, proj, fc1 and fc2 of every block, and two per merger."""
     return 1 + 4 * len(tower.blocks) + 2 * (1 + len(tower.deepstack_visual_indexes))
