@@ -487,7 +487,8 @@ def main():
     dev = torch.device("cuda")
     warm_device(dev)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
-    tower = preset_tower(dev)
+    # weights without grads: the fused kernels and attention run only where autograd records nothing (records_grad)
+    tower = preset_tower(dev).requires_grad_(False)
     if "--products" in parts:
         products(tower, [4 * t for t in tokens])
     if "--kernels" in parts:

@@ -931,3 +931,17 @@ def test_the_compiled_tower_gives_every_parameter_the_eager_gradient():
     for name, g in compiled.items():
         assert g is not None, f"no gradient reached {name}"
         torch.testing.assert_close(g, eager[name], msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_whole_tower_compiles_for_a_grid_it_has_not_seen():
+    """``torch.compile(tower)(pixels, grid)`` traced the host metadata's numpy code and crashed ("Expected np.nditer
+    base") for a grid not yet in the metadata cache; the metadata is now a graph break and the outputs are eager's."""
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
+    grid = [(1, 10, 6), (1, 2, 18)]  # a grid no other test builds, so not in this process's metadata cache
+    pixels = torch.randn(sum(t * h * w for t, h, w in grid), tower.patch_row_width)
+    with torch.no_grad():
+        got = torch.compile(tower, backend="aot_eager")(pixels, grid)
+        want = tower(pixels, grid)
+    for g, w in zip((got.embeds, *got.deepstack), (want.embeds, *want.deepstack), strict=True):
+        torch.testing.assert_close(g, w)

@@ -241,6 +241,9 @@ class Qwen3OmniVisionTower(nn.Module):
         return self
 
     # ------------------------------------------------------------------ forward
+    # Host work in numpy: a graph break under torch.compile (dynamo tracing it failed with "Expected np.nditer base"
+    # for a grid not yet in the metadata cache, so compiling the whole tower crashed on its first new grid).
+    @torch.compiler.disable
     def prepare_metadata(self, grid_thw, pixel_values: torch.Tensor | None = None) -> VisionMetadata:
         """Host metadata for images of ``grid_thw`` (list of (t, h, w), or an int array/tensor on the host). With
         ``pixel_values``, they are checked against the grids first, as ``check_pixels`` checks them against metadata:
