@@ -364,14 +364,20 @@ def is_interpreted() -> bool:
     return not isinstance(varlen_attention_kernel, triton.runtime.JITFunction)
 
 
+MIN_FAST_HEAD_DIM = 32  # the narrowest head the TMA and Gluon kernels take (uses_tma)
+
+
 def uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a call takes the TMA kernel: NVIDIA Hopper or newer, fp16/bf16, a head of a multiple of 16 bytes,
-    and k and v addressable by TMA descriptors (16-byte aligned base and token stride, heads adjacent: one row of
-    ``heads * head_dim`` lanes). The TMA and Gluon kernels crashed the H100 ("an illegal instruction", which leaves
-    the process's CUDA context unusable) at head dims 4, 12, 20 and 36 in bf16; the pointer kernel takes those."""
+    """Whether a call takes the TMA kernel (and with it, where ``gluon_fits``, the Gluon kernels): NVIDIA Hopper or
+    newer, fp16/bf16, a head of at least 32 lanes and a multiple of 16 bytes, and k and v addressable by TMA
+    descriptors (16-byte aligned base and token stride, heads adjacent: one row of ``heads * head_dim`` lanes).
+    Other heads take the pointer kernel. On an H100 (session 56) the TMA and Gluon kernels crashed ("an illegal
+    instruction", which leaves the process's CUDA context unusable) at head dims 4, 12, 20 and 36 in bf16, and the
+    ping-pong kernel gave wrong outputs at head dim 24 in a 4096-row budget; the CUDA tests check them at head dims
+    40 to 128, and the pointer kernel at 4 to 36."""
     if not q.is_cuda or torch.version.hip or q.dtype not in (torch.float16, torch.bfloat16) or is_interpreted():
         return False
-    if (q.shape[-1] * q.element_size()) % 16:
+    if q.shape[-1] < MIN_FAST_HEAD_DIM or (q.shape[-1] * q.element_size()) % 16:
         return False
     if head_width(q.shape[-1]) > 128:  # the wider tiles do not fit shared memory with 3 stages
         return False
