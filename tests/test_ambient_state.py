@@ -240,3 +240,31 @@ def test_the_pytest_plugin_leaves_other_suites_torch_threads_alone(monkeypatch):
         assert torch.get_num_threads() == 12 // 4 != 2  # hwgraph's suite: shared
     finally:
         torch.set_num_threads(saved)
+
+
+# ---------------------------------------------------------------- the caller's changes to cached metadata
+@pytest.mark.parametrize("change", [
+    pytest.param(lambda meta, other: meta.pos_weights.mul_(0), id="in-place-op"),
+    pytest.param(lambda meta, other: meta.first_seqs(1).cu_seqlens.add_(1), id="through-a-view"),
+    # to() on the tensors' own device hands back the cached object: a caller using it as static buffers
+    pytest.param(lambda meta, other: meta.to("cpu").copy_from(other), id="copy_from"),
+])
+def test_a_callers_in_place_change_to_prepared_metadata_does_not_reach_later_calls(tower, change):
+    """prepare_metadata hands out its cached tensors: a caller's in-place change to them (or copy_from into them, as
+    into static buffers) changed every later call of that grid, eager and replayed, silently."""
+    grid = [(1, 4, 8)]
+    pixels = pixels_for(tower, grid)
+    want = [t.clone() for t in eager_outputs(tower, pixels, grid)[0].tensors()]
+    m = make_manager(tower)
+    m.capture()
+    meta = tower.prepare_metadata(grid)
+    tables = {name: t.clone() for name, t in meta.tensors().items()}
+    change(meta, tower.prepare_metadata([(1, 8, 4)]))
+    again = tower.prepare_metadata(grid)
+    assert again.grid_thw == ((1, 4, 8),)
+    for name, t in again.tensors().items():
+        torch.testing.assert_close(t, tables[name], rtol=0, atol=0, msg=f"{name} of the cached metadata changed")
+    for got in (eager_outputs(tower, pixels, grid)[0], encode_path(m, pixels, grid)[0][0]):
+        for x, y in zip(got.tensors(), want, strict=True):
+            torch.testing.assert_close(x, y)
+    assert tower.prepare_metadata(grid) is again  # built once again, then cached as before

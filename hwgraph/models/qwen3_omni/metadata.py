@@ -295,12 +295,37 @@ def prepare_metadata(grid_thw, spatial_merge_size: int, num_grid_per_side: int) 
 
     Cached per grid, least recently used out, within ``CACHE_BYTES`` (a server sees the same groups of image sizes
     again and again; building them cost about 45 us of host time per call on the H200's host, ahead of every
-    replay): treat the result as read-only."""
+    replay): treat the result as read-only (a result changed in place by torch ops is built again at the next call,
+    so the change does not reach later calls)."""
     return grid_metadata(normalize_grid(grid_thw, spatial_merge_size), spatial_merge_size, num_grid_per_side)
 
 
-@bounded_cache(maxsize=256, max_bytes=CACHE_BYTES, max_entry_bytes=CACHE_ENTRY_BYTES, size_of=_metadata_bytes)
 def grid_metadata(grid: Grid, spatial_merge_size: int, num_grid_per_side: int) -> VisionMetadata:
+    """``prepare_metadata`` of a normalised grid, from the cache. A cached result whose tensors a caller has changed in
+    place (``copy_from`` into it, a ``mul_``: their version counters moved) is built again, not handed out: such a
+    change made every later forward of that grid wrong, silently. ``cache_info()`` and ``cache_clear()`` are the
+    cache's."""
+    box = _cached_grid_metadata(grid, spatial_merge_size, num_grid_per_side)
+    meta = box[0]
+    if (meta.pos_indices._version or meta.pos_weights._version or meta.rotary_positions._version
+            or meta.cu_seqlens._version):  # what tensors() holds, read without building its dict
+        meta = box[0] = build_grid_metadata(grid, spatial_merge_size, num_grid_per_side)
+    return meta
+
+
+# The cache holds a one-item list, so that grid_metadata can replace a changed result in place (its key, byte count
+# and recency stay as they are).
+@bounded_cache(maxsize=256, max_bytes=CACHE_BYTES, max_entry_bytes=CACHE_ENTRY_BYTES,
+               size_of=lambda box: _metadata_bytes(box[0]))
+def _cached_grid_metadata(grid: Grid, spatial_merge_size: int, num_grid_per_side: int) -> list[VisionMetadata]:
+    return [build_grid_metadata(grid, spatial_merge_size, num_grid_per_side)]
+
+
+grid_metadata.cache_info = _cached_grid_metadata.cache_info
+grid_metadata.cache_clear = _cached_grid_metadata.cache_clear
+
+
+def build_grid_metadata(grid: Grid, spatial_merge_size: int, num_grid_per_side: int) -> VisionMetadata:
     indices, weights, rotary, seqlens = [], [], [], []
     for t, h, w in grid:
         idx, wts, rot = frame_tables(h, w, spatial_merge_size, num_grid_per_side)
