@@ -237,8 +237,36 @@ def test_inductor_support_names_what_is_missing(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     assert "needs a C++ compiler" in inductor_support(torch.device("cpu")).describe()
-    monkeypatch.setenv("CXX", "/opt/cc/bin/g++")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/opt/cc/bin/{name}")
     assert inductor_support(torch.device("cpu")).ok
+
+
+@pytest.mark.parametrize("imported", [True, False], ids=["inductor-imported", "inductor-not-imported"])
+def test_inductor_support_looks_for_the_compilers_inductor_runs_not_any_on_path(monkeypatch, imported):
+    """With c++ and clang++ on PATH but no g++ (and CXX unset), inductor_support said available and every compiled
+    capture failed "InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx: (None,
+    'g++')", then captured plain; now the manager captures plain up front, saying why (compile_skipped)."""
+    import shutil
+
+    import torch._inductor.config as inductor_config
+
+    def compilers(*cxx):  # inductor's config as CXX sets it on import (monkeypatch breaks its proxy's attributes)
+        return inductor_config.patch({"cpp.cxx": cxx}) if imported else contextlib.nullcontext()
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delenv("CXX", raising=False)
+    if not imported:
+        monkeypatch.delitem(sys.modules, "torch._inductor.config", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}" if name in ("c++", "clang++") else None)
+    with compilers(None, "g++"):
+        support = inductor_support(torch.device("cpu"))
+    assert not support.ok
+    assert "it runs g++ (torch._inductor.config.cpp.cxx" in support.describe()
+    # the compiler CXX names, as inductor reads it (its config, once imported)
+    if not imported:
+        monkeypatch.setenv("CXX", "clang++")
+    with compilers(None, "clang++"):
+        assert inductor_support(torch.device("cpu")).ok
 
 
 @needs_inductor

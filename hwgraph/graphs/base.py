@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -133,9 +134,25 @@ def inductor_support(device: torch.device) -> Capability:
     if device.type == "cuda":  # CUDA and ROCm builds of torch both name their GPUs "cuda"
         return require_module("triton", "torch.compile's inductor on GPUs")
     if device.type == "cpu":
-        found = [name for name in ("c++", "g++", "clang++") if shutil.which(name)]
-        if os.environ.get("CXX") or found:
+        # Only the compilers inductor itself runs: on a host with c++ or clang++ but no g++, every compiled capture
+        # failed ("InvalidCxxCompiler") where this said available.
+        searched = inductor_cpp_compilers()
+        if any(shutil.which(name) for name in searched):
             return Capability.available()
-        return Capability.unavailable("torch.compile's inductor on CPU needs a C++ compiler (c++, g++ or clang++ on "
-                                      "PATH, or CXX); none was found")
+        return Capability.unavailable(f"torch.compile's inductor on CPU needs a C++ compiler: it runs "
+                                      f"{' or '.join(searched)} (torch._inductor.config.cpp.cxx, which CXX sets when "
+                                      f"inductor is imported), and none was found on PATH")
     return Capability.unavailable(f"torch.compile's inductor generates no code for {device.type} devices")
+
+
+def inductor_cpp_compilers() -> list[str]:
+    """The C++ compilers inductor's CPU code generation tries, in order (``torch._inductor.config.cpp.cxx``, without
+    its conda download of g++, which is off unless ``TORCH_INDUCTOR_INSTALL_GXX`` is set). Read from inductor's
+    config once it is imported (it takes ``CXX`` then); before, as it will read it, without importing it (1-2 s)."""
+    config = sys.modules.get("torch._inductor.config")
+    cxx = getattr(getattr(config, "cpp", None), "cxx", None) if config is not None else None
+    if cxx is None:
+        if sys.platform == "win32":
+            return [os.environ.get("CXX", "cl")]
+        cxx = (os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++"),)
+    return [name for name in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if name]
