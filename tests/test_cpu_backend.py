@@ -13,7 +13,12 @@ from hwgraph.graphs import CaptureError, HostSyncError
 from hwgraph.graphs.cpu import CpuGraphBackend, RejectHostReads
 
 # every tensor method a sync guard may replace while it is active
-GUARDED_METHODS = ("item", "tolist", "cpu", "numpy", "to", "__bool__", "__int__", "__float__", "__index__")
+GUARDED_METHODS = ("item", "tolist", "cpu", "numpy", "to", "__bool__", "__int__", "__float__", "__index__",
+                   "__getitem__", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "equal",
+                   "allclose", "is_nonzero", "repeat_interleave")
+# and every torch function
+GUARDED_FUNCTIONS = ("nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose",
+                     "is_nonzero", "where", "repeat_interleave")
 
 
 @pytest.fixture
@@ -94,6 +99,40 @@ def test_sync_guard_rejects_each_host_read(backend, host_read):
     tensor = torch.ones(3)
     with backend.sync_guard(), pytest.raises(HostSyncError, match=r"inside sync_guard\(\): a device-to-host"):
         host_read(tensor)
+
+
+@pytest.mark.parametrize("size_read", [
+    pytest.param(lambda t: t[t > 0], id="boolean-mask-index"),
+    pytest.param(lambda t: t[None][:, t > 0], id="boolean-mask-in-a-tuple-index"),
+    pytest.param(lambda t: t.nonzero(), id="nonzero"),
+    pytest.param(lambda t: torch.nonzero(t), id="torch.nonzero"),
+    pytest.param(lambda t: torch.argwhere(t), id="argwhere"),
+    pytest.param(lambda t: torch.where(t > 0), id="where-condition-only"),
+    pytest.param(lambda t: t.masked_select(t > 0), id="masked_select"),
+    pytest.param(lambda t: torch.unique(t), id="unique"),
+    pytest.param(lambda t: t.unique_consecutive(), id="unique_consecutive"),
+    pytest.param(lambda t: torch.equal(t, t), id="equal"),
+    pytest.param(lambda t: torch.allclose(t, t), id="allclose"),
+    pytest.param(lambda t: t[:1].is_nonzero(), id="is_nonzero"),
+    pytest.param(lambda t: t.repeat_interleave(t.abs().long()), id="repeat_interleave-tensor-repeats"),
+    pytest.param(lambda t: torch.repeat_interleave(t.abs().long()), id="torch.repeat_interleave-repeats-only"),
+])
+def test_sync_guard_rejects_ops_whose_result_size_or_value_is_read_back(backend, size_read):
+    """A replay path with a boolean-mask index, nonzero() or torch.equal() passed the CPU guard, while on CUDA each
+    reads a device-computed size or value back (the sync debug mode rejects it, and capturing it fails)."""
+    tensor = torch.tensor([1.0, -1.0, 2.0])
+    with backend.sync_guard(), pytest.raises(HostSyncError, match=r"inside sync_guard\(\): a device-to-host"):
+        size_read(tensor)
+    size_read(tensor)  # allowed again once the guard ends
+
+
+def test_sync_guard_allows_the_same_ops_where_nothing_is_read_back(backend):
+    tensor = torch.tensor([1.0, -1.0, 2.0])
+    with backend.sync_guard():
+        kept = [torch.where(tensor > 0, tensor, 0.0), tensor[torch.tensor([0, 2])], tensor[1:], tensor[None, 0],
+                tensor.repeat_interleave(2), torch.repeat_interleave(tensor, torch.tensor([1, 1, 2]), output_size=4),
+                tensor.masked_fill(tensor > 0, 0.0)]
+    assert [tuple(t.shape) for t in kept] == [(3,), (2,), (2,), (1,), (6,), (4,), (3,)]
 
 
 def test_sync_guard_names_the_host_copy_and_the_index_it_rejected(backend):
@@ -213,6 +252,7 @@ def tensor_methods_restored():
 
 def test_sync_guards_entered_and_left_by_many_threads_at_once_leave_every_method_as_it_was(tensor_methods_restored):
     originals = {name: getattr(torch.Tensor, name) for name in GUARDED_METHODS}
+    functions = {name: getattr(torch, name) for name in GUARDED_FUNCTIONS}
     errors = []
 
     def enter_and_leave():
@@ -236,6 +276,8 @@ def test_sync_guards_entered_and_left_by_many_threads_at_once_leave_every_method
     assert not errors, f"entering or leaving the guard raised: {errors[:3]}"
     replaced = [name for name in GUARDED_METHODS if getattr(torch.Tensor, name) is not originals[name]]
     assert not replaced, f"after every guard ended, torch.Tensor still has replaced {replaced}"
+    replaced = [name for name in GUARDED_FUNCTIONS if getattr(torch, name) is not functions[name]]
+    assert not replaced, f"after every guard ended, torch still has replaced {replaced}"
     assert torch.tensor(1.5).item() == 1.5 and torch.ones(2).tolist() == [1.0, 1.0]
 
 

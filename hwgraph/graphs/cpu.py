@@ -78,6 +78,12 @@ class RejectHostReads:
     On the emulated device every tensor is on the CPU, so ``.cpu()`` and a blocking ``.to("cpu")`` stand for the
     device-to-host copies they are on a device. ``.numpy()`` is not rejected: torch refuses it for a device tensor
     (``TypeError``, no synchronisation), so it only ever reads host memory, such as a ``grid_thw`` the caller made.
+
+    Ops whose result has a size or a Python value that the device computes (``nonzero``, a boolean-mask index,
+    ``torch.equal``...) read it back before they return, and CUDA's sync debug mode rejects them too (capturing one
+    fails): they are replaced on ``torch.Tensor`` and in ``torch`` alike (``DATA_DEPENDENT``; ``torch.where`` with only
+    a condition, a boolean-mask index and ``repeat_interleave`` without ``output_size`` by wrappers that reject
+    only those calls).
     """
 
     FORBIDDEN = {
@@ -89,8 +95,19 @@ class RejectHostReads:
         "__float__": "float()",
         "__index__": "operator.index() (a tensor as a Python int: range(), a list subscript)",
     }
+    # on torch.Tensor and in torch, where each has it
+    DATA_DEPENDENT = {
+        "nonzero": "nonzero() (its size is read back)",
+        "argwhere": "argwhere() (its size is read back)",
+        "masked_select": "masked_select() (its size is read back)",
+        "unique": "unique() (its size is read back)",
+        "unique_consecutive": "unique_consecutive() (its size is read back)",
+        "equal": "equal() (a Python bool)",
+        "allclose": "allclose() (a Python bool)",
+        "is_nonzero": "is_nonzero() (a Python bool)",
+    }
     _depth = 0  # guards active now, in every thread; changed only under _lock
-    _saved: dict = {}
+    _saved: list = []  # (owner, name, the owner's own attribute or None)
     _lock = threading.Lock()
 
     @staticmethod
@@ -111,14 +128,48 @@ class RejectHostReads:
             return to(self, *args, **kwargs)
         return reject_host_copy
 
+    @staticmethod
+    def _rejecting_calls(fn, what: str, reads):
+        """``fn`` that raises for the calls ``reads(*args, **kwargs)`` says read a device-computed size back."""
+        def reject_some(*args, **kwargs):
+            if reads(*args, **kwargs):
+                raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
+                                    f"on the replay path")
+            return fn(*args, **kwargs)
+        return reject_some
+
+    @classmethod
+    def _replacements(cls) -> list:
+        """(owner, name, replacement) for every attribute the guard replaces, made from the attributes of now."""
+        tensor = torch.Tensor
+        out = [(tensor, name, cls._rejecting(what)) for name, what in cls.FORBIDDEN.items()]
+        out.append((tensor, "to", cls._rejecting_host_copies(tensor.to)))
+        out += [(owner, name, cls._rejecting(what)) for name, what in cls.DATA_DEPENDENT.items()
+                for owner in (tensor, torch) if hasattr(owner, name)]
+        out.append((tensor, "__getitem__", cls._rejecting_calls(
+            tensor.__getitem__, "a boolean-mask index (its size is read back)",
+            lambda self, index: any(is_mask(i) for i in (index if isinstance(index, tuple) else (index,))))))
+        out.append((torch, "where", cls._rejecting_calls(
+            torch.where, "torch.where(condition) (its size is read back)",
+            lambda *args, **kwargs: len(args) + len(kwargs) == 1)))
+        out.append((tensor, "repeat_interleave", cls._rejecting_calls(
+            tensor.repeat_interleave, "repeat_interleave() with tensor repeats and no output_size (its size is read "
+            "back)", lambda self, *args, **kwargs: repeats_read_back(args[0] if args else kwargs.get("repeats"),
+                                                                     kwargs))))
+        out.append((torch, "repeat_interleave", cls._rejecting_calls(
+            torch.repeat_interleave, "repeat_interleave() with tensor repeats and no output_size (its size is read "
+            "back)", lambda *args, **kwargs: repeats_read_back(
+                args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None), kwargs))))
+        return out
+
     def __enter__(self):
         cls = RejectHostReads
         with cls._lock:  # one thread saves the originals and replaces them; the others only count themselves in
             if cls._depth == 0:
-                cls._saved = {name: torch.Tensor.__dict__.get(name) for name in (*cls.FORBIDDEN, "to")}
-                for name, what in cls.FORBIDDEN.items():
-                    setattr(torch.Tensor, name, cls._rejecting(what))
-                torch.Tensor.to = cls._rejecting_host_copies(torch.Tensor.to)
+                replacements = cls._replacements()
+                cls._saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in replacements]
+                for owner, name, replacement in replacements:
+                    setattr(owner, name, replacement)
             cls._depth += 1
         return self
 
@@ -127,12 +178,22 @@ class RejectHostReads:
         with cls._lock:
             cls._depth -= 1
             if cls._depth == 0:
-                for name, original in cls._saved.items():
+                for owner, name, original in cls._saved:
                     if original is None:
-                        delattr(torch.Tensor, name)
+                        delattr(owner, name)
                     else:
-                        setattr(torch.Tensor, name, original)
+                        setattr(owner, name, original)
         return False
+
+
+def is_mask(index) -> bool:
+    """Whether an index is a boolean (or uint8, which torch reads as boolean) tensor mask."""
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def repeats_read_back(repeats, kwargs: dict) -> bool:
+    """Whether ``repeat_interleave`` reads its output size back: tensor repeats and no ``output_size``."""
+    return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
 
 
 def host_copy_target(args: tuple, kwargs: dict) -> tuple[torch.device | None, bool]:
