@@ -263,7 +263,7 @@ class EncoderGraphManager:
         of other threads in the process: the capture stream and the DeepStack mergers' side stream are the process's
         (one per device), and with ``measure_products`` the product chooser is active for the whole process while it
         runs (``products.chosen_by``). ``encode()`` may be called from any thread once it has returned."""
-        with caller_state_off(self.device):
+        with self._lock, caller_state_off(self.device):
             return self._capture()
 
     def _capture(self) -> dict[int, BudgetGraph]:
@@ -352,13 +352,15 @@ class EncoderGraphManager:
             return entry
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
-            self._stats.compile_failures[budget] = reason
-            log.warning("compiled capture of budget %d failed on %s/%s, capturing it without torch.compile: %s",
-                        budget, self.backend.name, self.tower.attention_kernel, reason)
-            self.backend.synchronize()
-            entry = self._capture_budget(budget)
-            entry.capture_seconds = self._stats.capture_seconds_per_budget[budget] = time.perf_counter() - start
-            return entry
+        # Past the except clause, so the failed attempt's exception is gone, and with it (through its traceback's
+        # frames) the tensors it allocated in the shared pool, before the same budget is captured again.
+        self._stats.compile_failures[budget] = reason
+        log.warning("compiled capture of budget %d failed on %s/%s, capturing it without torch.compile: %s",
+                    budget, self.backend.name, self.tower.attention_kernel, reason)
+        self.backend.synchronize()
+        entry = self._capture_budget(budget)
+        entry.capture_seconds = self._stats.capture_seconds_per_budget[budget] = time.perf_counter() - start
+        return entry
 
     def _compiled_block_forward(self):
         """The tower's block forward compiled once (``torch.compile(dynamic=False)``) and shared by every block and

@@ -1124,6 +1124,32 @@ def test_stats_read_from_another_thread_during_an_encode_are_those_of_whole_call
     m.close()
 
 
+def test_stats_read_from_another_thread_during_capture_wait_for_it(tower):
+    """capture() changed the counters without the manager's lock: a metrics thread's stats() during it raised
+    "dictionary changed size during iteration" or reported half the budgets. It now waits for the capture."""
+    import threading
+
+    m = make_manager(tower, budgets=[8, 16], max_images=1)
+    worker, entered, release = None, threading.Event(), threading.Event()
+
+    class PausingDict(dict):
+        def __setitem__(self, key, value):
+            if threading.current_thread() is worker and not entered.is_set():  # the first budget's capture time
+                entered.set()
+                release.wait(timeout=0.5)  # the fixed stats() waits for the capture: this pause ends it
+            super().__setitem__(key, value)
+
+    m._stats.capture_seconds_per_budget = PausingDict()
+    worker = threading.Thread(target=m.capture)
+    worker.start()
+    assert entered.wait(timeout=60)  # the worker is inside capture(), one budget captured
+    s = m.stats()
+    release.set()
+    worker.join(timeout=60)
+    assert s["budgets"] == [8, 16] and sorted(s["capture_seconds_per_budget"]) == [8, 16]
+    m.close()
+
+
 def test_stats_read_by_a_log_handler_inside_an_encode_does_not_deadlock(tower):
     """stats() waits for a call in flight; a handler of the manager's own log records runs inside that call, in the
     same thread, and reads stats() there: it gets them instead of waiting for itself."""

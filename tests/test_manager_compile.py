@@ -207,6 +207,31 @@ def test_a_failed_compiled_capture_falls_back_to_a_plain_capture_not_to_eager(mo
     assert m.stats()["eager_groups"] == 0
 
 
+def test_a_failed_compiled_captures_tensors_are_freed_before_the_plain_capture(monkeypatch):
+    """The plain retry ran inside the except clause, whose exception held the failed attempt's frames and with them
+    what it had allocated (on a GPU, a budget's activations in the pool the retry captures into)."""
+    import weakref
+
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[0]).eval()
+    m = EncoderGraphManager(tower, budgets=[8], max_images_per_graph=1, graph_backend="cpu", compile=True)
+    monkeypatch.setattr(m.backend, "compile_support", Capability.available)
+    real, left, alive_at_retry = m._capture_budget, [], []
+
+    def capture_budget(budget, compiled=False):
+        if compiled:
+            activations = torch.empty(1024)
+            left.append(weakref.ref(activations))
+            raise RuntimeError("out of memory while compiling")
+        alive_at_retry.append(left[0]() is not None)
+        return real(budget)
+
+    monkeypatch.setattr(m, "_capture_budget", capture_budget)
+    m.capture()
+    assert sorted(m.graphs) == [8] and set(m.stats()["compile_failures"]) == {8}
+    assert alive_at_retry == [False], "the failed compiled attempt's tensors were alive during the plain capture"
+    m.close()
+
+
 @needs_inductor
 def test_failures_are_those_of_the_last_capture_compiled_ones_included(monkeypatch):
     """A budget whose compiled and plain captures both failed stays eager; a later capture() that compiles and

@@ -243,8 +243,8 @@ class Qwen3OmniEncoderCudaGraphAdapter:
         num_patches = token_budget * self.merge_area
         num_seqs = max(max_batch_size, max_frames_per_batch, 1)
         grid = [budget_rules.filling_grid(token_budget, self.tower.spatial_merge_size)]
-        # Fresh tensors per call (prepare_metadata and padded allocate): vLLM keeps these exact objects as the
-        # graph's inputs and copies each replay's values into them.
+        # Fresh tensors per call (prepare_metadata returns cached ones, padded copies them): vLLM keeps these exact
+        # objects as the graph's inputs and copies each replay's values into them.
         metadata = self.tower.prepare_metadata(grid).padded(num_patches, num_seqs).to(device)
         # In the tower's dtype, as the eager forward casts them (encoder_eager_forward), not in vLLM's ``dtype``:
         # a bf16 buffer in front of a float32 tower would round every replay's pixels, and eager's not.
