@@ -62,11 +62,12 @@ def choose_backend_name(name: str | None) -> tuple[str, str]:
     """(backend to validate, why): ``name`` as given, so that the report says why it is unavailable here, else the
     one hwgraph chooses (``$HWGRAPH_GRAPH_BACKEND`` included). ``SelectionError`` naming the option or variable for
     a name no installed package brings, and for an unusable ``$HWGRAPH_GRAPH_BACKEND``."""
-    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, choose_backend, spec_named
+    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, backend_specs, choose_backend, spec_named
 
     if name == "":  # a script's unset variable (--backend "$BACKEND"): not a request for the automatic choice
-        raise SelectionError("--backend '': expected a graph backend name (leave the option out for the best "
-                             "available)")
+        raise SelectionError(f"--backend '': expected a graph backend name, one of "
+                             f"{', '.join(s.name for s in backend_specs())} (leave the option out for the best "
+                             f"available)")
     if name:
         try:
             spec_named(name)  # a typo is not worth a report: the error lists the known backends

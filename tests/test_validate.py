@@ -103,12 +103,14 @@ def test_a_benchmark_that_cannot_run_here_is_explained_without_a_traceback(tmp_p
 
 
 def test_an_empty_backend_is_refused_not_taken_for_the_automatic_choice(tmp_path, capsys):
-    """``--backend "$BACKEND"`` with the variable unset validated the automatic choice and could PASS."""
+    """``--backend "$BACKEND"`` with the variable unset validated the automatic choice and could PASS. The refusal
+    lists the names it takes, as ``hwgraph bench``'s does (it named none)."""
     from hwgraph import cli
 
     assert cli.main(["validate", "--backend", "", "--report", str(tmp_path / "r"), "--no-bench"]) == 2
     err = capsys.readouterr().err
-    assert "--backend '': expected a graph backend name" in err
+    assert "--backend '': expected a graph backend name, one of cpu" in err
+    assert "leave the option out" in err
     assert not (tmp_path / "r" / "report.json").exists()
 
 
