@@ -115,6 +115,7 @@ def config_from_args(args) -> BenchConfig:
     option, its value and what was expected."""
     from hwgraph.dtypes import parse_dtype
     from hwgraph.models.qwen3_omni.config import preset_config
+    from hwgraph.models.qwen3_omni.metadata import MAX_PATCH_ROWS
 
     at_least("--warmup", args.warmup, 0)
     at_least("--samples", args.samples, 1)
@@ -125,9 +126,17 @@ def config_from_args(args) -> BenchConfig:
     device = parse_device(args.device) if args.device is not None else default_device()
     on_cpu = device.type == "cpu"
     preset = args.preset if args.preset is not None else (CPU_PRESET if on_cpu else ACCELERATOR_PRESET)
-    parsed("--preset", preset_config, preset)  # an unknown preset raises, listing the known ones
+    merge = parsed("--preset", preset_config, preset).spatial_merge_size  # an unknown preset raises, listing them
     groups = parsed("--groups", parse_groups,
                     args.groups if args.groups is not None else (CPU_GROUPS if on_cpu else ACCELERATOR_GROUPS))
+    # A call's patch rows must fit the int32 cu_seqlens: past them a group or budget failed only once the run began
+    # (hung first, for 10**20 tokens, searching a grid's sides).
+    for option, label, tokens in ([("--groups", g.label, g.total) for g in groups]
+                                  + [("--budgets", str(b), b) for b in args.budgets or ()]):
+        if tokens * merge * merge > MAX_PATCH_ROWS:
+            raise ValueError(f"{option} {label}: {tokens} tokens are {tokens * merge * merge} patch rows at "
+                             f"{preset}'s merge size {merge}; a call takes at most {MAX_PATCH_ROWS} (int32 "
+                             f"cu_seqlens), {MAX_PATCH_ROWS // (merge * merge)} tokens")
     dtype = parsed("--dtype", parse_dtype, args.dtype) if args.dtype is not None else \
         (torch.float32 if on_cpu else torch.bfloat16)
     check_kernels(args.attention)

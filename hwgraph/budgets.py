@@ -100,7 +100,12 @@ def validate_slot_counts(slot_counts, max_images: int) -> list[int]:
 
 
 def filling_grid(tokens: int, merge: int) -> tuple[int, int, int]:
-    """A single-frame patch grid ``(1, h, w)`` with exactly ``tokens`` merged tokens, as square as possible."""
+    """A single-frame patch grid ``(1, h, w)`` with exactly ``tokens`` merged tokens, as square as possible.
+    ``ValueError`` when its patch rows overflow int32 ``cu_seqlens`` (the divisor search scanned about
+    ``sqrt(tokens)`` numbers first: hours for ``tokens`` of 10**20)."""
+    if tokens * merge * merge > 2**31 - 1:
+        raise ValueError(f"{tokens} tokens are {tokens * merge * merge} patch rows at merge size {merge}; "
+                         f"cu_seqlens are int32, so at most {(2**31 - 1) // (merge * merge)} tokens")
     a = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
     return (1, a * merge, (tokens // a) * merge)
 

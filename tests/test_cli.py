@@ -89,6 +89,10 @@ def test_a_towers_dtype_takes_float64_by_name_as_by_dtype(name):
     (["--groups", "\u00b2x4"], ["--groups", "bad group '\u00b2x4'", "COUNTxTOKENS"]),  # int() refused '²'
     # one manager per name: the second replaced the first, which was never closed, and its rows repeated
     (["--attention", "TORCH_SDPA", "torch_sdpa"], ["--attention TORCH_SDPA torch_sdpa: TORCH_SDPA repeats"]),
+    # past int32 cu_seqlens: it failed once the run began (hung first at 10**20, searching a grid's sides)
+    (["--preset", "tiny", "--groups", "2x300000000"], ["--groups 2x300000000: 600000000 tokens are 2400000000 patch "
+                                                       "rows", "at most 2147483647 (int32 cu_seqlens)"]),
+    (["--preset", "tiny", "--budgets", "99999999999999999999"], ["--budgets 99999999999999999999:", "int32"]),
 ])
 def test_bench_refuses_a_bad_option_naming_its_value(argv, expected, capsys):
     err = refused(["bench", *argv], capsys)

@@ -137,3 +137,18 @@ def test_a_manager_asks_the_registry_for_its_kernel_once_and_the_tower_runs_that
     fresh = Qwen3OmniVisionTower.from_preset("tiny").to(m.dtype)
     fresh.set_attention(attention, graph_safe=True)
     assert tower.attention_kernel == fresh.attention_kernel
+
+
+def test_a_grid_past_int32_cu_seqlens_is_refused_naming_its_rows():
+    """cu_seqlens are int32: a grid of 2**32 patch rows wrapped its boundaries silently (after allocating tables for
+    every row). It is refused first, and so is a budget's filling grid (its divisor search ran for hours at 10**20)."""
+    from hwgraph.budgets import filling_grid
+    from hwgraph.models.qwen3_omni.metadata import MAX_PATCH_ROWS, normalize_grid
+
+    with pytest.raises(ValueError, match=r"holds 4294967296 patch rows in all; cu_seqlens are int32, so a call takes "
+                                         r"at most 2147483647"):
+        normalize_grid([(1, 65536, 65536)], 2)
+    assert normalize_grid([(1, 2, MAX_PATCH_ROWS // 2 - 1)], 1) == ((1, 2, MAX_PATCH_ROWS // 2 - 1),)
+    with pytest.raises(ValueError, match=r"1099511627776 tokens are 4398046511104 patch rows at merge size 2"):
+        filling_grid(2**40, 2)
+    assert filling_grid(2**20, 2) == (1, 2048, 2048)

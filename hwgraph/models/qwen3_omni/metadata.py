@@ -239,7 +239,14 @@ def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
             raise ValueError(f"grid_thw[{i}] = {(t, h, w)}: h and w must be divisible by the spatial merge size "
                              f"{spatial_merge_size}")
         grid.append((t, h, w))
+    rows = sum(t * h * w for t, h, w in grid)
+    if rows > MAX_PATCH_ROWS:  # cu_seqlens is int32: past it the boundaries wrapped, silently
+        raise ValueError(f"grid_thw = {tuple(grid)} holds {rows} patch rows in all; cu_seqlens are int32, so a call "
+                         f"takes at most {MAX_PATCH_ROWS}")
     return tuple(grid)
+
+
+MAX_PATCH_ROWS = 2**31 - 1  # int32 cu_seqlens, as the varlen kernels take them
 
 
 def merge_order_coords(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
