@@ -115,7 +115,6 @@ def config_from_args(args) -> BenchConfig:
     option, its value and what was expected."""
     from hwgraph.dtypes import parse_dtype
     from hwgraph.models.qwen3_omni.config import preset_config
-    from hwgraph.models.qwen3_omni.metadata import MAX_PATCH_ROWS
 
     at_least("--warmup", args.warmup, 0)
     at_least("--samples", args.samples, 1)
@@ -133,10 +132,10 @@ def config_from_args(args) -> BenchConfig:
     # (hung first, for 10**20 tokens, searching a grid's sides).
     for option, label, tokens in ([("--groups", g.label, g.total) for g in groups]
                                   + [("--budgets", str(b), b) for b in args.budgets or ()]):
-        if tokens * merge * merge > MAX_PATCH_ROWS:
+        if tokens * merge * merge > budget_rules.MAX_PATCH_ROWS:
             raise ValueError(f"{option} {label}: {tokens} tokens are {tokens * merge * merge} patch rows at "
-                             f"{preset}'s merge size {merge}; a call takes at most {MAX_PATCH_ROWS} (int32 "
-                             f"cu_seqlens), {MAX_PATCH_ROWS // (merge * merge)} tokens")
+                             f"{preset}'s merge size {merge}; a call takes at most {budget_rules.MAX_PATCH_ROWS} "
+                             f"(int32 cu_seqlens), {budget_rules.MAX_PATCH_ROWS // (merge * merge)} tokens")
     dtype = parsed("--dtype", parse_dtype, args.dtype) if args.dtype is not None else \
         (torch.float32 if on_cpu else torch.bfloat16)
     check_kernels(args.attention)

@@ -99,13 +99,16 @@ def validate_slot_counts(slot_counts, max_images: int) -> list[int]:
     return sorted(set(values) | {max_images})
 
 
+MAX_PATCH_ROWS = 2**31 - 1  # patch rows of one call: cu_seqlens are int32, as the varlen kernels take them
+
+
 def filling_grid(tokens: int, merge: int) -> tuple[int, int, int]:
     """A single-frame patch grid ``(1, h, w)`` with exactly ``tokens`` merged tokens, as square as possible.
     ``ValueError`` when its patch rows overflow int32 ``cu_seqlens`` (the divisor search scanned about
     ``sqrt(tokens)`` numbers first: hours for ``tokens`` of 10**20)."""
-    if tokens * merge * merge > 2**31 - 1:
+    if tokens * merge * merge > MAX_PATCH_ROWS:
         raise ValueError(f"{tokens} tokens are {tokens * merge * merge} patch rows at merge size {merge}; "
-                         f"cu_seqlens are int32, so at most {(2**31 - 1) // (merge * merge)} tokens")
+                         f"cu_seqlens are int32, so at most {MAX_PATCH_ROWS // (merge * merge)} tokens")
     a = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
     return (1, a * merge, (tokens // a) * merge)
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hwgraph.bounded_cache import bounded_cache
+from hwgraph.budgets import MAX_PATCH_ROWS
 from hwgraph.hostmem import pinned_copy
 
 Grid = tuple[tuple[int, int, int], ...]
@@ -244,9 +245,6 @@ def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
         raise ValueError(f"grid_thw = {tuple(grid)} holds {rows} patch rows in all; cu_seqlens are int32, so a call "
                          f"takes at most {MAX_PATCH_ROWS}")
     return tuple(grid)
-
-
-MAX_PATCH_ROWS = 2**31 - 1  # int32 cu_seqlens, as the varlen kernels take them
 
 
 def merge_order_coords(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
