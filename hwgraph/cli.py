@@ -36,6 +36,7 @@ def info_data() -> dict:
         GRAPH_BACKEND_ENV,
         SelectionError,
         choose_backend,
+        constructed,
         discovered,
         list_backends,
         loaded_class,
@@ -44,7 +45,12 @@ def info_data() -> dict:
     platform = detect()
     try:  # what a manager takes: a forced choice whose class does not import fails, an automatic one falls back
         selected, cls = loaded_class(choose_backend(platform=platform))
-        selected = constructed(selected, cls)
+        try:  # made in its default mode, as a manager makes it: a class may refuse that mode
+            selected = constructed(selected, cls)[0]
+        except SelectionError:
+            raise
+        except Exception:  # about the default device, which a manager does not take for granted: logged (-vv)
+            log.debug("graph backend %r: constructing it failed", selected.spec.name, exc_info=True)
         selected_name, selection_reason = selected.spec.name, selected.reason
     except (SelectionError, ImportError) as exc:  # info exists to say why: the tables below say it for every one
         selected_name, selection_reason = None, f"${GRAPH_BACKEND_ENV}: {exc}"  # only a forced choice raises
@@ -62,27 +68,6 @@ def info_data() -> dict:
     ]
     return {"platform": platform.as_dict(), "graph_backends": backends, "selected_backend": selected_name,
             "selection_reason": selection_reason, "attention_kernels": kernels, "problems": list(discovered()[1])}
-
-
-def constructed(selected, cls):
-    """``selected`` once its class ``cls`` is made in its default mode, as a manager makes it
-    (``registry.create_backend``): a class that refuses that mode (npu's aclgraph on a torch_npu without
-    ``torch.npu.NPUGraph``) raises ``SelectionError`` for a forced choice and gives the CPU reference backend, with
-    the reason, for an automatic one. Its gate accepted the machine, so it was marked selected, while every manager
-    fell back."""
-    from hwgraph.registry import SelectionError, cpu_fallback
-
-    if selected.fallback:
-        return selected
-    try:
-        cls()
-    except SelectionError as exc:
-        if selected.explicit:
-            raise
-        return cpu_fallback(str(exc))
-    except Exception:  # about the default device, which a manager does not take for granted: logged (hwgraph -vv info)
-        log.debug("graph backend %r: constructing it failed", selected.spec.name, exc_info=True)
-    return selected
 
 
 def format_info(data: dict) -> str:

@@ -267,17 +267,10 @@ def create_backend(name: str | None = None, device=None, mode: str | None = None
             raise SelectionError(refusal)
         selected = cpu_fallback(refusal)
         cls = selected.spec.load()
-    if not selected.fallback:  # constructing it may still refuse its graph mode
-        try:
-            backend = cls(device=device, mode=mode)
-        except SelectionError as exc:
-            if selected.explicit:
-                raise
-            selected = cpu_fallback(str(exc))
-            cls = selected.spec.load()
-        else:
-            log.info("graph backend %s (%s)", selected.spec.name, selected.reason)
-            return backend
+    selected, cls, backend = constructed(selected, cls, device, mode)  # it may still refuse its graph mode
+    if backend is not None:
+        log.info("graph backend %s (%s)", selected.spec.name, selected.reason)
+        return backend
     if selected is not chosen:
         log.warning(selected.reason)
     if mode is not None and mode not in cls.modes:
@@ -286,6 +279,22 @@ def create_backend(name: str | None = None, device=None, mode: str | None = None
                          f"{list(cls.modes)}), and the automatic choice is {selected.reason}")
     log.info("graph backend %s (%s)", selected.spec.name, selected.reason)
     return cls(device=device, mode=mode)
+
+
+def constructed(selected: Selected, cls: type, device=None, mode: str | None = None) -> tuple[Selected, type, object]:
+    """``selected``, its class ``cls`` and that class made for ``device`` and ``mode``; for the CPU reference
+    fallback, which ``create_backend`` makes once it has checked ``mode``, None. A class that refuses its graph mode
+    (npu's ``aclgraph`` on a torch_npu without ``torch.npu.NPUGraph``) raises ``SelectionError`` for an explicit
+    choice and gives the CPU reference backend, with the reason, for an automatic one."""
+    if selected.fallback:
+        return selected, cls, None
+    try:
+        return selected, cls, cls(device=device, mode=mode)
+    except SelectionError as exc:
+        if selected.explicit:
+            raise
+        fallback = cpu_fallback(str(exc))
+        return fallback, fallback.spec.load(), None
 
 
 def loaded_class(selected: Selected) -> tuple[Selected, type]:
