@@ -193,7 +193,9 @@ class Qwen3OmniEncoderCudaGraphAdapter:
         if on_device:
             raise ValueError(f"mm_kwargs[{GRID!r}] is on {', '.join(sorted(on_device))}, not the host: "
                              f"{DEVICE_GRID_FIX}")
-        if len(grid) == 0:  # len() of a tensor is its host shape: no device read
+        # len() of a tensor is its host shape: no device read. A 0-d tensor or a scalar has none (normalize_grid
+        # names it; len() raised TypeError).
+        if getattr(grid, "ndim", 1) != 0 and hasattr(grid, "__len__") and len(grid) == 0:
             return ()
         return normalize_grid(grid, self.tower.spatial_merge_size)
 
@@ -293,8 +295,11 @@ class Qwen3OmniEncoderCudaGraphAdapter:
         self._check_path(path)
         if self.embeds_group(mm_kwargs):
             return self.embeds(mm_kwargs)
-        pixels = self.pixels(mm_kwargs).to(self.tower.dtype)
-        return self.concat(self.tower.forward(pixels, self.host_grid(mm_kwargs)))
+        # Checked as given, before the cast, as the replay buffers check them: cast first, integer pixels (raw uint8
+        # values, say) passed here while the same group in a graph was refused.
+        pixels = self.pixels(mm_kwargs)
+        metadata = self.tower.prepare_metadata(self.host_grid(mm_kwargs), pixels)
+        return self.concat(self.tower.forward_with_metadata(pixels.to(self.tower.dtype), metadata))
 
     def postprocess_encoder_output(
         self,

@@ -32,7 +32,9 @@ class ReplayDecision:
     """What one step's group of images does: replay ``budget``'s graph, or (``budget is None``) one eager call."""
 
     budget: int | None
-    reason: str  # "replay", "empty", "video", "too many images", "over budget", "no graphs", "capture failed"
+    # "replay", "empty", "video", "too many images", "over budget", "no graphs", "capture failed", or
+    # NUMERICS_CHANGED ("numerics settings changed since capture")
+    reason: str
 
     @property
     def replay(self) -> bool:
@@ -167,7 +169,7 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
 
     def _check_tower(self) -> None:
         """``RuntimeError`` when the tower's weights were moved (``to``, ``half``, another manager's dtype or device)
-        since capture: the graphs would read freed memory. Two pointer reads, no device sync."""
+        since capture: the graphs would read freed memory. Host reads only (``tower.weights_key()``), no device sync."""
         tower = self._tower()
         if tower is None or self._captured_tower is None:
             return
