@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -202,11 +202,13 @@ def kernel_view(tower, kernel: str):
 
 
 def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, progress, calibrate: bool = False,
-                 reference: dict | None = None) -> list[dict]:
+                 reference: dict | None = None, before_profiling=None) -> list[dict]:
     """hwgraph eager and replay of every group with each attention kernel (one manager per kernel, budgets covering
     all), captured first, then timed group by group with every kernel's calls and the transformers call in
     ``reference`` (group label -> callable) sampled in turn: kernels timed one after another were not comparable
-    (on the H200 whichever kernel ran second replayed a 49-token image 6-12% slower, ``docs/benchmarks.md``)."""
+    (on the H200 whichever kernel ran second replayed a 49-token image 6-12% slower, ``docs/benchmarks.md``).
+    ``before_profiling``: called once every group is timed, before ``cfg.profile``'s profiler runs (more timing, which
+    the profiler would slow)."""
     from hwgraph.manager import EncoderGraphManager
     from hwgraph.profiling import kernel_time
 
@@ -267,6 +269,8 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
                     row["plain_note"] = plain_notes[kernel]
                 rows[kernel][group.label] = row
                 progress.advance(note=f"{kernel} {group.label}")
+        if before_profiling is not None:
+            before_profiling()
         for row, eager, replay in profiled:
             row["profile"] = {"eager": kernel_time(eager, cfg.device).as_dict(),
                               "replay": kernel_time(replay, cfg.device).as_dict() if replay is not None else None}
@@ -293,13 +297,17 @@ def plain_refusal(plain: tuple, replayed) -> str | None:
     """Why plain replay is not timed beside a group's replay (``replayed``: its ``BudgetGraph``, or None where
     calibration left the group eager), given the plain manager's ``select_graph``; None: timed. Only a replay of the
     same budget compares: where the plain manager's capture of it failed, it would replay a larger budget (more
-    padding), or run eagerly."""
+    padding), or run eagerly; where the replay's capture of the group's smallest budget failed, plain replay would
+    run that smaller one."""
     entry, why = plain
     if entry is None:
         return f"not timed: plain capture eager ({why})"
-    if replayed is not None and entry.budget != replayed.budget:
+    if replayed is not None and entry.budget > replayed.budget:
         return (f"not timed: the plain capture of budget {replayed.budget} failed, and plain replay would run "
                 f"budget {entry.budget}")
+    if replayed is not None and entry.budget < replayed.budget:  # the replay's own capture of the budget failed
+        return (f"not timed: the replay runs budget {replayed.budget} (its capture of budget {entry.budget} failed), "
+                f"and plain replay would run budget {entry.budget}")
     return None
 
 
@@ -363,13 +371,16 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     with progress:
         warm_device(cfg.device)
         reference = reference_calls(tower, groups, inputs) if cfg.reference else None
-        per_kernel = time_kernels(tower, kernels, groups, inputs, cfg, progress, reference=reference) \
-            if kernels else []
-        calibrated = None
-        if cfg.calibrate and kernels:
-            calibrated = time_kernels(tower, kernels[:1], groups, inputs, cfg, progress, calibrate=True,
-                                      reference=reference)[0]
-        del reference
+        calibrated_runs = []
+
+        def time_calibrated():  # its calibration and timing before --profile's profiler, which slows later launches
+            calibrated_runs.extend(time_kernels(tower, kernels[:1], groups, inputs, replace(cfg, profile=False),
+                                                progress, calibrate=True, reference=reference))
+
+        per_kernel = time_kernels(tower, kernels, groups, inputs, cfg, progress, reference=reference,
+                                  before_profiling=time_calibrated if cfg.calibrate else None) if kernels else []
+        calibrated = calibrated_runs[0] if calibrated_runs else None
+        reference = None  # not del: time_calibrated's closure names it
         empty_cache(cfg.device)  # the reference encoder's weights are garbage now
     result = {
         "environment": environment(),

@@ -24,7 +24,7 @@ from hwgraph.bench import (
     parse_groups,
     run_bench,
 )
-from hwgraph.cli import at_least, check_kernels, parsed
+from hwgraph.cli import at_least, check_kernels, check_patch_rows, parsed
 from hwgraph.platform import checked_device
 
 
@@ -125,17 +125,12 @@ def config_from_args(args) -> BenchConfig:
     device = parse_device(args.device) if args.device is not None else default_device()
     on_cpu = device.type == "cpu"
     preset = args.preset if args.preset is not None else (CPU_PRESET if on_cpu else ACCELERATOR_PRESET)
-    merge = parsed("--preset", preset_config, preset).spatial_merge_size  # an unknown preset raises, listing them
+    parsed("--preset", preset_config, preset)  # an unknown preset raises, listing them
     groups = parsed("--groups", parse_groups,
                     args.groups if args.groups is not None else (CPU_GROUPS if on_cpu else ACCELERATOR_GROUPS))
-    # A call's patch rows must fit the int32 cu_seqlens: past them a group or budget failed only once the run began
-    # (hung first, for 10**20 tokens, searching a grid's sides).
     for option, label, tokens in ([("--groups", g.label, g.total) for g in groups]
                                   + [("--budgets", str(b), b) for b in args.budgets or ()]):
-        if tokens * merge * merge > budget_rules.MAX_PATCH_ROWS:
-            raise ValueError(f"{option} {label}: {tokens} tokens are {tokens * merge * merge} patch rows at "
-                             f"{preset}'s merge size {merge}; a call takes at most {budget_rules.MAX_PATCH_ROWS} "
-                             f"(int32 cu_seqlens), {budget_rules.MAX_PATCH_ROWS // (merge * merge)} tokens")
+        check_patch_rows(option, label, tokens, preset)
     dtype = parsed("--dtype", parse_dtype, args.dtype) if args.dtype is not None else \
         (torch.float32 if on_cpu else torch.bfloat16)
     check_kernels(args.attention)
@@ -202,7 +197,10 @@ def register_cli(sub) -> None:
                               "backend or kernel that cannot run here.")
     add_bench_arguments(p)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--calibrate", action="store_true", help="also calibrate budgets (keep those where replay wins)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also calibrate budgets with the first kernel (keep every budget up to the largest whose "
+                        "replay beats eager; without --budgets, searched up to "
+                        f"{budget_rules.CALIBRATION_CAP} tokens)")
     p.add_argument("--profile", action="store_true", help="also sum device kernel time per call with torch.profiler")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers reference encoder")
     p.add_argument("--compile", action="store_true",

@@ -193,7 +193,8 @@ INTERLEAVED_BESIDE_PLAIN = (" (per group, {reference}every kernel's eager, plain
 
 def heading(result: dict) -> str:
     p = result["environment"]["platform"]
-    where = (result.get("device_name") or p["device_name"]) if result["device"] != "cpu" else "cpu"
+    on_cpu = result["device"].partition(":")[0] == "cpu"  # cpu:0 too: the platform's name is the accelerator's
+    where = "cpu" if on_cpu else (result.get("device_name") or p["device_name"])
     return (f"## hwgraph bench: {result['preset']}, {result['dtype']}, {result['device']} ({where}), "
             f"graph backend {result['graph_backend']}{mode_note(result)}\n\n"
             f"{result['timer']}, {result['warmup']} warm-ups, {result['samples']} samples per cell; latency in ms "

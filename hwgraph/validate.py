@@ -163,7 +163,7 @@ def run_benchmark(args, backend: str, device: torch.device, progress_cls) -> dic
 
 def cmd_validate(args) -> int:
     from hwgraph.bench import ACCELERATOR_PRESET, CPU_PRESET
-    from hwgraph.cli import info_data
+    from hwgraph.cli import check_patch_rows, info_data
     from hwgraph.plot import latency_plot
     from hwgraph.progress import Progress
     from hwgraph.registry import SelectionError
@@ -179,6 +179,10 @@ def cmd_validate(args) -> int:
         check_arguments(args)
         backend, why = choose_backend_name(args.backend)
         check_mode(backend, args.graph_mode)
+        device = device_for_backend(backend)
+        args.preset = args.preset or (CPU_PRESET if device.type == "cpu" else ACCELERATOR_PRESET)
+        for tokens in args.tokens or ():  # refused now, not after the suite has run
+            check_patch_rows("--tokens", str(tokens), tokens, args.preset)
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):  # a folder found, not made, may refuse files: know before the run
             pass
@@ -193,8 +197,6 @@ def cmd_validate(args) -> int:
         with contextlib.suppress(OSError):                    # when it is stopped (Ctrl-C, a CI job's time limit)
             (out / name).unlink(missing_ok=True)
     started = time.perf_counter()
-    device = device_for_backend(backend)
-    args.preset = args.preset or (CPU_PRESET if device.type == "cpu" else ACCELERATOR_PRESET)
     with tempfile.TemporaryDirectory(prefix="hwgraph-validate-") as tmp, Progress("conformance") as bar:
         conformance = run_conformance(Path(tmp), backend, args.preset, args.attention, args.dtype, progress=bar,
                                       log_path=out / "conformance.log", graph_mode=args.graph_mode)

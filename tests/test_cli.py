@@ -179,6 +179,9 @@ def test_bench_accepts_good_options_and_creates_the_json_folder(tmp_path):
     (["--tokens", "16", "4", "16"], ["--tokens 16 4 16: 16 repeats; give each size once"]),
     (["--attention", "TORCH_SDPA", "torch_sdpa"], ["--attention TORCH_SDPA torch_sdpa: TORCH_SDPA repeats"]),
     (["--report", ""], ["--report '': expected a folder path"]),  # the current folder: its report.md replaced
+    # past int32 cu_seqlens: refused only by the benchmark, after the whole suite had run
+    (["--preset", "tiny", "--tokens", "16", "600000000"],
+     ["--tokens 600000000: 600000000 tokens are 2400000000 patch rows", "at most 2147483647 (int32 cu_seqlens)"]),
 ])
 def test_validate_refuses_a_bad_option_before_anything_runs(argv, expected, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # --report '' was the current folder: a regression must not write into the checkout

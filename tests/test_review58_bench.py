@@ -1,0 +1,79 @@
+"""Review of the bench, its timing and its reports (session 58): each test fails on the code before its fix."""
+
+from __future__ import annotations
+
+import torch
+
+from hwgraph import cli
+from hwgraph.bench import BenchConfig, parse_groups, run_bench
+from hwgraph.report import heading
+
+
+def tiny_bench(**kwargs):
+    cfg = dict(preset="tiny", groups=parse_groups("1x4"), device=torch.device("cpu"), dtype=torch.float32,
+               graph_backend="cpu", warmup=0, samples=1, kernels=["TORCH_SDPA"], budgets=[8], reference=False)
+    return run_bench(BenchConfig(**{**cfg, **kwargs}))
+
+
+def test_plain_replay_not_timed_because_the_replays_own_capture_failed_says_so(monkeypatch):
+    """Where the main manager's capture of the group's budget failed (it replays a larger one) and the plain manager
+    has it, the row said the plain capture of the larger budget had failed: the plain manager failed nothing."""
+    from hwgraph import manager as manager_module
+
+    managers = []
+
+    class MainCaptureOf8Fails(manager_module.EncoderGraphManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            managers.append(self)
+
+        def _capture_budget(self, budget, compiled=False):
+            if budget == 8 and self is managers[0]:  # the main manager, built first
+                raise RuntimeError("simulated: out of memory")
+            return super()._capture_budget(budget, compiled)
+
+    monkeypatch.setattr(manager_module, "EncoderGraphManager", MainCaptureOf8Fails)
+    result = tiny_bench(budgets=[8, 16], measure_products=True)
+    (row,) = result["rows"]
+    per = result["per_kernel"]["TORCH_SDPA"]
+    assert list(per["stats"]["capture_failures"]) == [8] and per["plain_capture_failures"] == {}
+    assert row["budget"] == 16 and row["plain_replay"] is None
+    assert row["plain_note"] == ("not timed: the replay runs budget 16 (its capture of budget 8 failed), and plain "
+                                 "replay would run budget 8")
+
+
+def test_the_calibrated_run_is_timed_before_the_profiler_runs(monkeypatch):
+    """With --calibrate and --profile the calibration (its manager's timing of each budget) and the calibrated
+    dispatch were timed after the main run's profiler, which on CUDA slows the launches after it."""
+    from hwgraph import bench, manager, profiling
+
+    events = []
+    measure, kernel_time = bench.measure_interleaved, profiling.kernel_time
+    monkeypatch.setattr(bench, "measure_interleaved", lambda *a, **k: (events.append("time"), measure(*a, **k))[1])
+    monkeypatch.setattr(manager, "measure_interleaved",
+                        lambda *a, **k: (events.append("calibrate"), measure(*a, **k))[1])
+    monkeypatch.setattr(profiling, "kernel_time", lambda *a, **k: (events.append("profile"), kernel_time(*a, **k))[1])
+    result = tiny_bench(profile=True, calibrate=True)
+    assert events == ["time", "calibrate", "time", "profile", "profile"]  # the main run's eager and replay profiled
+    assert result["rows"][0]["profile"]["eager_kernel_ms"] and result["calibration"]["rows"][0]["replay"]
+
+
+def test_the_heading_of_a_bench_on_cpu_0_names_the_cpu_not_the_machines_gpu():
+    """``--device cpu:0`` on a GPU machine was labelled with the platform's device, the GPU."""
+    result = tiny_bench(device=torch.device("cpu:0"))
+    result["environment"]["platform"]["device_name"] = "NVIDIA H200"
+    assert heading(result).startswith("## hwgraph bench: tiny, float32, cpu:0 (cpu),")
+
+
+def test_the_calibrate_help_says_every_budget_up_to_the_largest_winner_is_kept(capsys):
+    """It said calibration keeps the budgets where replay wins: it keeps every budget up to the largest that wins
+    (one where replay loses, below it, too), searching up to the calibration cap without --budgets."""
+    parser = cli.build_parser()
+    try:
+        parser.parse_args(["bench", "--help"])
+    except SystemExit:
+        pass
+    text = " ".join(capsys.readouterr().out.split())
+    assert "keep those where replay wins" not in text
+    assert "keep every budget up to the largest whose replay beats eager; without --budgets, searched up to 2048" \
+        in text
