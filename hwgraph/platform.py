@@ -164,6 +164,9 @@ def checked_device(spec: str | torch.device, name: str = "device", purpose: str 
                          f"({exc})") from None
     if device.type == "cpu":
         return device
+    if device.type == "hip":  # torch parses it, but ROCm builds of torch run AMD GPUs as cuda devices only
+        raise ValueError(f"{name} {str(spec)!r}: ROCm builds of torch address AMD GPUs as cuda devices; expected "
+                         f"{str(device).replace('hip', 'cuda', 1)!r}")
     runtime = device_runtime(device)
     if device.type == "meta" or runtime is None or not callable(getattr(runtime, "is_available", None)):
         raise ValueError(f"{name} {str(spec)!r} cannot run {purpose}: expected an accelerator device (cuda, npu, "

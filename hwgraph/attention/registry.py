@@ -98,22 +98,28 @@ def choose_attention(name: str | None = None, platform: PlatformInfo | None = No
     """``name``, else ``$HWGRAPH_ATTENTION``, else the kernel of highest priority on this platform available here
     (``"auto"`` from either: automatic choice).
 
-    An explicit choice that is unavailable raises ``SelectionError`` naming its reasons (one that does not import,
-    ``ImportError``); with nothing explicit, TORCH_SDPA is always available, and a kernel that does not import is
-    passed over with the reason. ``graph_safe=True`` chooses automatically only among kernels that may be captured
-    in a graph (the reason names those passed over); an explicit kernel is honoured either way.
+    An explicit choice that is unavailable raises ``SelectionError`` naming its reasons, and ``$HWGRAPH_ATTENTION``
+    where it came from there (one that does not import, ``ImportError``); with nothing explicit, TORCH_SDPA is always
+    available, and a kernel that does not import is passed over with the reason. ``graph_safe=True`` chooses
+    automatically only among kernels that may be captured in a graph (the reason names those passed over); an
+    explicit kernel is honoured either way.
     """
     if name is not None:
         check_kernel_name(name)
     platform = platform or detect()
+    # A kernel named by the environment says so when it fails: the caller may never have named one.
+    origin = "" if name else f"${ATTENTION_ENV}: "
     name = name or os.environ.get(ATTENTION_ENV) or None
     if name is not None and name.strip().lower() == "auto":  # as a tower takes it: $HWGRAPH_ATTENTION=auto too
         name = None
     if name:
-        spec = kernel_named(name)
+        try:
+            spec = kernel_named(name)
+        except SelectionError as exc:
+            raise SelectionError(f"{origin}{exc}") from None
         cap = spec.capability(platform, dtype, head_dim)
         if not cap.ok:
-            raise SelectionError(f"attention kernel {spec.name!r} is unavailable: " + "; ".join(cap.reasons))
+            raise SelectionError(f"{origin}attention kernel {spec.name!r} is unavailable: " + "; ".join(cap.reasons))
         return SelectedKernel(spec, spec.load(), "explicit")
     refused = []
     for spec in sorted(kernel_specs(), key=lambda k: -k.rank(platform)):
