@@ -290,6 +290,9 @@ class EncoderGraphManager:
                     continue
                 log.info("budget %d was captured under other numerics settings (%s): capturing it again", budget,
                          budget_rules.settings_changes(self.graphs[budget].numerics, numerics))
+                # its last replay, queued on another stream, may still read the buffers released here: the capture's
+                # own buffers, allocated on this stream next, may take their memory
+                self._after_last_replay()
                 self.graphs.pop(budget).release()
                 self._forget_costs(budget)
             try:
@@ -617,13 +620,15 @@ class EncoderGraphManager:
     def close(self) -> None:
         """Release every graph, its static buffers and the pool (after an encode() in flight has finished)."""
         with self._lock:
+            # first: the last replay may still be reading the buffers on the device, and memory released before it
+            # has may be handed to another allocation on their stream at once
+            self.backend.synchronize()
             for entry in self.graphs.values():
                 entry.release()
             self.graphs.clear()
             self._padded.clear()
             self.pool = None
             self._forget_costs()  # as calibrate() does for the budgets it releases
-            self.backend.synchronize()
             self.backend.empty_cache()  # cuBLAS's per-stream workspaces stay: other live graphs may use them
             self._closed = True
 
