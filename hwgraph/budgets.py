@@ -104,8 +104,12 @@ MAX_PATCH_ROWS = 2**31 - 1  # patch rows of one call: cu_seqlens are int32, as t
 
 def filling_grid(tokens: int, merge: int) -> tuple[int, int, int]:
     """A single-frame patch grid ``(1, h, w)`` with exactly ``tokens`` merged tokens, as square as possible.
-    ``ValueError`` when its patch rows overflow int32 ``cu_seqlens`` (the divisor search scanned about
-    ``sqrt(tokens)`` numbers first: hours for ``tokens`` of 10**20)."""
+    ``ValueError`` unless both are positive ints, or when its patch rows overflow int32 ``cu_seqlens`` (the divisor
+    search scanned about ``sqrt(tokens)`` numbers first: hours for ``tokens`` of 10**20)."""
+    for name, value in (("tokens", tokens), ("merge", merge)):
+        if not is_int(value) or value < 1:  # 0 tokens failed in max(), a merge of 0 gave the grid (1, 0, 0)
+            raise ValueError(f"filling_grid: {name} must be a positive int, got {value!r}")
+    tokens, merge = int(tokens), int(merge)
     if tokens * merge * merge > MAX_PATCH_ROWS:
         raise ValueError(f"{tokens} tokens are {tokens * merge * merge} patch rows at merge size {merge}; "
                          f"cu_seqlens are int32, so at most {MAX_PATCH_ROWS // (merge * merge)} tokens")

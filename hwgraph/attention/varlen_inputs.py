@@ -2,7 +2,7 @@
 kernels); none of them reads device memory.
 
 Validation looks only at tensor metadata (shape, dtype, device, strides) and host values, so it is safe on the
-replay path and under capture. Zeroing the padding rows is a device-side ``torch.where``.
+replay path and under capture. Zeroing the padding rows is a device-side masked fill, in place.
 """
 
 from __future__ import annotations

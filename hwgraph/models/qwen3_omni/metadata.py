@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from hwgraph.bounded_cache import bounded_cache
-from hwgraph.budgets import MAX_PATCH_ROWS
+from hwgraph.budgets import MAX_PATCH_ROWS, is_int
 from hwgraph.hostmem import pinned_copy
 
 Grid = tuple[tuple[int, int, int], ...]
@@ -108,8 +108,9 @@ class VisionMetadata:
         return {name: getattr(self, name) for name in TENSOR_FIELDS}
 
     def to(self, device: torch.device | str) -> VisionMetadata:
-        """The metadata with its tensors on ``device`` (asynchronous host-to-device copies; no sync): a copy, or
-        this object itself when it is there already (callers do not modify it)."""
+        """The metadata with its tensors on ``device`` (asynchronous host-to-device copies; no sync; a copy to the host
+        waits for its data, since it is read there at once): a copy, or this object itself when it is there already
+        (callers do not modify it)."""
         device = torch.device(device)
         if device == self.device:
             return self
@@ -118,7 +119,9 @@ class VisionMetadata:
             # From pageable memory the "asynchronous" copy blocks the host until the stream has drained: a hidden
             # sync measured at 0.5 ms per tensor on the H200. Pinned, it is truly asynchronous.
             source = self.pin_memory()
-        moved = {name: t.to(device, non_blocking=True) for name, t in source.tensors().items()}
+        # Non-blocking into the host would hand back pinned tensors before the device has written them.
+        non_blocking = device.type != "cpu"
+        moved = {name: t.to(device, non_blocking=non_blocking) for name, t in source.tensors().items()}
         return dataclasses.replace(self, **moved)
 
     def pin_memory(self) -> VisionMetadata:
@@ -131,10 +134,15 @@ class VisionMetadata:
 
         Extra rows get position index 0, weight 0 and rotary position 0; ``cu_seqlens`` repeats its last value,
         so extra sequences are empty and extra rows belong to none. ``max_seqlen`` becomes the capture value
-        (default ``num_patches``). ``ValueError`` when the images do not fit.
+        (default ``num_patches``). ``ValueError`` when a size is not an int or the images do not fit.
         """
         merge_area = self.spatial_merge_size**2
         max_seqlen = num_patches if max_seqlen is None else max_seqlen
+        sizes = {"num_patches": num_patches, "num_seqs": num_seqs, "max_seqlen": max_seqlen}
+        not_ints = [f"{name}={value!r}" for name, value in sizes.items() if not is_int(value)]
+        if not_ints:  # a float max_seqlen was kept silently, and float sizes failed in torch naming neither
+            raise ValueError(f"padded() takes ints, got {', '.join(not_ints)}")
+        num_patches, num_seqs, max_seqlen = int(num_patches), int(num_seqs), int(max_seqlen)
         problems = []
         if num_patches < self.num_rows:
             problems.append(f"{self.num_rows} patch rows do not fit in num_patches={num_patches}")
@@ -161,10 +169,16 @@ class VisionMetadata:
     def first_seqs(self, num_seqs: int) -> VisionMetadata:
         """This metadata limited to its first ``num_seqs`` sequence slots: the same tensors, with ``cu_seqlens`` a
         prefix view of this one's. A graph captured on it reads the same static buffers as one captured on self and
-        is right for any contents with at most ``num_seqs`` sequences (the padding repeats the last offset)."""
-        if not 1 <= num_seqs <= self.num_seqs:
-            raise ValueError(f"num_seqs must be in 1..{self.num_seqs} (the slots of this metadata), got {num_seqs}")
-        return dataclasses.replace(self, cu_seqlens=self.cu_seqlens[: num_seqs + 1])
+        is right for any contents with at most ``num_seqs`` sequences (the padding repeats the last offset), so it
+        holds at least this metadata's own frames: fewer cut real rows out of every sequence, silently."""
+        if not is_int(num_seqs) or not 1 <= num_seqs <= self.num_seqs:
+            what = "" if is_int(num_seqs) else "an int "
+            raise ValueError(f"num_seqs must be {what}in 1..{self.num_seqs} (the slots of this metadata), "
+                             f"got {num_seqs!r}")
+        if num_seqs < self.num_frames:
+            raise ValueError(f"num_seqs={num_seqs} is fewer than the {self.num_frames} frames of grids "
+                             f"{list(self.grid_thw)}: the rows of those past it would fall outside every sequence")
+        return dataclasses.replace(self, cu_seqlens=self.cu_seqlens[: int(num_seqs) + 1])
 
     def copy_from(self, src: VisionMetadata) -> VisionMetadata:
         """Overwrite these (static, e.g. device) tensors in place with ``src``'s; shapes, ``max_seqlen``, the merge
@@ -180,8 +194,8 @@ class VisionMetadata:
             raise ValueError(f"metadata does not match these static buffers (theirs vs the given one's): "
                              f"{'; '.join(mismatched)}; build it for the same tower and pad it with the same "
                              f"num_patches, num_seqs and max_seqlen")
-        for name, dst in self.tensors().items():
-            dst.copy_(getattr(src, name), non_blocking=True)
+        for name, dst in self.tensors().items():  # into the host: blocking, or it is read before the device wrote it
+            dst.copy_(getattr(src, name), non_blocking=dst.device.type != "cpu")
         self.grid_thw, self.patch_counts, self.token_counts = src.grid_thw, src.patch_counts, src.token_counts
         return self
 
@@ -301,8 +315,14 @@ def prepare_metadata(grid_thw, spatial_merge_size: int, num_grid_per_side: int) 
     Cached per grid, least recently used out, within ``CACHE_BYTES`` (a server sees the same groups of image sizes
     again and again; building them cost about 45 us of host time per call on the H200's host, ahead of every
     replay): treat the result as read-only (a result changed in place by torch ops is built again at the next call,
-    so the change does not reach later calls)."""
-    return grid_metadata(normalize_grid(grid_thw, spatial_merge_size), spatial_merge_size, num_grid_per_side)
+    so the change does not reach later calls). ``ValueError`` unless ``spatial_merge_size`` and ``num_grid_per_side``
+    are positive ints: a float one built float indices and, equal to the int as a cache key, was handed to the
+    tower's later calls."""
+    for name, value in (("spatial_merge_size", spatial_merge_size), ("num_grid_per_side", num_grid_per_side)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"prepare_metadata: {name} must be a positive int, got {value!r}")
+    merge, side = int(spatial_merge_size), int(num_grid_per_side)
+    return grid_metadata(normalize_grid(grid_thw, merge), merge, side)
 
 
 def grid_metadata(grid: Grid, spatial_merge_size: int, num_grid_per_side: int) -> VisionMetadata:
