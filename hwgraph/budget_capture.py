@@ -45,7 +45,7 @@ class BudgetGraph:
     pixels: torch.Tensor
     metadata: object  # the tower's device metadata, padded to every slot: the graphs' static inputs
     graphs: dict[int, CapturedGraph]  # slot count -> graph, ascending
-    memory_bytes: int
+    memory_bytes: int  # device memory the budget keeps: its graphs' (their pool's growth) and its static inputs
     capture_seconds: float  # the budget's whole startup: compiling (compiled captures) and capturing
     filled_grid: tuple | None = None  # the grid whose metadata the static buffers hold now (None: unknown)
     compile_seconds: float | None = None  # compiled captures: the part of capture_seconds spent compiling
@@ -133,7 +133,7 @@ def capture_budget(tower, backend, pool, budget: int, *, device: torch.device, s
         # Emptied first: a backend's own check of the capture (ROCm's eager rerun, check_replay) leaves blocks in
         # the allocator's cache, which are not the graphs'. Read before verifying, whose forwards do the same.
         backend.empty_cache()
-        entry.memory_bytes = backend.memory_in_use() - before
+        entry.memory_bytes = backend.memory_in_use() - before + storage_bytes(pixels, *static_meta.tensors().values())
         if verify is not None:
             for graph in entry.graphs.values():
                 verify(entry, graph, host, grid)
@@ -141,3 +141,9 @@ def capture_budget(tower, backend, pool, budget: int, *, device: torch.device, s
         entry.release()
         raise
     return entry
+
+
+def storage_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of the distinct storages under ``tensors`` (views of one storage counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())

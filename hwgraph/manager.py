@@ -66,8 +66,9 @@ class ManagerStats:
     padding_tokens: int = 0  # budget tokens replayed that held no image
     replays_per_budget: dict = field(default_factory=dict)
     replays_per_slots: dict = field(default_factory=dict)  # slot count of the graph replayed -> replays
-    capture_bytes_per_budget: dict = field(default_factory=dict)  # device memory the capture kept; not what the
-    # streams it ran on keep for the process (cuBLAS's per-stream workspaces: GraphBackend.prepare makes them first)
+    capture_bytes_per_budget: dict = field(default_factory=dict)  # device memory the budget keeps: its graphs and
+    # its static input buffers; not what the streams it ran on keep for the process (cuBLAS's per-stream
+    # workspaces: GraphBackend.prepare makes them first)
     capture_seconds_per_budget: dict = field(default_factory=dict)  # compiling and measuring products included
     compile_seconds_per_budget: dict = field(default_factory=dict)  # compiled captures: the first compiled forward,
     # less the product chooser's measuring in it; a process's first compiled budget also pays dynamo's and

@@ -255,9 +255,13 @@ def products_lines(result: dict) -> str:
                        for kernel, data in result["per_kernel"].items())
 
 
+MEMORY_NOTE = ("Device memory each budget keeps: its graphs (what they add to the pool the budgets share) and "
+               "the static input buffers its replays are filled into.\n\n")
+
+
 def bench_markdown(result: dict) -> str:
     parts = [heading(result), "### Latency per image group\n\n" + latency_table(result),
-             "### Graph memory per budget (MiB)\n\n" + memory_table(result),
+             "### Graph memory per budget (MiB)\n\n" + MEMORY_NOTE + memory_table(result),
              "### Startup per budget (s)\n\n" + startup_table(result),
              "### Dispatch\n\n" + dispatch_table(result)]
     prof = profile_table(result)
