@@ -491,3 +491,28 @@ def test_a_kernel_name_with_surrounding_blanks_is_found_as_auto_is(monkeypatch):
 def test_unknown_kernel_name_lists_the_known_ones():
     with pytest.raises(SelectionError, match="unknown attention kernel 'FLASH3'; known: TORCH_SDPA, TRITON_ATTN"):
         choose_attention("FLASH3", platform=H200)
+
+
+@pytest.mark.parametrize("soc, refused", [(223, None), (252, None), (202, "an Ascend 310P (SoC version 202)"),
+                                          (102, "a first-generation Ascend 910 (SoC version 102)"),
+                                          (241, "an Ascend 310B (SoC version 241)")])
+def test_npu_attention_is_refused_on_chips_without_the_tnd_kernel_naming_the_chip(fake_torch_npu, soc, refused):
+    """torch_npu's reference lists npu_fused_infer_attention_score for Atlas A2 and A3 only: on a 310P or a first
+    Ascend 910 the kernel was offered, and chosen automatically, where it cannot run."""
+    fake_torch_npu.npu = types.SimpleNamespace(get_soc_version=lambda: soc)
+    found = reasons("NPU", ASCEND)
+    if refused is None:
+        assert found == () and choose_attention(platform=ASCEND, dtype=torch.float16, head_dim=72).spec.name == "NPU"
+    else:
+        (reason,) = found
+        assert reason.startswith("NPU attention (npu_fused_infer_attention_score, layout TND) runs on Atlas A2 and A3")
+        assert reason.endswith(refused), reason
+        chosen = choose_attention(platform=ASCEND, dtype=torch.float16, head_dim=72)
+        assert chosen.spec.name == "TORCH_SDPA" and refused in chosen.reason
+
+
+def test_npu_attention_is_offered_where_torch_npu_cannot_say_its_soc_version(fake_torch_npu):
+    def broken():
+        raise RuntimeError("no soc")
+    fake_torch_npu.npu = types.SimpleNamespace(get_soc_version=broken)
+    assert reasons("NPU", ASCEND) == ()

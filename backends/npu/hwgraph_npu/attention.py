@@ -83,6 +83,28 @@ def scale_keyword() -> str:
     return "scale" if "scale" in names or "scale_value" not in names else "scale_value"
 
 
+#: SoC versions (``torch_npu.npu.get_soc_version()``) of chips whose torch_npu lacks this kernel in layout TND: its API
+#: reference lists Atlas A2 (Ascend910B1-B4, 220-225) and Atlas A3 (250-255) only. Others, newer ones included,
+#: are not refused.
+UNSERVED_SOCS = ((range(100, 105), "a first-generation Ascend 910"), (range(200, 205), "an Ascend 310P"),
+                 (range(240, 244), "an Ascend 310B"))
+
+
+def soc_refusal(torch_npu) -> str | None:
+    """Why this machine's NPU cannot run the kernel, from its SoC version; None where it may (or torch_npu cannot
+    say: an unreadable version is not a refusal)."""
+    get = getattr(getattr(torch_npu, "npu", None), "get_soc_version", None)
+    try:
+        soc = int(get()) if callable(get) else None
+    except Exception:  # a runtime that cannot say
+        soc = None
+    for versions, chip in UNSERVED_SOCS:
+        if soc in versions:
+            return (f"NPU attention (npu_fused_infer_attention_score, layout TND) runs on Atlas A2 and A3 NPUs; "
+                    f"this one is {chip} (SoC version {soc})")
+    return None
+
+
 def npu_gate(platform: PlatformInfo) -> Capability:
     if platform.kind != "npu":
         return Capability.unavailable(f"NPU attention runs on Ascend NPUs, this platform is {platform.kind}")
@@ -97,6 +119,8 @@ def npu_gate(platform: PlatformInfo) -> Capability:
                        f"{getattr(torch_npu, '__version__', '(unknown version)')} lacks")
     if platform.device_count < 1:
         reasons.append("NPU attention needs an Ascend NPU device, torch_npu sees none")
+    else:
+        reasons += filter(None, [soc_refusal(torch_npu)])
     return Capability(tuple(reasons))
 
 
