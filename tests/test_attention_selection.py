@@ -254,6 +254,12 @@ def test_flash_attn_is_for_nvidia_only():
     assert reasons("FLASH_ATTN", MI300X) == ("FLASH_ATTN runs on NVIDIA CUDA, this platform is rocm",)
 
 
+def test_a_rocm_gpu_of_unknown_architecture_is_refused_saying_torch_reported_none(fake_aiter):
+    """The reason read "found None"."""
+    assert reasons("ROCM_AITER_FA", platform("rocm", None)) == (
+        "ROCM_AITER_FA needs gfx942 or gfx950, found no architecture (torch reported no gcnArchName)",)
+
+
 def test_gfx942_with_aiter_chooses_rocm_aiter_fa(fake_aiter):
     chosen = choose_attention(platform=MI300X, dtype=torch.bfloat16, head_dim=72)
     assert chosen.spec.name == "ROCM_AITER_FA" and chosen.reason == "best available for rocm"

@@ -22,7 +22,8 @@ def aiter_gate(platform: PlatformInfo) -> Capability:
     reasons = []
     gfx = gfx_name(platform.arch)
     if gfx not in SUPPORTED_GFX:
-        reasons.append(f"ROCM_AITER_FA needs {' or '.join(SUPPORTED_GFX)}, found {gfx or repr(platform.arch)}")
+        found = gfx or (repr(platform.arch) if platform.arch else "no architecture (torch reported no gcnArchName)")
+        reasons.append(f"ROCM_AITER_FA needs {' or '.join(SUPPORTED_GFX)}, found {found}")
     found = require_module("aiter", "ROCM_AITER_FA")
     if found.ok:
         import aiter
