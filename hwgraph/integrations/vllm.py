@@ -151,7 +151,9 @@ class Qwen3OmniEncoderCudaGraphAdapter:
         high = self.max_token_budget or max(budget_rules.DEFAULT_CAP, self.min_token_budget)
         scheduled = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
         if isinstance(scheduled, int) and scheduled > 0:
-            high = min(high, scheduled)  # a step never brings more tokens than the scheduler admits
+            # the scheduler's tokens per step: most steps' images fit them. vLLM's encoder budget may admit one image
+            # above it (its largest item); such a step runs eagerly rather than keep a graph that large
+            high = min(high, scheduled)
         return self.min_token_budget, max(high, self.min_token_budget)
 
     # ------------------------------------------------------------------ items (host only)
