@@ -149,9 +149,13 @@ def _(x, delta, weight, bias, eps):
 
 def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + delta, norm(x + delta))`` for ``[rows, N]`` activations, in one kernel on GPUs."""
+    # The kernel reads weight and bias as contiguous [N] rows: other layouts (a parameter assigned a strided view)
+    # take the reference, which gave other values than the kernel's.
     fusable = (use_triton(x) and x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.stride(-1) == 1
                and delta.stride(-1) == 1 and delta.shape == x.shape and norm.weight is not None
-               and norm.bias is not None and not records_grad(x, delta, norm.weight, norm.bias))
+               and norm.bias is not None and norm.weight.shape == norm.bias.shape == x.shape[1:]
+               and norm.weight.is_contiguous() and norm.bias.is_contiguous()
+               and not records_grad(x, delta, norm.weight, norm.bias))
     if not fusable:
         return add_layer_norm_reference(x, delta, norm)
     args = (x, delta, norm.weight, norm.bias, float(norm.eps))

@@ -50,7 +50,9 @@ def rotary_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
 
 
 class AxialRotary(nn.Module):
-    """2-D rotary embedding: the first half of each head rotates with the patch row, the second with the column.
+    """2-D rotary embedding, as transformers' axial rope: lane ``i < D/2`` of a head (``D`` = head_dim) rotates with
+    lane ``i + D/2`` (rotate-half pairs); pairs with ``i < D/4`` rotate by the patch row (lanes ``[0, D/4)`` and
+    ``[D/2, 3D/4)``), the others by the column (lanes ``[D/4, D/2)`` and ``[3D/4, D)``).
 
     ``inv_freq`` is a non-persistent float32 buffer, recomputed after every ``to()``/``to_empty()`` so that a
     bf16 cast never rounds it (transformers keeps it float32 too) and a meta-initialised tower gets real values.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,10 @@ class VisionOutput:
 
     def split(self, token_counts: Sequence[int]) -> list[VisionOutput]:
         """One output per image (views, no copies). Rows past ``sum(token_counts)`` (padding) are dropped."""
-        counts = [int(n) for n in token_counts]
+        try:  # int() truncated a fractional count: 2.5 gave 2 rows, silently
+            counts = [operator.index(n) for n in token_counts]
+        except TypeError:
+            raise ValueError(f"token counts must be ints, got {list(token_counts)}") from None
         if any(n < 0 for n in counts) or sum(counts) > self.num_tokens:
             raise ValueError(f"token counts {counts} (sum {sum(counts)}) do not fit in {self.num_tokens} rows")
         parts, start = [], 0

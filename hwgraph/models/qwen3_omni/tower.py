@@ -257,6 +257,9 @@ class Qwen3OmniVisionTower(nn.Module):
         """``ValueError`` unless ``pixel_values`` is a ``[metadata.num_rows, patch_row_width]`` floating-point tensor
         (shapes and type only) and ``metadata`` was built for this tower's merge size and position table (another
         tower's gave wrong embeddings, silently)."""
+        if not isinstance(metadata, VisionMetadata):  # e.g. a grid: AttributeError "'list' ... no attribute 'grid_thw'"
+            raise ValueError(f"metadata must be a VisionMetadata (this tower's prepare_metadata(grid_thw)), got "
+                             f"{type(metadata).__name__}: for a grid, call forward(pixel_values, grid_thw)")
         self._check_pixels(pixel_values, metadata.grid_thw, metadata.num_rows)
         built_for = (metadata.spatial_merge_size, metadata.num_grid_per_side)
         if built_for != (self.spatial_merge_size, self.num_grid_per_side):
