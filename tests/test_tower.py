@@ -357,6 +357,18 @@ def test_a_config_json_with_non_axial_rope_is_refused_as_transformers_refuses_it
         Qwen3OmniVisionTower(config)
 
 
+def test_a_config_json_whose_head_dim_differs_from_the_heads_width_is_refused_naming_both():
+    """A ``head_dim`` in the vision config was ignored: the tower splits hidden_size evenly across its heads, while
+    transformers' vision rotary reads head_dim, so the two encoders disagreed."""
+    tiny = preset_config("tiny")
+    config = vision_config_from_dict(dict(tiny.to_dict(), head_dim=2 * tiny.hidden_size // tiny.num_heads))
+    with pytest.raises(ValueError, match=rf"head_dim {2 * tiny.hidden_size // tiny.num_heads} in the vision config "
+                                         rf"differs from hidden_size {tiny.hidden_size} / num_heads {tiny.num_heads}"):
+        Qwen3OmniVisionTower(config)
+    same = vision_config_from_dict(dict(tiny.to_dict(), head_dim=tiny.hidden_size // tiny.num_heads))
+    assert Qwen3OmniVisionTower(same).blocks[0].attn.head_dim == tiny.hidden_size // tiny.num_heads
+
+
 def test_a_full_or_thinker_config_object_builds_the_tower_of_its_vision_config():
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
 

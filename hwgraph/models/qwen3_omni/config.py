@@ -98,6 +98,12 @@ def check_config(config: VisionConfig) -> None:
     if config.hidden_size % config.num_heads:
         raise ValueError(f"hidden_size {config.hidden_size} is not divisible by num_heads {config.num_heads}")
     head_dim = config.hidden_size // config.num_heads
+    given = getattr(config, "head_dim", None)
+    if given is not None and given != head_dim:
+        # the tower's attention, as transformers' vision attention, splits hidden_size evenly; transformers' rotary
+        # would read head_dim instead, so the two disagree: refused rather than ignored
+        raise ValueError(f"head_dim {given!r} in the vision config differs from hidden_size {config.hidden_size} / "
+                         f"num_heads {config.num_heads} = {head_dim}, the width of the tower's attention heads")
     if head_dim % 4:
         # Axial rotary splits each head in two halves, each rotating (row, col) pairs: 4 must divide it.
         raise ValueError(f"head_dim {head_dim} (hidden_size {config.hidden_size} / num_heads {config.num_heads}) "
