@@ -1,9 +1,9 @@
 """The CPU reference backend: exact graph semantics, no speed (it runs on any device, eagerly).
 
-Capture records the callable and the output tensors of its first run; replay reruns the callable and copies
-the results into those same tensors. Inputs are whatever the captured static buffers hold at replay time, so
-stale inputs, outputs overwritten by the next replay, and padding leaking out show up on CPU exactly as they
-would on a device.
+Capture runs the callable once to warm it up, then records it and the output tensors of its second run; replay
+reruns the callable and copies the results into those same tensors. Inputs are whatever the captured static
+buffers hold at replay time, so stale inputs, outputs overwritten by the next replay, and padding leaking out show
+up on CPU exactly as they would on a device.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ class CpuCapturedGraph(CapturedGraph):
             for dst, src in zip(static, fresh, strict=True):
                 if dst.shape != src.shape:
                     raise CaptureError(f"replay produced shape {tuple(src.shape)}, captured {tuple(dst.shape)}")
+                if dst.dtype != src.dtype:  # copy_ would cast it silently; a device graph keeps its captured dtypes
+                    raise CaptureError(f"replay produced dtype {src.dtype}, captured {dst.dtype}")
                 dst.copy_(src)
 
     def nbytes(self) -> int:

@@ -153,9 +153,12 @@ def conformance_params(settings: SuiteSettings) -> list:
                          f"{ATTENTION_ENV}; known: {', '.join(known)}")
     params = []
     for kernel in kernels:
-        if kernel_platform.kind not in kernel.kinds:
-            continue  # a kernel for another accelerator is no concern of this backend's conformance
         case = ConformanceCase(name, kernel.name, dtype, device, settings.preset, settings.mode)
+        if kernel_platform.kind not in kernel.kinds:
+            if settings.kernels and kernel.name in settings.kernels:  # selected: say why it has no case, not vanish
+                params.append(skipped(case.id, f"attention kernel {kernel.name} runs on {', '.join(kernel.kinds)}, "
+                                               f"not on the {name} graph backend's {kernel_platform.kind} devices"))
+            continue  # a kernel for another accelerator is no concern of this backend's conformance
         if settings.kernels and kernel.name not in settings.kernels:
             params.append(skipped(case.id, f"attention kernel {kernel.name} not selected "
                                            f"(selected: {', '.join(settings.kernels)})"))
