@@ -1191,3 +1191,49 @@ def test_graph_memory_per_budget_counts_its_static_input_buffers(tower):
     for budget, entry in m.graphs.items():
         inputs = [entry.pixels, *entry.metadata.tensors().values()]
         assert memory[budget] >= sum(t.untyped_storage().nbytes() for t in inputs) > entry.pixels.nbytes, memory
+
+
+def logging_releases(m, calls: list, monkeypatch) -> None:
+    """Each of ``m``'s budgets appends ``release BUDGET`` to ``calls`` when its graphs and buffers are released."""
+    for entry in m.graphs.values():
+        real = entry.release
+        monkeypatch.setattr(entry, "release", lambda real=real, b=entry.budget: (calls.append(f"release {b}"), real()))
+
+
+def test_a_budget_captured_again_for_new_numerics_waits_for_the_last_replay_before_releasing_its_buffers(
+        tower, monkeypatch):
+    """The replaced graph's static buffers were released at once, while an encode() on another stream may still
+    have its fill, replay and copy out of them queued: the new capture's buffers, allocated on the capturing stream
+    right after, could take that memory and be written before the old replay read it (the caller's outputs wrong)."""
+    setting = {"value": "ieee"}
+    m = make_manager(tower, budgets=[16], max_images=1)
+    m.backend.numerics_settings = lambda dtype: (("matmul precision", setting["value"]),)
+    m.capture()
+    runtime = StreamLog()
+    monkeypatch.setattr(m, "_runtime", runtime)
+    encode_and_check(m, tower, [(1, 8, 8)], 1)
+    assert runtime.calls == ["record on first"]
+    setting["value"] = "tf32"
+    runtime.current = "second"
+    runtime.calls.clear()
+    logging_releases(m, runtime.calls, monkeypatch)
+    m.capture()
+    assert runtime.calls[:2] == ["second waits", "release 16"], runtime.calls
+    encode_and_check(m, tower, [(1, 8, 8)], 2)
+    assert m.stats()["replays"] == 2
+    m.close()
+
+
+def test_close_waits_for_the_device_before_releasing_the_graphs_buffers(tower, monkeypatch):
+    """close() released every graph and its static buffers first and synchronised after: memory the last replay was
+    still reading on the device could be handed to another allocation meanwhile."""
+    m = make_manager(tower, budgets=[16, 32], max_images=1)
+    m.capture()
+    encode_and_check(m, tower, [(1, 8, 8)], 3)
+    calls: list = []
+    logging_releases(m, calls, monkeypatch)
+    real_sync = m.backend.synchronize
+    monkeypatch.setattr(m.backend, "synchronize", lambda: (calls.append("synchronize"), real_sync()))
+    m.close()
+    assert calls[0] == "synchronize" and sorted(calls[1:3]) == ["release 16", "release 32"], calls
+    assert m.stats()["budgets"] == []

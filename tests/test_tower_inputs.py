@@ -1,4 +1,4 @@
-"""Review 58 of the tower: the fused add + LayerNorm with strided norm weights, token counts that are not ints,
+"""The tower: the fused add + LayerNorm with strided norm weights, token counts that are not ints,
 metadata that is not metadata, and the rotary lanes its docstring names."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Review 58: an attention kernel named by $HWGRAPH_ATTENTION says so when it fails; a ``hip`` device is refused
+"""An attention kernel named by $HWGRAPH_ATTENTION says so when it fails; a ``hip`` device is refused
 pointing at the cuda device that ROCm builds of torch use."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Review 58 of the vLLM integration: the adapter's eager forward checks pixels as the replay path does, and a grid
+"""The vLLM integration on CPU: the adapter's eager forward checks pixels as the replay path does, and a grid
 without a length is named. Runs in the default CPU run: without vLLM, a stand-in of the few vLLM names the
 integration imports (the protocol's dataclasses and the manager's base class) is put in ``sys.modules`` for this
 module's tests only; with vLLM installed, the real one is used.

@@ -1,4 +1,4 @@
-"""Review of the bench, its timing and its reports (session 58): each test fails on the code before its fix."""
+"""The bench's reports, its timing order and its help: each test failed on the code before its fix."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Review of session 58: host metadata, its padding and moves, and the budget's filling grid."""
+"""Host metadata: its sizes, padding and moves, and the budget's filling grid."""
 
 from __future__ import annotations
 
