@@ -464,3 +464,22 @@ def test_a_float32_graph_captured_without_tf32_is_not_replayed_once_tf32_is_on()
             assert m.stats()["replays"] == 2
     finally:
         matmul.fp32_precision = saved
+
+
+def test_a_cpu_tower_loaded_with_a_gpu_state_dict_by_assignment_runs_there_as_one_moved_there():
+    """``load_state_dict(gpu_state, assign=True)`` on a tower built on the CPU: the weights became the GPU's tensors
+    and the rotary frequencies (in no checkpoint) stayed on the CPU, so its forward failed with a device mismatch."""
+    torch.manual_seed(0)
+    moved = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=2, deepstack_visual_indexes=[0]).to(
+        "cuda", torch.bfloat16).eval()
+    grid = [(1, 8, 8)]
+    pix = torch.randn(64, moved.patch_row_width, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = moved(pix, grid).tensors()
+        loaded = Qwen3OmniVisionTower.from_preset("qwen3-omni-30b-a3b", depth=2, deepstack_visual_indexes=[0]).eval()
+        loaded(torch.randn(64, loaded.patch_row_width), grid)  # its attention chosen on the CPU first
+        loaded.load_state_dict(moved.state_dict(), assign=True)
+        assert loaded.rotary_pos_emb.inv_freq.device.type == "cuda"
+        assert loaded.attention_kernel == moved.attention_kernel
+        for got, want in zip(loaded(pix, grid).tensors(), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -64,10 +64,12 @@ def rotary_after_load(tower: Qwen3OmniVisionTower, incompatible_keys) -> None:
     """After ``load_state_dict``: the rotary frequencies (non-persistent, in no checkpoint) on the weights' device.
     A tower built under ``torch.device("meta")`` and loaded with ``assign=True`` (meta init, then load) had real
     weights and frequencies still on meta, and its forward failed ("Tensor on device meta is not on the expected
-    device cpu!")."""
+    device cpu!"); so did a tower built on the CPU and loaded with ``assign=True`` from another device's tensors
+    (frequencies on the CPU, weights on the GPU), which also chooses its attention kernel again, as after ``to()``."""
     weight = tower.patch_embed.proj.weight
-    if tower.rotary_pos_emb.inv_freq.is_meta and not weight.is_meta:
+    if not weight.is_meta and tower.rotary_pos_emb.inv_freq.device != weight.device:
         tower.rotary_pos_emb.reset(weight.device)
+        tower._attention = None  # chosen for the old device: choose again at next use
 
 
 OVERLAP_MAX_ROWS = 512  # patch rows up to which DeepStack mergers overlap the blocks (merge_stream)
