@@ -23,15 +23,6 @@ def no_interpreter(monkeypatch):
     monkeypatch.delenv(registry.ATTENTION_ENV, raising=False)
 
 
-def test_an_unavailable_kernel_from_the_environment_names_the_variable(monkeypatch):
-    # was "attention kernel 'TRITON_ATTN' is unavailable: ...": a caller who named no kernel learnt nothing of where
-    # the choice came from
-    monkeypatch.setenv(registry.ATTENTION_ENV, "TRITON_ATTN")
-    with pytest.raises(SelectionError, match=r"^\$HWGRAPH_ATTENTION: attention kernel 'TRITON_ATTN' is unavailable: "
-                                             r"on CPU TRITON_ATTN runs only under the Triton interpreter"):
-        choose_attention(platform=CPU)
-
-
 def test_an_unknown_kernel_from_the_environment_names_the_variable(monkeypatch):
     monkeypatch.setenv(registry.ATTENTION_ENV, "TORCH_SPDA")
     with pytest.raises(SelectionError, match=r"^\$HWGRAPH_ATTENTION: unknown attention kernel 'TORCH_SPDA'; known: "):

@@ -70,12 +70,18 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_triton_fused_kernels_equal_the_unfused_computation_under_the_interpreter():
-    pytest.importorskip("triton", reason="TRITON kernels need the triton package")
+def run_interpreted(child: str, done_line: str, timeout: int = 600) -> None:
+    """Run ``child`` in a Python process with the Triton interpreter and the fused kernels on (the interpreter must
+    be set before triton is imported); it must exit 0 having printed ``done_line``."""
+    pytest.importorskip("triton", reason="the fused kernels need triton")
     env = dict(os.environ, TRITON_INTERPRET="1", HWGRAPH_FUSED="1")
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "fused kernels ok" in done.stdout
+    assert done_line in done.stdout
+
+
+def test_triton_fused_kernels_equal_the_unfused_computation_under_the_interpreter():
+    run_interpreted(CHILD, "fused kernels ok")
 
 
 FP16_POSITION_CHILD = textwrap.dedent("""
@@ -103,12 +109,41 @@ FP16_POSITION_CHILD = textwrap.dedent("""
 def test_the_position_embedding_kernel_rounds_the_blend_before_the_add_in_float16():
     """The interpreter converts float32 to float16 by rounding (as the GPU does; bf16 it truncates), so fp16 checks
     the kernel bit for bit on the CPU: the blend is rounded to the activation dtype before the add, as unfused."""
-    pytest.importorskip("triton", reason="the position-embedding kernel needs triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", HWGRAPH_FUSED="1")
-    done = subprocess.run([sys.executable, "-c", FP16_POSITION_CHILD], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "fp16 position ok" in done.stdout
+    run_interpreted(FP16_POSITION_CHILD, "fp16 position ok", timeout=300)
+
+
+STRIDED_NORM_CHILD = textwrap.dedent("""
+    import os, sys, types
+    import torch
+    import hwgraph.models
+
+    # The kernels without the package's __init__ (it imports transformers: most of this child's start-up time).
+    package = types.ModuleType("hwgraph.models.qwen3_omni")
+    package.__path__ = [os.path.join(os.path.dirname(hwgraph.models.__file__), "qwen3_omni")]
+    sys.modules[package.__name__] = package
+    from hwgraph.models.qwen3_omni import fused
+
+    assert fused.use_triton(torch.empty(1)), "the interpreter path must be active in this child"
+    torch.set_grad_enabled(False)
+    torch.manual_seed(0)
+    rows, width = 5, 64
+    norm = torch.nn.LayerNorm(width, eps=1e-6)
+    # Parameters assigned strided views (load_state_dict(assign=True) of such tensors does the same).
+    norm.weight = torch.nn.Parameter(torch.randn(width, 2)[:, 0])
+    norm.bias = torch.nn.Parameter(torch.randn(width, 2)[:, 1])
+    x, delta = torch.randn(rows, width), torch.randn(rows, width)
+    got = fused.add_layer_norm(x, delta, norm)
+    want = fused.add_layer_norm_reference(x, delta, norm)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    print("strided norm ok")
+""")
+
+
+def test_add_layer_norm_with_strided_norm_weights_equals_the_reference():
+    """The fused kernel read the LayerNorm's weight and bias as contiguous rows: with a strided weight (a parameter
+    assigned a view) the normalised rows were off by up to 10 while the CPU reference was right."""
+    run_interpreted(STRIDED_NORM_CHILD, "strided norm ok", timeout=300)
 
 
 GRAD_CHILD = textwrap.dedent("""
@@ -166,11 +201,7 @@ def test_fused_ops_take_the_differentiable_path_while_autograd_records_and_compi
     """The Triton kernels have no backward: with autograd recording, an eager call returned outputs without a history
     (the norm's, the table's and the inputs' gradients were None) and torch.compile failed ("no autograd formula was
     registered"). They now run the unfused computations then, and the kernels only without autograd."""
-    pytest.importorskip("triton", reason="the fused kernels need triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", HWGRAPH_FUSED="1")
-    done = subprocess.run([sys.executable, "-c", GRAD_CHILD], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "fused gradients ok" in done.stdout
+    run_interpreted(GRAD_CHILD, "fused gradients ok")
 
 
 def test_fc1_with_tanh_gelu_takes_the_unfused_pair_while_autograd_records(monkeypatch):
