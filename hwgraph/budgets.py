@@ -102,17 +102,34 @@ def validate_slot_counts(slot_counts, max_images: int) -> list[int]:
 MAX_PATCH_ROWS = 2**31 - 1  # patch rows of one call: cu_seqlens are int32, as the varlen kernels take them
 
 
+def positive_ints(where: str, **values) -> tuple[int, ...]:
+    """``values`` as Python ints, in order; ``ValueError`` naming ``where`` and the first that is not a positive int
+    of any kind (``is_int``)."""
+    for name, value in values.items():
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
+    return tuple(int(value) for value in values.values())
+
+
+def patch_rows_refusal(tokens: int, merge: int) -> str | None:
+    """Why ``tokens`` merged tokens at merge size ``merge`` are more patch rows than one call takes (``cu_seqlens``
+    are int32), or None."""
+    rows = tokens * merge * merge
+    if rows <= MAX_PATCH_ROWS:
+        return None
+    return (f"{tokens} tokens are {rows} patch rows at merge size {merge}; a call takes at most {MAX_PATCH_ROWS} "
+            f"(int32 cu_seqlens), {MAX_PATCH_ROWS // (merge * merge)} tokens")
+
+
 def filling_grid(tokens: int, merge: int) -> tuple[int, int, int]:
     """A single-frame patch grid ``(1, h, w)`` with exactly ``tokens`` merged tokens, as square as possible.
-    ``ValueError`` unless both are positive ints, or when its patch rows overflow int32 ``cu_seqlens`` (the divisor
-    search scanned about ``sqrt(tokens)`` numbers first: hours for ``tokens`` of 10**20)."""
-    for name, value in (("tokens", tokens), ("merge", merge)):
-        if not is_int(value) or value < 1:  # 0 tokens failed in max(), a merge of 0 gave the grid (1, 0, 0)
-            raise ValueError(f"filling_grid: {name} must be a positive int, got {value!r}")
-    tokens, merge = int(tokens), int(merge)
-    if tokens * merge * merge > MAX_PATCH_ROWS:
-        raise ValueError(f"{tokens} tokens are {tokens * merge * merge} patch rows at merge size {merge}; "
-                         f"cu_seqlens are int32, so at most {MAX_PATCH_ROWS // (merge * merge)} tokens")
+    ``ValueError`` unless both are positive ints (0 tokens failed in ``max()``, a merge of 0 gave the grid
+    ``(1, 0, 0)``), or when its patch rows overflow int32 ``cu_seqlens`` (the divisor search scanned about
+    ``sqrt(tokens)`` numbers first: hours for ``tokens`` of 10**20)."""
+    tokens, merge = positive_ints("filling_grid", tokens=tokens, merge=merge)
+    refusal = patch_rows_refusal(tokens, merge)
+    if refusal:
+        raise ValueError(refusal)
     a = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
     return (1, a * merge, (tokens // a) * merge)
 

@@ -118,16 +118,14 @@ def parsed(option: str, parse, value):
 
 def check_patch_rows(option: str, label: str, tokens: int, preset: str) -> None:
     """``ValueError`` naming ``option`` and ``label`` when ``tokens`` merged tokens of ``preset``'s tower (known: the
-    caller parsed it) are more patch rows than one call takes: cu_seqlens are int32. Past them a run failed only
-    once it began (or hung, searching a grid's sides for 10**20 tokens)."""
-    from hwgraph.budgets import MAX_PATCH_ROWS
+    caller parsed it) are more patch rows than one call takes (``budgets.patch_rows_refusal``). Past them a run
+    failed only once it began (or hung, searching a grid's sides for 10**20 tokens)."""
+    from hwgraph.budgets import patch_rows_refusal
     from hwgraph.models.qwen3_omni.config import preset_config
 
-    merge = preset_config(preset).spatial_merge_size
-    if tokens * merge * merge > MAX_PATCH_ROWS:
-        raise ValueError(f"{option} {label}: {tokens} tokens are {tokens * merge * merge} patch rows at {preset}'s "
-                         f"merge size {merge}; a call takes at most {MAX_PATCH_ROWS} (int32 cu_seqlens), "
-                         f"{MAX_PATCH_ROWS // (merge * merge)} tokens")
+    refusal = patch_rows_refusal(tokens, preset_config(preset).spatial_merge_size)
+    if refusal:
+        raise ValueError(f"{option} {label}: {refusal}")
 
 
 def check_kernels(names: list[str] | None) -> None:

@@ -195,9 +195,11 @@ class Qwen3OmniEncoderCudaGraphAdapter:
         if on_device:
             raise ValueError(f"mm_kwargs[{GRID!r}] is on {', '.join(sorted(on_device))}, not the host: "
                              f"{DEVICE_GRID_FIX}")
-        # len() of a tensor is its host shape: no device read. A 0-d tensor or a scalar has none (normalize_grid
-        # names it; len() raised TypeError).
-        if getattr(grid, "ndim", 1) != 0 and hasattr(grid, "__len__") and len(grid) == 0:
+        try:  # len() of a tensor is its host shape: no device read
+            empty = len(grid) == 0
+        except TypeError:  # a 0-d tensor or a scalar: normalize_grid names it
+            empty = False
+        if empty:
             return ()
         return normalize_grid(grid, self.tower.spatial_merge_size)
 

@@ -119,8 +119,8 @@ def npu_gate(platform: PlatformInfo) -> Capability:
                        f"{getattr(torch_npu, '__version__', '(unknown version)')} lacks")
     if platform.device_count < 1:
         reasons.append("NPU attention needs an Ascend NPU device, torch_npu sees none")
-    else:
-        reasons += filter(None, [soc_refusal(torch_npu)])
+    elif (refusal := soc_refusal(torch_npu)) is not None:
+        reasons.append(refusal)
     return Capability(tuple(reasons))
 
 

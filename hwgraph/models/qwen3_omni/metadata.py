@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from hwgraph.bounded_cache import bounded_cache
-from hwgraph.budgets import MAX_PATCH_ROWS, is_int
+from hwgraph.budgets import MAX_PATCH_ROWS, is_int, positive_ints
 from hwgraph.hostmem import pinned_copy
 
 Grid = tuple[tuple[int, int, int], ...]
@@ -318,10 +318,8 @@ def prepare_metadata(grid_thw, spatial_merge_size: int, num_grid_per_side: int) 
     so the change does not reach later calls). ``ValueError`` unless ``spatial_merge_size`` and ``num_grid_per_side``
     are positive ints: a float one built float indices and, equal to the int as a cache key, was handed to the
     tower's later calls."""
-    for name, value in (("spatial_merge_size", spatial_merge_size), ("num_grid_per_side", num_grid_per_side)):
-        if not is_int(value) or value < 1:
-            raise ValueError(f"prepare_metadata: {name} must be a positive int, got {value!r}")
-    merge, side = int(spatial_merge_size), int(num_grid_per_side)
+    merge, side = positive_ints("prepare_metadata", spatial_merge_size=spatial_merge_size,
+                                num_grid_per_side=num_grid_per_side)
     return grid_metadata(normalize_grid(grid_thw, merge), merge, side)
 
 
