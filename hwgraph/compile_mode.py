@@ -40,8 +40,8 @@ def own_code_copy(fn):
 
 def pin_triton_cache_dir(device: torch.device) -> str | None:
     """Set ``TRITON_CACHE_DIR``, where it is unset, to the folder inductor switches it to, and return it (None on the
-    CPU, where compiled code is not Triton's, or where this torch has no such folder or cannot make it, which
-    is logged). A variable set empty counts as unset.
+    CPU, where compiled code is not Triton's, or where this torch has no such folder or cannot make or write it,
+    which is logged). A variable set empty counts as unset.
 
     Inductor sets the variable for the whole process when it first loads one of its Triton kernels
     (``CachingAutotuner``), so hwgraph's own Triton kernels (attention, rotary, LayerNorm) were cached in Triton's
@@ -60,6 +60,12 @@ def pin_triton_cache_dir(device: torch.device) -> str | None:
 
         # The graph backend's device, which names its index (torch.cuda backends resolve "cuda" to the current one).
         folder = triton_cache_dir(device.index if device.index is not None else 0)
+        # Pinned to a folder Triton cannot write (a read-only inductor cache), every Triton kernel of the process
+        # would fail to compile, hwgraph's own in plain captures and eager calls too: only inductor's compiles, which
+        # fall back, may fail for it.
+        os.makedirs(folder, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(f"{folder} is not writable")
     except ImportError:  # another torch layout: inductor's own switch still applies
         return None
     except OSError as exc:  # inductor's cache folder cannot be made (on import, or now): its compiles fail and fall
