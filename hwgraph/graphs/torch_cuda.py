@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -145,6 +146,10 @@ class TorchCudaGraphBackend(GraphBackend):
     #: Process environment variables set while a graph is captured, after the warm-up, each unless the process has
     #: set it itself (``environment_defaults``); the CUDA plugin's says how cuBLASLt picks its kernels.
     capture_environment: ClassVar[Mapping[str, str]] = {}
+    #: id of a runtime namespace with sync guards open -> [how many, in every thread; the sync debug mode the first one
+    #: found]; changed only under ``_sync_guards_lock``. The mode is process-wide: restored when the last guard ends.
+    _sync_guards: ClassVar[dict[int, list]] = {}
+    _sync_guards_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, device: torch.device | str | None = None, mode: str | None = None):
         super().__init__(device, mode)
@@ -352,7 +357,10 @@ class TorchCudaGraphBackend(GraphBackend):
         """Raise ``HostSyncError`` on a device-to-host synchronisation inside the block.
 
         Uses the runtime's sync debug mode where it has one (it is process-wide: other threads see it too while the
-        block runs); otherwise the CPU backend's guard, which rejects the host-reading tensor methods.
+        block runs); otherwise the CPU backend's guard, which rejects the host-reading tensor methods. Re-entrant and
+        safe to enter and leave from several threads, as that guard is: the first guard in sets the mode, the last one
+        out restores the mode the first one found (each restoring what it found left the mode off while another
+        thread's guard was still open, and "error" for the whole process once both had ended).
         """
         runtime = self.runtime()
         set_mode = getattr(runtime, "set_sync_debug_mode", None)
@@ -361,10 +369,20 @@ class TorchCudaGraphBackend(GraphBackend):
             with RejectHostReads():
                 yield
             return
-        previous = get_mode()
-        set_mode("error")
+        guards, lock = TorchCudaGraphBackend._sync_guards, TorchCudaGraphBackend._sync_guards_lock
+        with lock:
+            # By id (a runtime need not be hashable); the entry lives only while a guard, holding the runtime, is open
+            state = guards.setdefault(id(runtime), [0, None])
+            if state[0] == 0:
+                state[1] = get_mode()
+                set_mode("error")
+            state[0] += 1
         try:
             with _TranslateSyncErrors():
                 yield
         finally:
-            set_mode(previous)
+            with lock:
+                state[0] -= 1
+                if state[0] == 0:
+                    del guards[id(runtime)]
+                    set_mode(state[1])
