@@ -396,19 +396,29 @@ def gluon_tiles(max_seqlen: int, head_dim: int, num_seqs: int | None = None) -> 
     Device time per call on the H200 (16 heads of 72, bf16, ms; ``benchmarks/attention_gluon.py --tiles``,
     ``docs/benchmarks.md``): the ping-pong kernel (``PINGPONG_TILES``) from ``PINGPONG_FROM`` rows, or from
     ``PINGPONG_FROM_ONE_SEQUENCE`` with one slot, where its ring fits shared memory (``pingpong_fits``: up to 96
-    lanes a head); on 256-row q tiles (``PINGPONG_WIDE_TILES``) from ``PINGPONG_WIDE_FROM`` rows. Else from 1024
-    rows 128x64 tiles with 8 warps and 3 stages, 0.229 for one sequence of 4096 (128x128: 0.309 with 4 stages; the
-    Triton TMA kernel 0.269), 0.066 for 4x784 and 2048 in 2048 (session 8). They
+    lanes a head) and q's first part ends within the head (``pingpong_head``: not at 56 lanes); on 256-row q tiles
+    (``PINGPONG_WIDE_TILES``) from ``PINGPONG_WIDE_FROM`` rows. Else from 1024 rows 128x64 tiles with 8 warps and 3
+    stages, 0.229 for one sequence of 4096 (128x128: 0.309 with 4 stages; the Triton TMA kernel 0.269), 0.066 for
+    4x784 and 2048 in 2048 (session 8). They
     take 114 registers a thread and 82 KB of shared memory, so two programs fit on one SM (128x128: 164 registers,
     143 KB, one program). Below, 64x64 tiles with 4 warps and 3 stages: 0.0088 for 196 patches in 256 rows (the TMA
     kernel 0.0098)."""
     start = PINGPONG_FROM_ONE_SEQUENCE if num_seqs == 1 else PINGPONG_FROM
-    if max_seqlen >= start and pingpong_fits(head_dim, PINGPONG_TILES):
+    if max_seqlen >= start and pingpong_head(head_dim) and pingpong_fits(head_dim, PINGPONG_TILES):
         if max_seqlen >= PINGPONG_WIDE_FROM and head_dim <= PINGPONG_WIDE_MAX_HEAD_DIM \
                 and pingpong_fits(head_dim, PINGPONG_WIDE_TILES):
             return PINGPONG_WIDE_TILES
         return PINGPONG_TILES
     return GluonTiles(128, 64, 8, 3) if max_seqlen >= 1024 else GluonTiles(64, 64, 4, 3)
+
+
+def pingpong_head(head_dim: int) -> bool:
+    """Whether the ping-pong kernel takes heads of ``head_dim`` lanes: q's first part (``head_split``) no wider than
+    the head. Its producer loads q by TMA in boxes of that width and zeroes only the second part's lanes past the
+    head (``mark_q``), and its consumers store the first part's lanes by TMA: with one part wider than the head (56
+    lanes in a part of 64; 24 in 32, whose outputs were wrong on the H100 in session 56) q.k would add the next
+    head's first lanes and the store would overwrite them in the next head's output."""
+    return head_split(head_dim)[0] <= head_dim
 
 
 def pingpong_fits(head_dim: int, tiles: GluonTiles, q_buffers: int = 1) -> bool:
@@ -479,6 +489,9 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     if tiles.maxnreg is None:
         raise ValueError(f"the ping-pong kernel needs maxnreg (registers per thread at launch, e.g. 168 for its 12 "
                          f"warps), got tiles {tiles}")
+    if not pingpong_head(head_dim):
+        raise ValueError(f"the ping-pong kernel cannot take heads of {head_dim} lanes: q's first part is {d_a} lanes "
+                         f"wide, past the head (pingpong_head); use the tiles of hopper_attention_kernel")
     from hwgraph.attention.gluon_pingpong import hopper_attention_pingpong_kernel
 
     for name, t in (("q", q), ("out", out)):

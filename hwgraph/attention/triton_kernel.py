@@ -11,10 +11,10 @@ sequence's end do nothing. The extra last slot ``s == num_seqs`` zeroes the rows
 ``cu_seqlens`` whose sequences fit in ``max_seqlen``.
 
 Two kernels share that grid. ``varlen_attention_kernel`` loads k and v through pointers and runs everywhere Triton
-does (ROCm, the interpreter, fp32, any strides). On Hopper (CUDA, compute capability 9.0 or newer), for fp16 and
-bf16 with TMA-aligned k and v, ``varlen_attention_tma_kernel`` loads them through TMA descriptors instead. On the
-H200, one sequence of 4096 patches (16 heads of 72, bf16) takes 0.271 ms with it, 0.614 with the pointer kernel
-and 0.351 with ATen's flash kernel (``benchmarks/attention_hd72.py``, ``docs/benchmarks.md``).
+does (ROCm, the interpreter, fp32, any strides). On Hopper (CUDA, compute capability 9.x or 10.x: ``has_tma``),
+for fp16 and bf16 with TMA-aligned k and v, ``varlen_attention_tma_kernel`` loads them through TMA descriptors
+instead. On the H200, one sequence of 4096 patches (16 heads of 72, bf16) takes 0.271 ms with it, 0.614 with the
+pointer kernel and 0.351 with ATen's flash kernel (``benchmarks/attention_hd72.py``, ``docs/benchmarks.md``).
 
 On Hopper itself (compute capability 9.x, Triton with Gluon) kernels written in Gluon serve the same calls outside
 ``TMA_OVER_GLUON``: they order their asynchronous MMAs around the softmax themselves. From 2048 rows (and from
@@ -369,8 +369,9 @@ MIN_FAST_HEAD_DIM = 32  # the narrowest head the TMA and Gluon kernels take (use
 
 def uses_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a call takes the TMA kernel (and with it, where ``gluon_fits``, the Gluon kernels): NVIDIA Hopper or
-    newer, fp16/bf16, a head of at least 32 lanes and a multiple of 16 bytes, and k and v addressable by TMA
-    descriptors (16-byte aligned base and token stride, heads adjacent: one row of ``heads * head_dim`` lanes).
+    datacenter Blackwell (``has_tma``), fp16/bf16, a head of at least 32 lanes and a multiple of 16 bytes, and k and v
+    addressable by TMA descriptors (16-byte aligned base and token stride, heads adjacent: one row of
+    ``heads * head_dim`` lanes).
     Other heads take the pointer kernel. On an H100 (session 56) the TMA and Gluon kernels crashed ("an illegal
     instruction", which leaves the process's CUDA context unusable) at head dims 4, 12, 20 and 36 in bf16, and the
     ping-pong kernel gave wrong outputs at head dim 24 in a 4096-row budget; the CUDA tests check them at head dims
@@ -395,8 +396,12 @@ def tma_rows(t: torch.Tensor) -> bool:
 
 @functools.cache
 def has_tma(device_index: int) -> bool:
-    """Compute capability 9.0 or newer (asked once per device: the launcher runs on every eager call)."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    """Compute capability 9.x or 10.x (asked once per device: the launcher runs on every eager call): TMA, and the
+    227 KB of shared memory a program may take that the TMA kernel's tiles need (Triton 3.9 builds its 128x128 tiles,
+    from 1024 rows, with 176 KB at 72 lanes a head for sm_90 and 124 KB for sm_120). Compute capability 12.x
+    (consumer Blackwell) has TMA but 99 KB a program: Triton would refuse those launches ("out of resource: shared
+    memory"), so it takes the pointer kernel, as do the unmeasured others."""
+    return 9 <= torch.cuda.get_device_capability(device_index)[0] <= 10
 
 
 # max_seqlen in [low, high): the Triton TMA kernel measured faster than the Gluon one on the H200 (ms per call,

@@ -344,18 +344,19 @@ def test_torch_sdpa_takes_a_head_dim_over_256_on_the_gpu_and_the_tower_chooses_i
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [4, 12, 20, 36, 24, 32])
+@pytest.mark.parametrize("head_dim", [4, 12, 20, 36, 24, 32, 56, 104])
 def test_triton_attn_serves_narrow_heads_and_heads_that_are_not_a_multiple_of_16_bytes(head_dim, dtype):
     """At head dims 4, 12, 20 and 36 in 16-bit dtypes the TMA and Gluon kernels crashed the H100 ("an illegal
     instruction"), and at 24 the ping-pong kernel's outputs were wrong in a 4096-row budget (session 56); ``uses_tma``
     sends heads below 32 lanes, and those not a multiple of 16 bytes, to the pointer kernel. Every budget size
-    matches the reference, 32 lanes (the narrowest head of the fast kernels) included."""
+    matches the reference, 32 lanes (the narrowest head of the fast kernels) included, and 56 and 104 lanes, whose
+    first MMA part is wider than the head (``pingpong_head``: the ping-pong kernel no longer takes 56)."""
     from hwgraph.attention.triton_kernel import MIN_FAST_HEAD_DIM, uses_tma
 
     for max_seqlen, lengths in ((256, [200, 49, 1]), (1024, [1000, 24]), (4096, [3000, 700, 9])):
         batch = random_packed_batch(lengths, HEADS, head_dim, zero_length=1, padding_rows=17, max_seqlen=max_seqlen,
                                     dtype=dtype, device="cuda", seed=head_dim)
-        fast = head_dim >= MIN_FAST_HEAD_DIM and head_dim % 8 == 0 and torch.cuda.get_device_capability()[0] >= 9
+        fast = head_dim >= MIN_FAST_HEAD_DIM and head_dim % 8 == 0 and 9 <= torch.cuda.get_device_capability()[0] <= 10
         assert uses_tma(batch.q, batch.k, batch.v) is fast
         assert_matches_reference(TRITON_ATTN.load()(*batch.args()), batch)
         torch.cuda.synchronize()
