@@ -10,7 +10,10 @@ def matplotlib_missing() -> str | None:
     try:
         import matplotlib  # noqa: F401
     except Exception as exc:
-        return f"matplotlib is not installed ({type(exc).__name__}: {exc}); pip install 'hwgraph[plot]'"
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "matplotlib":
+            return f"matplotlib is not installed ({type(exc).__name__}: {exc}); pip install 'hwgraph[plot]'"
+        # installed but broken (a numpy it was not built for, a missing dependency): installing it again won't do
+        return f"matplotlib is installed but failed to import ({type(exc).__name__}: {exc})"
     return None
 
 

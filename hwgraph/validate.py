@@ -1,8 +1,9 @@
 """``hwgraph validate``: the conformance suite and a short benchmark on what is detected, as one report.
 
 Writes ``report.md``, ``report.json`` and ``latency.png`` (plus pytest's ``conformance.log``) into the report folder.
-Exit status 1 when any conformance check fails or errors (each failing check is named on stderr), 0 otherwise; 2,
-before anything runs, for a bad argument, a missing pytest or a graph backend that cannot be chosen.
+Exit status 1 when any conformance check fails or errors (each failing check is named on stderr) or the reports cannot
+be written, 0 otherwise; 2, before anything runs, for a bad argument, a missing pytest or a graph backend that cannot
+be chosen.
 """
 
 from __future__ import annotations
@@ -135,7 +136,10 @@ def verdict(conformance: dict, requested: list[str] | None = None) -> tuple[bool
         reasons = sorted({r["message"] for r in conformance["results"] if r["outcome"] == "skipped"})
         return False, "FAIL: no conformance check ran" + (f" ({'; '.join(reasons)})" if reasons else "")
     for name in (kernel_named(n).name for n in requested or ()):
-        own = [r for r in conformance["results"] if re.search(rf"\[[^\]]*-{name}-", r["check"])]
+        # a case id is "backend[-mode]-KERNEL-dtype[-param]": the kernel is what stands before the dtype, so that a
+        # kernel "FA" is not credited with "FA-2"'s checks, nor a name holding "+" or "(" read as a pattern
+        case = re.compile(rf"\[[^\]]*-{re.escape(name)}-b?float\d+[\]-]")
+        own = [r for r in conformance["results"] if case.search(r["check"])]
         if not any(r["outcome"] == "passed" for r in own):
             reasons = sorted({r["message"] for r in own if r["outcome"] == "skipped"})
             why = "; ".join(reasons) if reasons else "the suite has no case for it on this machine"
@@ -222,22 +226,47 @@ def cmd_validate(args) -> int:
               "conformance": conformance, "bench": bench, "bench_error": bench_error,
               "plot": {"path": "latency.png"} if plot_note is None else {"skipped": plot_note},
               "seconds": round(time.perf_counter() - started, 1)}
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    (out / "report.md").write_text(validation_markdown(report))
-    print(f"{summary}\nreport: {out / 'report.md'} (also report.json"
-          f"{', latency.png' if plot_note is None else ''}, conformance.log)")
+    try:
+        write_reports(out, {"report.json": json.dumps(report, indent=2, default=str),
+                            "report.md": validation_markdown(report)})
+        unwritten = None
+    except OSError as exc:  # a full disk after the whole run: the verdict and why, not a traceback (nor a half PASS)
+        unwritten = f"--report {args.report!r}: could not write report.json and report.md: {exc.strerror or exc}"
+    if unwritten is None:
+        print(f"{summary}\nreport: {out / 'report.md'} (also report.json"
+              f"{', latency.png' if plot_note is None else ''}, conformance.log)")
+    else:
+        print(summary)
     if plot_note is not None:
         print(f"latency.png not written: {plot_note}")
     for r in failing_checks(conformance):
         print(f"hwgraph validate: conformance check {r['outcome']}: {r['check']}: {r['message']}", file=sys.stderr)
+    if unwritten is not None:  # a CI job that keeps the report must not pass without it
+        print(f"hwgraph validate: {unwritten}", file=sys.stderr)
+        return 1
     return 0 if ok else 1
+
+
+def write_reports(out: Path, texts: dict[str, str]) -> None:
+    """Write each of ``texts`` (file name -> text) into ``out`` through a temporary file beside it, every one before
+    any is renamed into place: a failure (a full disk) leaves neither a truncated report nor one without the other."""
+    partials = {name: out / f".{name}.partial" for name in texts}
+    try:
+        for name, partial in partials.items():
+            partial.write_text(texts[name])
+        for name, partial in partials.items():
+            partial.replace(out / name)
+    finally:
+        for partial in partials.values():
+            partial.unlink(missing_ok=True)
 
 
 def register_cli(sub) -> None:
     p = sub.add_parser("validate", help="conformance suite + short benchmark -> report.md, report.json, latency.png",
-                       epilog="Exit status 0 when the suite passes; 1 when a check fails, none ran, or none of a "
-                              "kernel named by --attention ran; 2, before anything runs, for a bad option, a missing "
-                              "pytest (pip install 'hwgraph[test]') or a graph backend that cannot be chosen.")
+                       epilog="Exit status 0 when the suite passes; 1 when a check fails, none ran, none of a "
+                              "kernel named by --attention ran, or the report cannot be written; 2, before anything "
+                              "runs, for a bad option, a missing pytest (pip install 'hwgraph[test]') or a graph "
+                              "backend that cannot be chosen.")
     p.add_argument("--report", default="hwgraph-report", metavar="DIR", help="output folder (default hwgraph-report)")
     p.add_argument("--backend", help="graph backend to validate (default: the one hwgraph chooses here)")
     p.add_argument("--graph-mode", help="its graph mode (default: its first; npu: aclgraph or torchair)")
