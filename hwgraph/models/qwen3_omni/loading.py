@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from hwgraph.dtypes import graph_dtype
 from hwgraph.models.qwen3_omni.config import vision_config_from_dict
 
 # Where the tower's tensors live: a full Qwen3-Omni checkpoint, a tower saved alone, or a bare state dict; and a raw
@@ -98,23 +99,41 @@ def read_vision_tensors(folder: Path, expected: dict[str, torch.Size], device: t
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[prefix + name], []).append(name)
-    tensors, wrong = {}, []
+    tensors, wrong, not_float = {}, [], []
     for file, names in by_file.items():
         with opened(file, str(device)) as f:
+            # An index naming a file that lacks the tensor: safetensors' "File does not contain tensor" named neither
+            absent = {prefix + name for name in names} - set(f.keys())
+            if absent:
+                raise CheckpointError(f"{folder / INDEX_FILE} maps {len(absent)} tensor(s) to {file.name}, which does "
+                                      f"not hold them: [{shorten(absent)}]")
             for name in names:
                 shape = torch.Size(f.get_slice(prefix + name).get_shape())
                 if shape != expected[name]:
                     wrong.append(f"{name} {tuple(shape)} (tower {tuple(expected[name])})")
                     continue
                 tensor = f.get_tensor(prefix + name)
+                if not tensor.is_floating_point():  # quantized integers: a cast to dtype gave their raw values
+                    not_float.append(f"{name} ({str(tensor.dtype).removeprefix('torch.')})")
+                    continue
                 tensors[name] = tensor if dtype is None else tensor.to(dtype)
     if wrong:
         raise CheckpointError(f"checkpoint {folder} has tensors of the wrong shape (is config.json the one "
                               f"of these weights?): {shorten(wrong)}")
+    if not_float:
+        raise CheckpointError(f"checkpoint {folder} holds tower tensors that are not floating point (a quantized "
+                              f"checkpoint?): {shorten(not_float)}")
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     if len(dtypes) > 1:
         raise CheckpointError(f"checkpoint {folder} mixes dtypes {', '.join(dtypes)} in the tower's tensors: pass "
                               f"dtype= to load them in one")
+    if dtype is None and tensors:
+        try:  # a float8 checkpoint built a float8 tower, which no attention kernel or matmul here runs
+            graph_dtype(next(iter(tensors.values())).dtype)
+        except ValueError:
+            raise CheckpointError(f"checkpoint {folder} holds the tower's tensors in {dtypes[0]}, which the tower "
+                                  f"does not run in: pass dtype= (float32, bfloat16, float16 or float64) to cast "
+                                  f"them") from None
     return tensors
 
 
@@ -124,7 +143,8 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attenti
     config.json may be a full Qwen3-Omni config, a thinker config or a vision-only config; tensors may sit
     under ``thinker.visual.``, ``visual.`` (``thinker.model.visual.``, ``model.visual.``: a transformers module's raw
     ``state_dict()``) or no prefix. ``dtype`` None keeps the checkpoint's dtype; ``device``
-    defaults to the CPU. Missing, unexpected or misshapen tensors raise ``CheckpointError`` listing them.
+    defaults to the CPU. Missing, unexpected, misshapen or integer tensors raise ``CheckpointError`` listing them,
+    as does, with ``dtype`` None, a checkpoint in a dtype the tower does not run in (float8).
     """
     from hwgraph.platform import checked_device
 
@@ -143,8 +163,6 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attenti
         raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
     config = vision_config_from_dict(data)
     if dtype is not None:
-        from hwgraph.dtypes import graph_dtype
-
         dtype = graph_dtype(dtype)  # "bfloat16" or a floating-point dtype; anything else names the accepted ones
     with torch.device("meta"):
         tower = tower_cls(config, attention=attention)
