@@ -46,9 +46,12 @@ def mapped_library(stem: str) -> str | None:
     """The path of a loaded shared library whose file name starts with ``stem`` (Linux), else None."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if f"/{stem}" in line})
+            # the path is the sixth field and may hold spaces (a venv under "My Projects"); one whose file was
+            # replaced on disk since it was mapped is followed by " (deleted)"
+            fields = [line.rstrip("\n").split(maxsplit=5) for line in maps]
     except OSError:
         return None
+    paths = sorted({f[5].removesuffix(" (deleted)") for f in fields if len(f) == 6 and f"/{stem}" in f[5]})
     return paths[0] if paths else None
 
 
@@ -62,9 +65,12 @@ def cublaslt() -> tuple[ctypes.CDLL | None, str]:
     if not torch.cuda.is_available():
         return None, "no CUDA device is visible"
     if mapped_library("libcublasLt.so") is None:  # torch loads cuBLAS and cuBLASLt at its first product
-        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
-        torch.addmm(a[0], a, a)
-        torch.cuda.synchronize()
+        try:
+            a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+            torch.addmm(a[0], a, a)
+            torch.cuda.synchronize()
+        except RuntimeError as exc:  # a gate gives reasons: a device that cannot run a product is one
+            return None, f"a bf16 addmm on CUDA, run to load cuBLASLt, failed: {type(exc).__name__}: {exc}"
     path = mapped_library("libcublasLt.so")
     if path is None:
         return None, "no libcublasLt.so is mapped into this process after a bf16 addmm on CUDA"

@@ -247,7 +247,8 @@ class MeasuredProducts:
                 reason = "cuBLASLt no longer accepts its algorithm for these operands"
             else:
                 exact, bound = self.accuracy(x, weight, bias, gelu)
-                if relative_error(descriptor.run(algo, x, weight, x.new_empty(exact.shape)), exact) <= bound:
+                # NaN where the run writes nothing: a fresh block may be the one ATen's result was just freed from
+                if relative_error(descriptor.run(algo, x, weight, x.new_full(exact.shape, math.nan)), exact) <= bound:
                     return Choice(algo, cublaslt.describe_algo(self.lib, algo), aten_us, chosen_us, recalled=True)
                 reason = "its algorithm is less accurate than ATen's call"
         except Exception as exc:  # a choice that cannot be checked is measured again
@@ -304,9 +305,12 @@ class MeasuredProducts:
     def errors(descriptor: cublaslt.LtProduct, algos: list[cublaslt.Algo], x, weight, exact,
                out) -> list[tuple[cublaslt.Algo, float]]:
         """Each configuration's ``relative_error`` against ``exact``, computed on the device with one host read.
-        Configurations that cuBLASLt accepted but will not run without a workspace are left out."""
+        Configurations that cuBLASLt accepted but will not run without a workspace are left out. ``out`` is set to NaN
+        before each run, so a configuration that leaves any of it unwritten is not graded on the previous one's
+        result: its error is NaN, never within a bound."""
         want, ran, norms = exact.float(), [], []
         for algo in algos:
+            out.fill_(math.nan)
             try:
                 norms.append(torch.linalg.vector_norm(descriptor.run(algo, x, weight, out).float() - want))
             except RuntimeError:  # cublasLtMatmul's status: nothing was launched

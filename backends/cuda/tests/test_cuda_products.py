@@ -286,7 +286,8 @@ def test_errors_leave_out_configurations_that_do_not_run(monkeypatch):
     x, weight = torch.zeros(5, 4, dtype=bf16), torch.zeros(6, 4, dtype=bf16)
     out, exact = torch.ones(5, 6, dtype=bf16), torch.full((5, 6), 2.0, dtype=torch.float64)
     errors = products.MeasuredProducts.errors(product, algos, x, weight, exact, out)
-    assert [(a.data[1], e) for a, e in errors] == [(20, 0.5), (21, 0.5)]  # ||1 - 2|| / ||2||
+    assert [a.data[1] for a, _ in errors] == [20, 21]
+    assert all(math.isnan(e) for _, e in errors)  # the fake writes nothing: out holds the NaN set before each run
     assert products.MeasuredProducts.errors(product, algos[1:2], x, weight, exact, out) == []
 
 
