@@ -85,8 +85,8 @@ def scale_keyword() -> str:
 
 #: SoC versions (``torch_npu.npu.get_soc_version()``) of chips whose torch_npu lacks this kernel in layout TND: its API
 #: reference lists Atlas A2 (Ascend910B1-B4, 220-225) and Atlas A3 (250-255) only. Others, newer ones included,
-#: are not refused.
-UNSERVED_SOCS = ((range(100, 105), "a first-generation Ascend 910"), (range(200, 205), "an Ascend 310P"),
+#: are not refused. torch_npu's SocVersion numbers the 310P from 200 up: 310P5 is 204, 310P7 205 or 206 (by release).
+UNSERVED_SOCS = ((range(100, 105), "a first-generation Ascend 910"), (range(200, 207), "an Ascend 310P"),
                  (range(240, 244), "an Ascend 310B"))
 
 
