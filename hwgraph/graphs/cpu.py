@@ -9,6 +9,7 @@ up on CPU exactly as they would on a device.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 import weakref
 from collections.abc import Callable
@@ -85,7 +86,19 @@ class RejectHostReads:
     ``torch.equal``...) read it back before they return, and CUDA's sync debug mode rejects them too (capturing one
     fails): they are replaced on ``torch.Tensor`` and in ``torch`` alike (``DATA_DEPENDENT``; ``torch.where`` with only
     a condition, a boolean-mask index and ``repeat_interleave`` without ``output_size`` by wrappers that reject
-    only those calls).
+    only those calls). So are the tensor methods that read a tensor's value back in C++, where no replaced method
+    sees it: a 0-dim index tensor (``t[i]``: its value picks the element), a tensor ``value`` of ``masked_fill``, and a
+    boolean mask in ``index_put_`` or in an assignment ``t[mask] = v`` (its ``nonzero()`` size). Not ``t[mask] = 1.0``
+    with one mask and a Python number: torch makes that a ``masked_fill_`` of a host scalar, with no read.
+
+    Two reads are let through. A tensor where a ``torch`` function wants a number (``torch.arange(n)``,
+    ``torch.full(size, v)``) is read in C++ before the function runs, so only a replaced ``torch.arange`` could see
+    it, and torch.compile guards on the identity of the ``torch`` functions a compiled forward calls: replacing
+    ``torch.arange`` recompiles the tower on the replay path (Tensor methods carry no such guard, so those above and
+    ``masked_fill``/``index_put_`` are replaced only as methods). And ``copy_``, although a blocking copy between
+    host and device synchronises on CUDA: it names no device, and the emulated device's static buffers are filled
+    (and replay's outputs written) by blocking ``copy_`` between CPU tensors, which no guard can tell from a copy to
+    the host.
     """
 
     FORBIDDEN = {
@@ -149,8 +162,21 @@ class RejectHostReads:
         out += [(owner, name, cls._rejecting(what)) for name, what in cls.DATA_DEPENDENT.items()
                 for owner in (tensor, torch) if hasattr(owner, name)]
         out.append((tensor, "__getitem__", cls._rejecting_calls(
-            tensor.__getitem__, "a boolean-mask index (its size is read back)",
-            lambda self, index: any(is_mask(i) for i in (index if isinstance(index, tuple) else (index,))))))
+            tensor.__getitem__, "a boolean-mask or 0-dim tensor index (its size or value is read back)",
+            lambda self, index: any(is_mask(i) or is_scalar_index(i) for i in index_parts(index)))))
+        out.append((tensor, "__setitem__", cls._rejecting_calls(
+            tensor.__setitem__, "an assignment through a 0-dim tensor index or a boolean mask, other than one mask "
+            "given a Python number (its size or value is read back)",
+            lambda self, index, value: assignment_reads_back(index, value))))
+        out += [(tensor, name, cls._rejecting_calls(
+            getattr(tensor, name), f"{name}() with a boolean-mask index (its size is read back)",
+            lambda self, *args, **kwargs: holds_a_mask(args[0] if args else kwargs.get("indices"))))
+            for name in ("index_put_", "index_put")]
+        out += [(tensor, name, cls._rejecting_calls(
+            getattr(tensor, name), f"{name}() with a tensor value (its value is read back)",
+            lambda self, *args, **kwargs: isinstance(args[1] if len(args) > 1 else kwargs.get("value"),
+                                                     torch.Tensor)))
+            for name in ("masked_fill", "masked_fill_")]
         out.append((torch, "where", cls._rejecting_calls(
             torch.where, "torch.where(condition) (its size is read back)",
             lambda *args, **kwargs: len(args) + len(kwargs) == 1)))
@@ -191,6 +217,40 @@ class RejectHostReads:
 def is_mask(index) -> bool:
     """Whether an index is a boolean (or uint8, which torch reads as boolean) tensor mask."""
     return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def index_parts(index) -> tuple:
+    """The parts of a subscript: a tuple's items, or the index itself."""
+    return index if isinstance(index, tuple) else (index,)
+
+
+def is_scalar_index(index) -> bool:
+    """Whether an index is a 0-dim integer tensor: torch reads its value back to pick the element."""
+    return isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point() \
+        and not index.is_complex()
+
+
+def assignment_reads_back(index, value) -> bool:
+    """Whether ``tensor[index] = value`` reads a device value back: a 0-dim index tensor (its value), or a boolean mask
+    (its ``nonzero()`` size in ``index_put_``) unless the mask is the index's only advanced part and ``value`` a
+    number: torch then makes the value a host scalar and calls ``masked_fill_`` (``t[mask] = 1.0`` does not sync)."""
+    parts = index_parts(index)
+    if any(is_scalar_index(i) for i in parts):
+        return True
+    if not any(is_mask(i) for i in parts):
+        return False
+    return isinstance(value, torch.Tensor) or sum(not is_basic_index(i) for i in parts) > 1
+
+
+def is_basic_index(index) -> bool:
+    """Whether a part of a subscript selects without an index tensor: an int, a slice, ``None`` or ``...``."""
+    return index is None or index is Ellipsis or isinstance(index, slice) or \
+        (isinstance(index, numbers.Integral) and not isinstance(index, bool))
+
+
+def holds_a_mask(indices) -> bool:
+    """Whether ``index_put_``'s indices hold a boolean mask (expanded with ``nonzero()``)."""
+    return isinstance(indices, (tuple, list)) and any(is_mask(i) for i in indices)
 
 
 def repeats_read_back(repeats, kwargs: dict) -> bool:
