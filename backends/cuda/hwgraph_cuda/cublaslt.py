@@ -252,11 +252,12 @@ class LtProduct:
     def run(self, algo: Algo, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
             workspace: torch.Tensor | None = None):
         """``out`` = the product of ``x`` and ``weight`` (the shape and the bias the descriptors were made for) with
-        ``algo``, on the current stream (captured if that stream captures)."""
+        ``algo``, on the current stream (captured if that stream captures). ``workspace``: any tensor on the device,
+        whose bytes cuBLASLt may use."""
         a, b, d = self.layouts
         d_ptr = ctypes.c_void_p(out.data_ptr())
         ws_ptr, ws_bytes = (None, 0) if workspace is None else \
-            (ctypes.c_void_p(workspace.data_ptr()), workspace.numel())
+            (ctypes.c_void_p(workspace.data_ptr()), workspace.numel() * workspace.element_size())
         check(self.lib.cublasLtMatmul(
             self.handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(weight.data_ptr()), a,
             ctypes.c_void_p(x.data_ptr()), b, ctypes.byref(self.beta), d_ptr, d, d_ptr, d, ctypes.byref(algo),

@@ -140,3 +140,22 @@ def test_a_device_that_cannot_run_the_probing_product_is_a_reason_not_a_raise(mo
         cublaslt.cublaslt.cache_clear()
     assert support.reasons == ("a bf16 addmm on CUDA, run to load cuBLASLt, failed: RuntimeError: CUDA error: "
                                "CUDA-capable device(s) is/are busy or unavailable",)
+
+
+def test_a_workspace_is_given_to_cublaslt_in_bytes(monkeypatch):
+    """``run`` told cuBLASLt the workspace's element count as its size in bytes: a float32 workspace was taken for a
+    quarter of what it holds."""
+    seen = {}
+
+    def matmul(*args):
+        seen["bytes"] = args[-2]
+        return 0
+
+    product = object.__new__(cublaslt.LtProduct)
+    product.lib, product.handle, product.desc = SimpleNamespace(cublasLtMatmul=matmul), None, None
+    product.layouts, product.alpha, product.beta = [None] * 3, 1.0, 0.0
+    monkeypatch.setattr(cublaslt.ctypes, "byref", lambda value: value)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=0))
+    x, w, _ = operands()
+    product.run(algo(1), x, w, x.new_empty(8, 4), workspace=torch.empty(256, dtype=torch.float32))
+    assert seen["bytes"] == 1024
