@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend
 from hwgraph.testing.simulate import FakeGraphRuntime
+from hwgraph.testing.threads import first_leaves_while_second_is_inside
 
 
 class SyncDebugRuntime(FakeGraphRuntime):
@@ -39,38 +38,7 @@ def test_sync_guards_of_two_threads_keep_the_mode_on_until_the_last_ends_and_the
     runtime = SyncDebugRuntime()
     runtime.debug_mode = 1  # the process's own choice ("warn"), restored at the end
     backend = backend_on(runtime)
-    first_in, second_in, first_out, second_may_leave = (threading.Event() for _ in range(4))
-    seen, errors = {}, []
-
-    def first():
-        try:
-            with backend.sync_guard():
-                first_in.set()
-                second_in.wait(5)
-        except BaseException as exc:  # noqa: BLE001 (reported by the main thread)
-            errors.append(exc)
-        finally:
-            first_out.set()
-
-    def second():
-        try:
-            first_in.wait(5)
-            with backend.sync_guard():
-                second_in.set()
-                first_out.wait(5)
-                seen["while the second is still open"] = runtime.debug_mode
-                second_may_leave.wait(5)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=first), threading.Thread(target=second)]
-    for thread in threads:
-        thread.start()
-    threads[0].join(5)
-    second_may_leave.set()
-    threads[1].join(5)
-    assert not errors
-    assert seen == {"while the second is still open": 2}
+    assert first_leaves_while_second_is_inside(backend.sync_guard, lambda: runtime.debug_mode) == 2
     assert runtime.debug_mode == 1
 
 
