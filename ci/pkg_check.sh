@@ -4,9 +4,11 @@
 # with --find-links, and checks that the rocm backend is discovered through its entry point (and cuda/npu are not,
 # since only the rocm extra was asked for).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 if [ $# != 1 ] || [ -z "$1" ]; then echo "ci/pkg_check.sh: expected WORKDIR (emptied first), got: $*" >&2; exit 2; fi
-WORK="$1"; rm -rf "$WORK"; mkdir -p "$WORK/wheels"
+# Absolute, from where it is called: the script moves into the checkout, and later into WORKDIR itself.
+WORK="$1"; [[ "$WORK" = /* ]] || WORK="$PWD/$WORK"
+cd "$(dirname "$0")/.."
+rm -rf "$WORK"; mkdir -p "$WORK/wheels"
 PIP="python -m pip --disable-pip-version-check -q"
 for dist in . backends/cuda backends/rocm backends/npu; do
   $PIP wheel --no-deps --no-build-isolation -w "$WORK/wheels" "$dist"
