@@ -9,11 +9,18 @@ PACKAGES = ("hwgraph", "torch", "transformers", "numpy", "triton", "flash-attn",
             "pytest", "hwgraph-backend-cuda", "hwgraph-backend-rocm", "hwgraph-backend-npu")
 
 
+# Distributions published under another name as well: aiter's setup.py names it "amd-aiter" in newer releases
+ALSO_NAMED = {"aiter": ("amd-aiter",)}
+
+
 def installed(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
+    """The installed version of distribution ``name`` (or of one of its other names), else None."""
+    for candidate in (name, *ALSO_NAMED.get(name, ())):
+        try:
+            return version(candidate)
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 def report_packages() -> tuple[str, ...]:
