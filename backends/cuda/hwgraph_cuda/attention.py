@@ -42,6 +42,12 @@ def flash_provider() -> tuple[str | None, tuple[str, ...]]:
     except Exception as exc:
         missing.append(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn ({exc})")
         return None, tuple(missing)
+    # A CUDA build compiled without its flash kernel (some Windows and Jetson wheels) still has the op and varlen_attn,
+    # which then fail at the first call. Read from the build, so it is False on CPU builds too: only a CUDA one counts.
+    if torch.backends.cuda.is_built() and not torch.backends.cuda.is_flash_attention_available():
+        missing.append(f"torch {torch.__version__} was built without its flash attention kernel "
+                       f"(torch.backends.cuda.is_flash_attention_available() is False)")
+        return None, tuple(missing)
     if hasattr(torch.ops.aten, "_flash_attention_forward"):
         return "aten", tuple(missing)
     return "torch", tuple(missing)
