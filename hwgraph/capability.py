@@ -19,6 +19,13 @@ class Capability:
 
     reasons: tuple[str, ...] = ()
 
+    def __post_init__(self):
+        # Capability("needs X") listed each letter as a reason ("n; e; e; d; s; ..."), and a list broke ``&``.
+        if not isinstance(self.reasons, (tuple, list)) or not all(isinstance(r, str) for r in self.reasons):
+            raise TypeError(f"a Capability's reasons are strings in a tuple, got {self.reasons!r} "
+                            f"(Capability.unavailable(reason, ...) makes one)")
+        object.__setattr__(self, "reasons", tuple(self.reasons))
+
     @property
     def ok(self) -> bool:
         return not self.reasons

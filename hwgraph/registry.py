@@ -55,10 +55,14 @@ class BackendSpec:
     def capability(self, platform: PlatformInfo | None = None) -> Capability:
         platform = platform or detect()
         try:
-            return self.gate(platform)
+            cap = self.gate(platform)
         except Exception as exc:  # a gate that crashes is a reason, not a crash
             log.debug("the %s gate failed", self.name, exc_info=True)  # its traceback, for the plugin's author
             return Capability.unavailable(f"the {self.name} gate failed: {type(exc).__name__}: {exc}")
+        if not isinstance(cap, Capability):  # a gate returning True or None crashed `hwgraph info` and every choice
+            return Capability.unavailable(f"the {self.name} gate returned {cap!r} ({type(cap).__name__}), "
+                                          f"expected a Capability")
+        return cap
 
     def device_refusal(self, device) -> str | None:
         """Why this backend cannot capture on ``device`` whatever the machine has, or None: a CPU (or meta) device
