@@ -53,3 +53,20 @@ def test_a_gate_making_a_capability_from_a_string_says_so_instead_of_listing_its
 def test_a_capability_made_from_a_list_is_a_tuple_and_combines():
     cap = Capability(["a", "b"]) & Capability.unavailable("b", "c")
     assert cap.reasons == ("a", "b", "c") and hash(cap) == hash(Capability(("a", "b", "c")))
+
+
+def test_a_kernel_whose_priority_on_raises_is_ranked_by_its_priority_and_choice_goes_on(caplog):
+    """``KernelSpec.rank`` called a plugin's ``priority_on`` unguarded: one that raised took automatic selection and
+    ``hwgraph info`` down with it, where a gate that raises is only a reason."""
+    import torch
+
+    from hwgraph.attention.base import KernelSpec
+
+    def broken(platform):
+        raise KeyError("arch")
+
+    spec = KernelSpec(name="TOY", impl_path="unused:toy", kinds=("cpu",), dtypes=(torch.float32,), head_dims=(1, 256),
+                      graph_safe=True, gate=lambda p: Capability.available(), priority=7, priority_on=broken)
+    with caplog.at_level("WARNING", logger="hwgraph.attention.base"):
+        assert spec.rank(cpu_platform()) == 7
+    assert "TOY's priority_on failed (KeyError: 'arch'); ranking it by its priority, 7" in caplog.text

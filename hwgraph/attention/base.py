@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import torch
 from hwgraph.budgets import is_int
 from hwgraph.capability import Capability
 from hwgraph.platform import PlatformInfo
+
+log = logging.getLogger(__name__)
 
 VarlenAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
@@ -58,8 +61,17 @@ class KernelSpec:
     reads_host_boundaries: bool = False
 
     def rank(self, platform: PlatformInfo) -> int:
-        """The kernel's priority on ``platform``: ``priority_on(platform)`` where given, else ``priority``."""
-        return self.priority if self.priority_on is None else int(self.priority_on(platform))
+        """The kernel's priority on ``platform``: ``priority_on(platform)`` where given, else ``priority``, which a
+        ``priority_on`` that raises (or returns no int) falls back to, logged: as with a gate, a plugin's error must
+        not take automatic selection and ``hwgraph info`` down with it."""
+        if self.priority_on is None:
+            return self.priority
+        try:
+            return int(self.priority_on(platform))
+        except Exception as exc:
+            log.warning("%s's priority_on failed (%s: %s); ranking it by its priority, %d", self.name,
+                        type(exc).__name__, exc, self.priority)
+            return self.priority
 
     def capability(self, platform: PlatformInfo, dtype: torch.dtype | None = None,
                    head_dim: int | None = None) -> Capability:
