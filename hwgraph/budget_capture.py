@@ -57,6 +57,10 @@ class BudgetGraph:
         slots = min(n for n in self.graphs if n >= num_seqs)
         return slots, self.graphs[slots]
 
+    def input_bytes(self) -> int:
+        """Device memory of the static input buffers (pixels and metadata) the budget's replays are filled into."""
+        return storage_bytes(self.pixels, *self.metadata.tensors().values())
+
     def release(self) -> None:
         for graph in self.graphs.values():
             graph.release()
@@ -133,7 +137,7 @@ def capture_budget(tower, backend, pool, budget: int, *, device: torch.device, s
         # Emptied first: a backend's own check of the capture (ROCm's eager rerun, check_replay) leaves blocks in
         # the allocator's cache, which are not the graphs'. Read before verifying, whose forwards do the same.
         backend.empty_cache()
-        entry.memory_bytes = backend.memory_in_use() - before + storage_bytes(pixels, *static_meta.tensors().values())
+        entry.memory_bytes = backend.memory_in_use() - before + entry.input_bytes()
         if verify is not None:
             for graph in entry.graphs.values():
                 verify(entry, graph, host, grid)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hwgraph.budget_capture import storage_bytes
 from hwgraph.graphs.base import HostSyncError
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.testing.cases import UnservedCase, conformance_params, settings_for
@@ -165,9 +164,7 @@ class TestCapture(ConformanceSuite):
         assert sorted(stats["capture_bytes_per_budget"]) == sorted(self.budgets)
         # A budget's bytes count its static input buffers too, made before the capture: what memory_in_use() grew by
         # while capturing is the rest (a backend whose memory_in_use() fell passed while the buffers outweighed it).
-        entries = manager.graphs
-        grown = {b: n - storage_bytes(entries[b].pixels, *entries[b].metadata.tensors().values())
-                 for b, n in stats["capture_bytes_per_budget"].items()}
+        grown = {b: n - manager.graphs[b].input_bytes() for b, n in stats["capture_bytes_per_budget"].items()}
         negative = {b: n for b, n in grown.items() if n < 0}
         assert not negative, f"memory_in_use() fell while capturing these budgets (bytes): {negative}"
 
