@@ -126,6 +126,7 @@ def verdict(conformance: dict, requested: list[str] | None = None) -> tuple[bool
     """PASS when no check failed, some passed, and each kernel of ``requested`` (``--attention``) passed some: one
     asked for by name whose checks were all skipped (unavailable here, say) fails the run rather than passing it."""
     from hwgraph.attention.registry import kernel_named
+    from hwgraph.dtypes import DTYPES
     from hwgraph.testing.results import failing_checks
 
     counts = conformance["counts"]
@@ -135,10 +136,11 @@ def verdict(conformance: dict, requested: list[str] | None = None) -> tuple[bool
     if counts["passed"] == 0:
         reasons = sorted({r["message"] for r in conformance["results"] if r["outcome"] == "skipped"})
         return False, "FAIL: no conformance check ran" + (f" ({'; '.join(reasons)})" if reasons else "")
+    dtype_names = "|".join(map(re.escape, DTYPES))  # the dtypes a case id ends its kernel with (ConformanceCase.id)
     for name in (kernel_named(n).name for n in requested or ()):
         # a case id is "backend[-mode]-KERNEL-dtype[-param]": the kernel is what stands before the dtype, so that a
         # kernel "FA" is not credited with "FA-2"'s checks, nor a name holding "+" or "(" read as a pattern
-        case = re.compile(rf"\[[^\]]*-{re.escape(name)}-b?float\d+[\]-]")
+        case = re.compile(rf"\[[^\]]*-{re.escape(name)}-(?:{dtype_names})[\]-]")
         own = [r for r in conformance["results"] if case.search(r["check"])]
         if not any(r["outcome"] == "passed" for r in own):
             reasons = sorted({r["message"] for r in own if r["outcome"] == "skipped"})
