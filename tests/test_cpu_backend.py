@@ -247,7 +247,7 @@ def tensor_methods_restored():
                 delattr(torch.Tensor, name)
             else:
                 setattr(torch.Tensor, name, original)
-            RejectHostReads._depth = 0
+            RejectHostReads.switch.depth = 0
 
 
 def test_sync_guards_entered_and_left_by_many_threads_at_once_leave_every_method_as_it_was(tensor_methods_restored):

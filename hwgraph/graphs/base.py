@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import sys
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -23,6 +24,37 @@ class CaptureError(RuntimeError):
 
 class HostSyncError(RuntimeError):
     """A device-to-host synchronisation happened inside ``sync_guard()``."""
+
+
+class CountedSwitch:
+    """A process-wide setting that overlapping users share: the first one in turns it on, the last one out turns it
+    back to what the first one found. Re-entrant, and safe to enter and leave from several threads (each restoring
+    what it found would turn the setting off while another's block still runs, or leave it on for good).
+
+    ``turn_on()`` applies the setting and returns what it replaced; ``turn_off(that)`` puts that back. ``with
+    switch:`` holds it on for the block; ``depth`` is how many blocks hold it now, in every thread.
+    """
+
+    def __init__(self, turn_on: Callable[[], Any], turn_off: Callable[[Any], None]):
+        self._turn_on, self._turn_off = turn_on, turn_off
+        self._lock = threading.Lock()
+        self._found = None
+        self.depth = 0  # changed only under _lock
+
+    def __enter__(self):
+        with self._lock:
+            if self.depth == 0:
+                self._found = self._turn_on()
+            self.depth += 1
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        with self._lock:
+            self.depth -= 1
+            if self.depth == 0:
+                found, self._found = self._found, None
+                self._turn_off(found)
+        return False
 
 
 class CapturedGraph(ABC):

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-import threading
 import weakref
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
 from hwgraph.capability import Capability
-from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend, HostSyncError, Outputs
+from hwgraph.graphs.base import CapturedGraph, CaptureError, CountedSwitch, GraphBackend, HostSyncError, Outputs
 
 
 def flat_tensors(outputs: Outputs) -> list[torch.Tensor]:
@@ -121,9 +121,9 @@ class RejectHostReads:
         "allclose": "allclose() (a Python bool)",
         "is_nonzero": "is_nonzero() (a Python bool)",
     }
-    _depth = 0  # guards active now, in every thread; changed only under _lock
-    _saved: list = []  # (owner, name, the owner's own attribute or None)
-    _lock = threading.Lock()
+    #: The guards open now, in every thread: the first one in replaces the attributes, the last one out puts back
+    #: what it found (set below the class, from its methods)
+    switch: ClassVar[CountedSwitch]
 
     @staticmethod
     def _rejecting(what: str):
@@ -190,28 +190,32 @@ class RejectHostReads:
                 args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None), kwargs))))
         return out
 
+    @classmethod
+    def _replace(cls) -> list:
+        """Replaces the host-reading attributes; returns (owner, name, the owner's own attribute or None) for each."""
+        replacements = cls._replacements()
+        saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in replacements]
+        for owner, name, replacement in replacements:
+            setattr(owner, name, replacement)
+        return saved
+
+    @staticmethod
+    def _put_back(saved: list) -> None:
+        for owner, name, original in saved:
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
     def __enter__(self):
-        cls = RejectHostReads
-        with cls._lock:  # one thread saves the originals and replaces them; the others only count themselves in
-            if cls._depth == 0:
-                replacements = cls._replacements()
-                cls._saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in replacements]
-                for owner, name, replacement in replacements:
-                    setattr(owner, name, replacement)
-            cls._depth += 1
+        RejectHostReads.switch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        cls = RejectHostReads
-        with cls._lock:
-            cls._depth -= 1
-            if cls._depth == 0:
-                for owner, name, original in cls._saved:
-                    if original is None:
-                        delattr(owner, name)
-                    else:
-                        setattr(owner, name, original)
-        return False
+        return RejectHostReads.switch.__exit__(*exc)
+
+
+RejectHostReads.switch = CountedSwitch(RejectHostReads._replace, RejectHostReads._put_back)
 
 
 def is_mask(index) -> bool:

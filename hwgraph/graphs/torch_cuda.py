@@ -22,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hwgraph.capability import Capability, parse_version
-from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend, HostSyncError, Outputs
+from hwgraph.graphs.base import CapturedGraph, CaptureError, CountedSwitch, GraphBackend, HostSyncError, Outputs
 from hwgraph.graphs.cpu import RejectHostReads, flat_tensors
 
 log = logging.getLogger(__name__)
@@ -146,10 +146,11 @@ class TorchCudaGraphBackend(GraphBackend):
     #: Process environment variables set while a graph is captured, after the warm-up, each unless the process has
     #: set it itself (``environment_defaults``); the CUDA plugin's says how cuBLASLt picks its kernels.
     capture_environment: ClassVar[Mapping[str, str]] = {}
-    #: id of a runtime namespace with sync guards open -> [how many, in every thread; the sync debug mode the first one
-    #: found]; changed only under ``_sync_guards_lock``. The mode is process-wide: restored when the last guard ends.
-    _sync_guards: ClassVar[dict[int, list]] = {}
-    _sync_guards_lock: ClassVar[threading.Lock] = threading.Lock()
+    #: id of a runtime namespace -> the switch that holds its sync debug mode at "error" while any sync guard on it
+    #: is open, in any thread (the mode is process-wide); kept for the process, with the runtime, so that an id is
+    #: never reused while its entry lives. Changed only under ``_sync_debug_switches_lock``.
+    _sync_debug_switches: ClassVar[dict[int, tuple[Any, CountedSwitch]]] = {}
+    _sync_debug_switches_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, device: torch.device | str | None = None, mode: str | None = None):
         super().__init__(device, mode)
@@ -352,37 +353,33 @@ class TorchCudaGraphBackend(GraphBackend):
         # tensor is live in them, and that reservation is what a captured graph costs the device.
         return int(self.runtime().memory_reserved(self.device))
 
+    @staticmethod
+    def _sync_debug_switch(runtime) -> CountedSwitch:
+        """The one switch of ``runtime``'s sync debug mode: "error" while held, then the mode its first holder found."""
+        switches, lock = TorchCudaGraphBackend._sync_debug_switches, TorchCudaGraphBackend._sync_debug_switches_lock
+        with lock:  # by id: a runtime need not be hashable
+            if id(runtime) not in switches:
+                def turn_on():
+                    found = runtime.get_sync_debug_mode()
+                    runtime.set_sync_debug_mode("error")
+                    return found
+                def turn_off(found):
+                    runtime.set_sync_debug_mode(found)
+                switches[id(runtime)] = (runtime, CountedSwitch(turn_on, turn_off))
+            return switches[id(runtime)][1]
+
     @contextlib.contextmanager
     def sync_guard(self):
         """Raise ``HostSyncError`` on a device-to-host synchronisation inside the block.
 
         Uses the runtime's sync debug mode where it has one (it is process-wide: other threads see it too while the
         block runs); otherwise the CPU backend's guard, which rejects the host-reading tensor methods. Re-entrant and
-        safe to enter and leave from several threads, as that guard is: the first guard in sets the mode, the last one
-        out restores the mode the first one found (each restoring what it found left the mode off while another
-        thread's guard was still open, and "error" for the whole process once both had ended).
+        safe to enter and leave from several threads, as that guard is: both hold a ``CountedSwitch``.
         """
         runtime = self.runtime()
-        set_mode = getattr(runtime, "set_sync_debug_mode", None)
-        get_mode = getattr(runtime, "get_sync_debug_mode", None)
-        if set_mode is None or get_mode is None:
+        if not (hasattr(runtime, "set_sync_debug_mode") and hasattr(runtime, "get_sync_debug_mode")):
             with RejectHostReads():
                 yield
             return
-        guards, lock = TorchCudaGraphBackend._sync_guards, TorchCudaGraphBackend._sync_guards_lock
-        with lock:
-            # By id (a runtime need not be hashable); the entry lives only while a guard, holding the runtime, is open
-            state = guards.setdefault(id(runtime), [0, None])
-            if state[0] == 0:
-                state[1] = get_mode()
-                set_mode("error")
-            state[0] += 1
-        try:
-            with _TranslateSyncErrors():
-                yield
-        finally:
-            with lock:
-                state[0] -= 1
-                if state[0] == 0:
-                    del guards[id(runtime)]
-                    set_mode(state[1])
+        with TorchCudaGraphBackend._sync_debug_switch(runtime), _TranslateSyncErrors():
+            yield
