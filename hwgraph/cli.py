@@ -177,9 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         # by SIGPIPE would; stdout goes to /dev/null so that flushing it at exit does not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return BROKEN_PIPE
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line, not a traceback, and the status a shell gives SIGINT
+        print(f"hwgraph {args.command}: interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
+        return INTERRUPTED
 
 
 BROKEN_PIPE = 128 + 13  # the status a shell reports for a command killed by SIGPIPE
+INTERRUPTED = 128 + 2  # ... and by SIGINT (Ctrl-C)
 
 
 if __name__ == "__main__":

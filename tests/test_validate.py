@@ -448,9 +448,54 @@ def test_a_stopped_validate_leaves_no_earlier_runs_verdict_in_its_folder(monkeyp
         raise KeyboardInterrupt
 
     monkeypatch.setattr(results, "run_conformance", stopped)
-    with pytest.raises(KeyboardInterrupt):
-        cli.main(["validate", "--backend", "cpu", "--report", str(out), "--no-bench"])
+    assert cli.main(["validate", "--backend", "cpu", "--report", str(out), "--no-bench"]) == cli.INTERRUPTED
     assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_a_second_conformance_run_in_one_process_runs_its_own_module(tmp_path, monkeypatch):
+    """pytest keeps the imported suite module in sys.modules under its file's name: a second run (another kernel,
+    another dtype) ran the first run's checks."""
+    from hwgraph.testing import results
+
+    for name, text in [("first", "def test_first():\n    pass\n"), ("second", "def test_second():\n    pass\n")]:
+        monkeypatch.setattr(results, "suite_module", lambda *args, text=text: text)
+        result = run_conformance(tmp_path / name, "cpu", "tiny")
+        assert [r["check"] for r in result["results"]] == [f"test_{name}"]
+
+
+INTERRUPTED_SUITE = "def test_interrupted():\n    raise KeyboardInterrupt\n"
+
+
+def test_ctrl_c_in_the_conformance_suite_stops_validate_before_its_benchmark(monkeypatch, tmp_path, capsys):
+    """pytest catches Ctrl-C and returns status 2: validate then ran its whole benchmark (minutes on a GPU) and wrote
+    a FAIL report, instead of stopping."""
+    from hwgraph import bench as bench_module
+    from hwgraph import cli
+    from hwgraph.testing import results
+
+    monkeypatch.delenv("HWGRAPH_GRAPH_BACKEND", raising=False)
+    monkeypatch.setenv("HWGRAPH_TEST_DTYPE", "bfloat16")  # set aside while the suite runs, and restored after
+    monkeypatch.setattr(results, "suite_module", lambda *args: INTERRUPTED_SUITE)
+    benched = []
+    monkeypatch.setattr(bench_module, "run_bench", lambda *args, **kwargs: benched.append(args))
+    out = tmp_path / "report"
+    assert cli.main(["validate", "--backend", "cpu", "--report", str(out), *FAST]) == cli.INTERRUPTED
+    assert benched == [] and not (out / "report.json").exists()
+    assert "hwgraph validate: interrupted: the conformance suite was interrupted" in capsys.readouterr().err
+    assert os.environ["HWGRAPH_TEST_DTYPE"] == "bfloat16"
+
+
+@pytest.mark.parametrize("suite", ["import pytest\npytest.exit('stop', returncode=2)\n", "this is not python\n",
+                                   "import pytest\ndef test_stops():\n    pytest.exit('stop', returncode=2)\n"],
+                         ids=["exit while collecting", "not python", "exit in a test"])
+def test_a_suite_stopped_by_pytest_exit_or_a_collection_error_is_a_result_not_an_interrupt(tmp_path, monkeypatch,
+                                                                                           suite):
+    """Both end with pytest's "interrupted" status too; only Ctrl-C stops the caller."""
+    from hwgraph.testing import results
+
+    monkeypatch.setattr(results, "suite_module", lambda *args: suite)
+    result = run_conformance(tmp_path, "cpu", "tiny")
+    assert result["exit_code"] == 2 and verdict(result)[0] is False
 
 
 def test_validate_reports_the_benchmark_its_kernels_and_the_emulation_and_lists_the_plot(validate_in_process,

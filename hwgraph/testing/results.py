@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +44,14 @@ class ResultCollector:
     def __init__(self, progress=None):
         self.results: dict[str, CheckResult] = {}
         self.progress = progress
+        self.interrupted = False  # by Ctrl-C (a KeyboardInterrupt), which pytest catches and reports as status 2
+
+    def pytest_keyboard_interrupt(self, excinfo):
+        # also called for pytest.exit() and for the stop after a collection error (a KeyboardInterrupt subclass)
+        import pytest
+
+        ctrl_c = excinfo.errisinstance(KeyboardInterrupt) and not excinfo.errisinstance(pytest.Session.Interrupted)
+        self.interrupted = self.interrupted or ctrl_c
 
     def pytest_collection_finish(self, session):
         if self.progress is not None:
@@ -99,7 +108,8 @@ def run_conformance(workdir: Path, backend: str, preset: str, kernels: list[str]
                     dtype: str | None = None, progress=None, log_path: Path | None = None,
                     graph_mode: str | None = None) -> dict:
     """Run the suite; returns ``{"exit_code", "counts", "results": [CheckResult dicts], "log"}``. Only the arguments
-    configure it: the suite's ``HWGRAPH_TEST_*`` environment variables are set aside while it runs."""
+    configure it: the suite's ``HWGRAPH_TEST_*`` environment variables are set aside while it runs. Ctrl-C during the
+    run raises ``KeyboardInterrupt`` once it has stopped (pytest itself catches it and returns)."""
     import pytest
 
     from hwgraph.testing.cases import SUITE_ENVIRONMENT
@@ -125,10 +135,16 @@ def run_conformance(workdir: Path, backend: str, preset: str, kernels: list[str]
     # neither narrow the explicit backend nor replace validate's defaults (every kernel, the platform's dtype).
     # Nor may pytest's own variables: PYTEST_ADDOPTS="-k ..." or "--deselect" would narrow the checks validate counts.
     saved = {name: os.environ.pop(name) for name in (*SUITE_ENVIRONMENT, *PYTEST_ENVIRONMENT) if name in os.environ}
+    # pytest's importlib mode imports the module under its file's stem and keeps it in sys.modules: a second run in
+    # this process (other kernels, another dtype) would run the first run's module instead of the one just written
+    sys.modules.pop(module.stem, None)
     try:
         with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             code = pytest.main(args, plugins=[collector])
     finally:
         os.environ.update(saved)
+        sys.modules.pop(module.stem, None)
+    if collector.interrupted:  # the caller stops too (validate ran its benchmark next), as on Ctrl-C anywhere else
+        raise KeyboardInterrupt(f"the conformance suite was interrupted; its output so far is in {log_path}")
     return {"exit_code": int(code), "counts": collector.counts(), "log": str(log_path),
             "results": [r.as_dict() for r in collector.results.values()]}
