@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.metadata import entry_points
 
+from hwgraph import spec_fields
 from hwgraph.capability import Capability
 from hwgraph.platform import PlatformInfo, detect, device_type, platform_for, runs_on_host
 
@@ -51,6 +52,20 @@ class BackendSpec:
     attention: tuple = ()  # KernelSpec of the kernels this plugin brings
     description: str = ""
     distribution: str | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        from hwgraph.attention.base import KernelSpec
+
+        name = f"BackendSpec {self.name!r}"
+        spec_fields.text("BackendSpec", "name", self.name)
+        spec_fields.text(name, "class_path", self.class_path)
+        object.__setattr__(self, "kinds", spec_fields.names(name, "kinds", self.kinds))
+        spec_fields.function(name, "gate", self.gate)
+        object.__setattr__(self, "modes", spec_fields.names(name, "modes", self.modes))
+        spec_fields.integer(name, "priority", self.priority)
+        object.__setattr__(self, "attention", spec_fields.items(name, "attention", self.attention, KernelSpec,
+                                                                empty=True))
+        spec_fields.text(name, "description", self.description, empty=True)
 
     def capability(self, platform: PlatformInfo | None = None) -> Capability:
         platform = platform or detect()

@@ -70,3 +70,61 @@ def test_a_kernel_whose_priority_on_raises_is_ranked_by_its_priority_and_choice_
     with caplog.at_level("WARNING", logger="hwgraph.attention.base"):
         assert spec.rank(cpu_platform()) == 7
     assert "TOY's priority_on failed (KeyError: 'arch'); ranking it by its priority, 7" in caplog.text
+
+
+def toy_kernel(**changes):
+    import torch
+
+    from hwgraph.attention.base import KernelSpec
+
+    fields = dict(name="TOY", impl_path="unused:toy", kinds=("cpu",), dtypes=(torch.float32,), head_dims=(1, 256),
+                  graph_safe=True, gate=lambda p: Capability.available())
+    return KernelSpec(**{**fields, **changes})
+
+
+def always_available(platform) -> Capability:
+    return Capability.available()
+
+
+def toy_backend(**changes) -> BackendSpec:
+    fields = dict(name="toy", class_path="hwgraph.graphs.cpu:CpuGraphBackend", kinds=("cpu",),
+                  gate=always_available)
+    return BackendSpec(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("make, changes, message", [
+    # a bare string was read letter by letter: modes="full" accepted the mode "f" and listed "f, u, l, l"
+    (toy_backend, {"modes": "full"}, "BackendSpec 'toy': modes is a tuple of one or more non-empty strings, got "
+                                     "'full' (a bare string: write (name,))"),
+    (toy_backend, {"kinds": "cuda"}, "BackendSpec 'toy': kinds is a tuple"),
+    (toy_backend, {"modes": ()}, "BackendSpec 'toy': modes is a tuple of one or more non-empty strings, got ()"),
+    # a string priority crashed the sort of every candidate when a backend was chosen
+    (toy_backend, {"priority": "90"}, "BackendSpec 'toy': priority is an int, got '90' (str)"),
+    (toy_backend, {"priority": True}, "BackendSpec 'toy': priority is an int, got True (bool)"),
+    (toy_backend, {"gate": Capability.available()}, "BackendSpec 'toy': gate is a function, got Capability"),
+    (toy_backend, {"attention": ("TRITON_ATTN",)}, "BackendSpec 'toy': attention is a tuple of KernelSpec"),
+    (toy_backend, {"name": ""}, "BackendSpec: name is a non-empty string, got ''"),
+    (toy_backend, {"class_path": None}, "BackendSpec 'toy': class_path is a non-empty string, got None"),
+    (toy_kernel, {"kinds": "cpu"}, "KernelSpec 'TOY': kinds is a tuple"),
+    (toy_kernel, {"dtypes": ("bfloat16",)}, "KernelSpec 'TOY': dtypes is a tuple of one or more dtype"),
+    (toy_kernel, {"head_dims": (256, 1)}, "KernelSpec 'TOY': head_dims is (lowest, highest)"),
+    (toy_kernel, {"head_dims": 72}, "KernelSpec 'TOY': head_dims is (lowest, highest)"),
+    (toy_kernel, {"graph_safe": "yes"}, "KernelSpec 'TOY': graph_safe is a bool, got 'yes' (str)"),
+    (toy_kernel, {"priority": 1.5}, "KernelSpec 'TOY': priority is an int, got 1.5 (float)"),
+    (toy_kernel, {"priority_on": 3}, "KernelSpec 'TOY': priority_on is a function or None, got 3"),
+])
+def test_a_spec_with_a_field_of_the_wrong_type_is_refused_naming_the_spec_and_field(make, changes, message):
+    with pytest.raises(TypeError) as info:
+        make(**changes)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_specs_lists_become_tuples_so_that_specs_hash_and_compare_as_written():
+    import torch
+
+    kernel = toy_kernel(kinds=["cpu"], dtypes=[torch.float32], head_dims=[1, 256])
+    assert (kernel.kinds, kernel.dtypes, kernel.head_dims) == (("cpu",), (torch.float32,), (1, 256))
+    backend = toy_backend(kinds=["cpu"], modes=["full", "emulated"], attention=[kernel])
+    assert backend == toy_backend(kinds=("cpu",), modes=("full", "emulated"), attention=(kernel,))
+    assert backend.mode_refusal("f") == "graph backend 'toy' has modes full, emulated"
+    hash(backend)

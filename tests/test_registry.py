@@ -467,3 +467,16 @@ def test_an_explicit_backend_serving_no_cpu_is_refused_a_cpu_device_for_that_on_
     with pytest.raises(SelectionError, match="^graph backend 'gpu' is unavailable: no GPU is visible$"):
         choose_backend("gpu", device="cpu")
     assert choose_backend(device="cpu").spec.name == "cpu"
+
+
+def test_a_probe_returning_a_spec_with_a_bare_string_of_modes_is_that_plugins_problem(monkeypatch):
+    """modes="full" made "f" a mode of the backend; now the spec is refused where discovery names the plugin."""
+    def bare_modes():
+        return BackendSpec(name="bare", class_path="hwgraph.graphs.cpu:CpuGraphBackend", kinds=("cpu",),
+                           gate=lambda platform: Capability.available(), modes="full")
+
+    install_probes(monkeypatch, bare_modes=bare_modes)
+    specs, problems = registry.discovered()
+    assert [s.name for s in specs] == ["cpu"]
+    assert len(problems) == 1 and "'bare_modes'" in problems[0]
+    assert "TypeError: BackendSpec 'bare': modes is a tuple of one or more non-empty strings, got 'full'" in problems[0]

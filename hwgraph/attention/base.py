@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hwgraph import spec_fields
 from hwgraph.budgets import is_int
 from hwgraph.capability import Capability
 from hwgraph.platform import PlatformInfo
@@ -59,6 +60,25 @@ class KernelSpec:
     # ``given_host_cu_seqlens()``, which the tower sets from its host metadata, and only without it reads
     # ``cu_seqlens`` back from the device.
     reads_host_boundaries: bool = False
+
+    def __post_init__(self):
+        name = f"KernelSpec {self.name!r}"
+        spec_fields.text("KernelSpec", "name", self.name)
+        spec_fields.text(name, "impl_path", self.impl_path, empty=True)  # empty: a callable given to the tower
+        object.__setattr__(self, "kinds", spec_fields.names(name, "kinds", self.kinds))
+        object.__setattr__(self, "dtypes", spec_fields.items(name, "dtypes", self.dtypes, torch.dtype))
+        head_dims = self.head_dims
+        if not (isinstance(head_dims, (tuple, list)) and len(head_dims) == 2 and all(map(is_int, head_dims))
+                and 1 <= head_dims[0] <= head_dims[1]):
+            raise TypeError(f"{name}: head_dims is (lowest, highest), ints with 1 <= lowest <= highest, "
+                            f"got {head_dims!r}")
+        object.__setattr__(self, "head_dims", tuple(int(d) for d in head_dims))
+        for field in ("graph_safe", "slot_bound", "reads_host_boundaries"):
+            spec_fields.flag(name, field, getattr(self, field))
+        spec_fields.function(name, "gate", self.gate)
+        spec_fields.integer(name, "priority", self.priority)
+        spec_fields.text(name, "description", self.description, empty=True)
+        spec_fields.function(name, "priority_on", self.priority_on, optional=True)
 
     def rank(self, platform: PlatformInfo) -> int:
         """The kernel's priority on ``platform``: ``priority_on(platform)`` where given, else ``priority``, which a
