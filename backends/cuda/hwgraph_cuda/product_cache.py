@@ -80,7 +80,8 @@ class ChoiceCache:
     @contextlib.contextmanager
     def locked(self):
         """An exclusive lock on the cache's folder for a read, add and replace: another process's ``put`` between
-        this one's read and its replace would otherwise be lost (one process per GPU, parallel jobs). Where there
+        this one's read and its replace would otherwise be lost (one process per GPU, parallel jobs); on NFS, which
+        locks no folder exclusively, a hidden lock file beside the cache instead. Where there
         is no ``fcntl`` (Windows), or the folder's file system takes no locks (Lustre mounted without flock), no
         lock: at worst an entry written at the same moment is lost and measured again, where refusing to write
         would lose them all."""
@@ -92,7 +93,17 @@ class ChoiceCache:
         fd = os.open(self.path.parent, os.O_RDONLY)
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                except OSError as exc:
+                    if exc.errno != errno.EBADF:
+                        raise
+                    # NFS emulates flock with a byte-range lock, which takes an exclusive lock only on a descriptor
+                    # open for writing, and a folder cannot be opened so: every write was refused. A lock file
+                    # beside the cache (left there, hidden) serves instead.
+                    os.close(fd)
+                    fd = os.open(self.path.with_name(f".{self.path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
             except OSError as exc:
                 if exc.errno not in UNLOCKABLE:
                     raise

@@ -153,6 +153,29 @@ def test_a_folder_whose_file_system_takes_no_locks_still_gets_the_cache_written(
     assert "could not write the measured-products cache" in caplog.text and cache.get("b") is None
 
 
+def test_a_folder_on_nfs_locks_a_lock_file_beside_the_cache(tmp_path, caplog, monkeypatch):
+    """NFS emulates flock with a byte-range lock, which is exclusive only on a descriptor open for writing: the
+    folder's read-only descriptor got EBADF and every write was refused, so an NFS home folder kept no choice."""
+    import fcntl
+
+    real_flock, locked = fcntl.flock, []
+
+    def nfs_flock(fd, operation):
+        if operation & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        locked.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", nfs_flock)
+    path = tmp_path / "cublaslt-products.json"
+    cache, entry = product_cache.ChoiceCache(path, "H200"), products.Choice(None, None, 5.0, 5.0).entry()
+    cache.put("a", entry)
+    assert "could not write the measured-products cache" not in caplog.text
+    assert cache.get("a") == entry
+    assert locked == [str(tmp_path / ".cublaslt-products.json.lock")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".cublaslt-products.json.lock", path.name]
+
+
 def test_a_cache_file_that_cannot_be_read_is_left_alone(tmp_path, caplog, monkeypatch):
     """Replacing it dropped all its entries (another user's file in a shared folder, an I/O error)."""
     path = tmp_path / "cublaslt-products.json"
