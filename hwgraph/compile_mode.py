@@ -40,15 +40,20 @@ def own_code_copy(fn):
 
 def pin_triton_cache_dir(device: torch.device) -> str | None:
     """Set ``TRITON_CACHE_DIR``, where it is unset, to the folder inductor switches it to, and return it (None on the
-    CPU, where compiled code is not Triton's, or where this torch has no such folder or cannot make or write it,
-    which is logged). A variable set empty counts as unset.
+    CPU, where compiled code is not Triton's, or where this torch has no such folder). A variable set empty counts
+    as unset.
 
     Inductor sets the variable for the whole process when it first loads one of its Triton kernels
     (``CachingAutotuner``), so hwgraph's own Triton kernels (attention, rotary, LayerNorm) were cached in Triton's
     default folder before that moment and in inductor's after it. A first process, compiling, switched early; a
     second one, loading inductor's cached graphs, switched later, missed the kernels the first had cached in
     inductor's folder and compiled them again (6 kernels, about 10 s on the H200's host). Set before the first
-    kernel compiles, the folder is one for every process."""
+    kernel compiles, the folder is one for every process.
+
+    Where inductor's folder cannot be made or written (a read-only, pre-filled inductor cache), Triton's default
+    folder is pinned instead, with a warning: left unset, inductor would still switch the process to the unusable
+    folder as it loaded its first kernel, and every Triton kernel compiled after that, hwgraph's own in plain
+    captures and eager calls too, would fail. None, logged, when neither folder can be used."""
     if device.type == "cpu":
         return None
     if os.environ.get("TRITON_CACHE_DIR"):
@@ -58,22 +63,47 @@ def pin_triton_cache_dir(device: torch.device) -> str | None:
     try:
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
 
-        # The graph backend's device, which names its index (torch.cuda backends resolve "cuda" to the current one).
-        folder = triton_cache_dir(device.index if device.index is not None else 0)
-        # Pinned to a folder Triton cannot write (a read-only inductor cache), every Triton kernel of the process
-        # would fail to compile, hwgraph's own in plain captures and eager calls too: only inductor's compiles, which
-        # fall back, may fail for it.
-        os.makedirs(folder, exist_ok=True)
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise PermissionError(f"{folder} is not writable")
+        # the graph backend's device, which names its index (torch.cuda backends resolve "cuda" to the current one)
+        folder = usable_folder(lambda: triton_cache_dir(device.index if device.index is not None else 0))
     except ImportError:  # another torch layout: inductor's own switch still applies
         return None
-    except OSError as exc:  # inductor's cache folder cannot be made (on import, or now): its compiles fail and fall
-        log.warning("Triton's cache folder for compiled mode is not set: %s", exc)  # back, with their reasons
-        return None
+    except OSError as exc:  # inductor's folder cannot be made (importing inductor makes it) or written
+        try:
+            folder = usable_folder(triton_default_cache_dir)
+        except OSError as fallback_exc:
+            log.warning("Triton's cache folder for compiled mode is not set: %s; nor can Triton's default folder be "
+                        "used: %s", exc, fallback_exc)
+            return None
+        log.warning("Triton's cache folder for compiled mode is Triton's default, %s: inductor's cannot be used: %s",
+                    folder, exc)
     os.environ["TRITON_CACHE_DIR"] = folder
     log.debug("Triton's cache folder for compiled mode: %s", folder)
     return folder
+
+
+def usable_folder(name) -> str:
+    """The folder ``name()`` returns, made if missing; ``OSError`` where it cannot be made or Triton cannot write it."""
+    folder = name()
+    os.makedirs(folder, exist_ok=True)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"{folder} is not writable")
+    return folder
+
+
+def triton_default_cache_dir() -> str:
+    """The folder Triton caches its kernels in when ``TRITON_CACHE_DIR`` is unset; ``OSError`` without Triton."""
+    try:
+        from triton import knobs  # Triton 3.4 and later
+
+        return knobs.cache.get_triton_dir("cache")
+    except (ImportError, AttributeError):
+        pass
+    try:
+        from triton.runtime.cache import default_cache_dir
+
+        return default_cache_dir()
+    except (ImportError, AttributeError) as exc:
+        raise FileNotFoundError(f"this Triton names no default cache folder ({type(exc).__name__}: {exc})") from None
 
 
 @contextlib.contextmanager

@@ -276,9 +276,9 @@ class EncoderGraphManager:
                 self._stats.capture_failures[b] = refusal
             return self.graphs
         self.pool = self.pool or self.backend.new_pool()
+        if self.compile:  # before anything compiles, the rounding probe included: one Triton cache folder for all
+            pin_triton_cache_dir(self.backend.device)
         compiled = self.compile and self._compile_supported()
-        if compiled:
-            pin_triton_cache_dir(self.backend.device)  # before anything compiles: one Triton cache folder for all
         if self.measure_products and self._chooser is None:
             self._chooser = self._product_chooser()
             # the chooser is the process's: this manager's stats describe what it did from here on

@@ -338,23 +338,28 @@ def test_triton_cache_folder_is_pinned_to_inductors_before_any_kernel_compiles(m
 
 
 PIN_WITHOUT_AN_INDUCTOR_FOLDER = """
-import os, torch
+import os, sys, torch
 from hwgraph.compile_mode import pin_triton_cache_dir
-assert pin_triton_cache_dir(torch.device("cuda", 0)) is None and "TRITON_CACHE_DIR" not in os.environ
+assert pin_triton_cache_dir(torch.device("cuda", 0)) == sys.argv[1] == os.environ["TRITON_CACHE_DIR"]
 """
 
 
 @needs_inductor
-def test_an_inductor_cache_folder_that_cannot_be_made_leaves_the_triton_folder_unset(tmp_path):
+def test_an_inductor_cache_folder_that_cannot_be_made_pins_tritons_default_folder(tmp_path):
     """Importing inductor makes its cache folder: the OSError escaped ``capture()`` instead of failing the compiled
-    captures, which fall back. In a child: the failed import leaves dynamo half-imported in its process."""
+    captures, which fall back. Triton's default folder is pinned instead (inductor would otherwise switch the process
+    to its unusable one as it loaded a kernel). In a child: the failed import leaves dynamo half-imported there."""
+    pytest.importorskip("triton", reason="Triton's default cache folder is Triton's to name")
     (tmp_path / "file").write_text("a file where a folder should be")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "file" / "inductor")
-    done = subprocess.run([sys.executable, "-c", PIN_WITHOUT_AN_INDUCTOR_FOLDER], env=env, capture_output=True,
-                          text=True, timeout=300)
+    env["TRITON_HOME"] = str(tmp_path / "home")
+    default = str(tmp_path / "home" / ".triton" / "cache")
+    done = subprocess.run([sys.executable, "-c", PIN_WITHOUT_AN_INDUCTOR_FOLDER, default], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Triton's cache folder for compiled mode is not set: " in done.stderr and "Not a directory" in done.stderr
+    assert f"Triton's cache folder for compiled mode is Triton's default, {default}: inductor's cannot be used: " \
+        in done.stderr and "Not a directory" in done.stderr
 
 
 @needs_inductor
@@ -369,6 +374,27 @@ def test_only_a_compiled_capture_pins_the_triton_cache_folder_for_its_device(mon
     m = EncoderGraphManager(tower, budgets=[8], max_images_per_graph=1, graph_backend="cpu", compile=True)
     m.capture()
     assert pinned == [torch.device("cpu")] and sorted(m.graphs) == [8]
+
+
+@needs_inductor
+def test_the_triton_cache_folder_is_pinned_before_the_rounding_probe_compiles(monkeypatch):
+    """The bf16 rounding probe is an inductor compile: on a GPU it loads a Triton kernel, and inductor then set the
+    process's Triton folder itself, unchecked, before the pin that would have refused an unwritable one."""
+    from hwgraph import manager as manager_module
+
+    order = []
+    monkeypatch.setattr(manager_module, "pin_triton_cache_dir", lambda device: order.append("pin"))
+
+    def probe(device, dtype):
+        order.append("probe")
+        return Capability.unavailable("not probed in this test")
+
+    monkeypatch.setattr(manager_module, "inductor_rounds_as_eager", probe)
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[0]).eval()
+    m = EncoderGraphManager(tower, budgets=[8], max_images_per_graph=1, graph_backend="cpu", compile=True,
+                            dtype=torch.bfloat16)
+    m.capture()
+    assert order == ["pin", "probe"] and m.stats()["compile_skipped"] == "not probed in this test"
 
 
 # ------------------------------------------------------------------ compiled vs plain parity (an audit's findings)
