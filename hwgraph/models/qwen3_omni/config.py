@@ -62,7 +62,8 @@ def vision_config_from_dict(data: Mapping) -> VisionConfig:
         data = dict(data["thinker_config"])
     if isinstance(data.get("vision_config"), Mapping):
         data = dict(data["vision_config"])
-    elif "depth" not in data and "num_heads" not in data:
+    elif "depth" not in data and "num_heads" not in data and data.get("model_type") != VISION_MODEL_TYPE:
+        # a config naming the vision encoder's model_type is one, whichever fields it leaves at their defaults
         raise ValueError(f"config of model_type {data.get('model_type')!r} holds no vision config: expected "
                          f"'thinker_config.vision_config', 'vision_config' or vision fields such as 'depth'; "
                          f"keys: {sorted(data)}")

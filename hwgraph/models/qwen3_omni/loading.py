@@ -159,8 +159,11 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attenti
         raise FileNotFoundError(f"no config.json in {folder} (expected a local Hugging Face checkpoint folder)")
     try:
         data = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # json's and utf-8's errors name no file
         raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):  # a list or a string failed in dict(data), naming neither the file nor the value
+        raise ValueError(f"{config_file} holds a JSON {type(data).__name__} {data!r:.80}, expected an "
+                         f"object: a model config")
     config = vision_config_from_dict(data)
     if dtype is not None:
         dtype = graph_dtype(dtype)  # "bfloat16" or a floating-point dtype; anything else names the accepted ones
