@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from hwgraph.models.qwen3_omni import from_pretrained
 from hwgraph.models.qwen3_omni.config import VISION_MODEL_TYPE, VisionConfig, vision_config_from_dict
@@ -34,3 +35,29 @@ def test_a_config_json_that_is_not_a_json_object_is_refused_naming_the_file(tmp_
     config.write_text(json.dumps({"model_type": "qwen3_omni_moe_text"}))  # an object goes on to the config check
     with pytest.raises(ValueError, match="holds no vision config"):
         from_pretrained(tmp_path)
+
+
+def test_a_device_without_an_index_is_read_as_the_current_one_for_every_tensor(tmp_path, monkeypatch):
+    """safetensors reads a bare "cuda" as cuda:0 and torch as the current device: with another device current, the
+    weights went to cuda:0 and the rotary frequencies to the current one."""
+    from hwgraph import platform
+    from hwgraph.models.qwen3_omni import loading
+
+    class Runtime:
+        @staticmethod
+        def current_device():
+            return 1
+
+    read = []
+
+    def read_vision_tensors(folder, expected, device, dtype):
+        read.append(device)
+        raise LookupError("stop after the read's arguments")
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": VISION_MODEL_TYPE, "depth": 1, "deepstack_visual_indexes": [0]}))
+    monkeypatch.setattr(platform, "checked_device", lambda spec, *args: torch.device(spec))
+    monkeypatch.setattr(platform, "device_runtime", lambda device: Runtime)
+    monkeypatch.setattr(loading, "read_vision_tensors", read_vision_tensors)
+    with pytest.raises(LookupError):
+        from_pretrained(tmp_path, device="cuda")
+    assert read == [torch.device("cuda", 1)]

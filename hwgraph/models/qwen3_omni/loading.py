@@ -146,13 +146,17 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attenti
     defaults to the CPU. Missing, unexpected, misshapen or integer tensors raise ``CheckpointError`` listing them,
     as does, with ``dtype`` None, a checkpoint in a dtype the tower does not run in (float8).
     """
-    from hwgraph.platform import checked_device
+    from hwgraph.platform import checked_device, device_runtime
 
     if tower_cls is None:
         from hwgraph.models.qwen3_omni.tower import Qwen3OmniVisionTower as tower_cls
     # Checked first: a device this machine lacks failed while reading, in safetensors' pinned copy ("pin_memory=True
     # requires a CUDA or other accelerator backend") without naming the device.
     device = checked_device(device if device is not None else "cpu", "device", "from_pretrained")
+    if device.type != "cpu" and device.index is None:
+        # safetensors reads a bare "cuda" as cuda:0, torch as the current device: on a process whose current device
+        # is another, the weights went to cuda:0 and the rotary frequencies to the current one
+        device = torch.device(device.type, device_runtime(device).current_device())
     folder = Path(path)
     config_file = folder / "config.json"
     if not config_file.is_file():
