@@ -26,6 +26,7 @@ from hwgraph.bench import (
 )
 from hwgraph.cli import at_least, check_kernels, check_patch_rows, parsed
 from hwgraph.platform import checked_device
+from hwgraph.report import write_reports
 
 
 def parse_device(spec: str) -> torch.device:
@@ -110,6 +111,22 @@ def writable_path(option: str, spec: str) -> Path:
     return path
 
 
+def write_json(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file beside it, renamed into place: a failure (a full disk) leaves
+    neither a truncated file nor an earlier run's results half overwritten. A symlink (``/dev/stdout``, a
+    ``latest.json``), a path that is no regular file (a pipe), or one in a folder that takes no new file, is written
+    in place: renaming would replace the link or the pipe by a file."""
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        path.write_text(text)
+        return
+    try:
+        path.with_name(f".{path.name}.partial").touch()
+    except OSError:  # writable_path checked the path itself, not its folder
+        path.write_text(text)
+        return
+    write_reports(path.parent, {path.name: text})
+
+
 def config_from_args(args) -> BenchConfig:
     """The run ``args`` ask for. Every option is checked here, before a tower is built: ``ValueError`` naming the
     option, its value and what was expected."""
@@ -163,7 +180,7 @@ def cmd_bench(args) -> int:
     json_error = None
     if json_path is not None:  # first: a reader that closes stdout early (| head) must not cost the results
         try:
-            json_path.write_text(json.dumps(result, indent=2, default=str))
+            write_json(json_path, json.dumps(result, indent=2, default=str))
         except OSError as exc:  # checked before the run, but a disk may fill meanwhile: the tables still print
             json_error = exc
     print(bench_markdown(result))

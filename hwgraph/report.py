@@ -3,6 +3,8 @@ dispatch."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 MIB = 2**20
 
 
@@ -278,3 +280,17 @@ def bench_markdown(result: dict) -> str:
         parts.append("Attention kernels not run here: " + "; ".join(
             f"{k['name']} ({'; '.join(k['reasons'])})" for k in skipped))
     return "\n\n".join(parts)
+
+
+def write_reports(out: Path, texts: dict[str, str]) -> None:
+    """Write each of ``texts`` (file name -> text) into ``out`` through a temporary file beside it, every one before
+    any is renamed into place: a failure (a full disk) leaves neither a truncated report nor one without the other."""
+    partials = {name: out / f".{name}.partial" for name in texts}
+    try:
+        for name, partial in partials.items():
+            partial.write_text(texts[name])
+        for name, partial in partials.items():
+            partial.replace(out / name)
+    finally:
+        for partial in partials.values():
+            partial.unlink(missing_ok=True)

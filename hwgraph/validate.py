@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from hwgraph.report import write_reports
+
 log = logging.getLogger(__name__)
 
 ACCELERATOR_TOKENS = (16, 64, 256, 1024)
@@ -247,20 +249,6 @@ def cmd_validate(args) -> int:
         print(f"hwgraph validate: {unwritten}", file=sys.stderr)
         return 1
     return 0 if ok else 1
-
-
-def write_reports(out: Path, texts: dict[str, str]) -> None:
-    """Write each of ``texts`` (file name -> text) into ``out`` through a temporary file beside it, every one before
-    any is renamed into place: a failure (a full disk) leaves neither a truncated report nor one without the other."""
-    partials = {name: out / f".{name}.partial" for name in texts}
-    try:
-        for name, partial in partials.items():
-            partial.write_text(texts[name])
-        for name, partial in partials.items():
-            partial.replace(out / name)
-    finally:
-        for partial in partials.values():
-            partial.unlink(missing_ok=True)
 
 
 def register_cli(sub) -> None:

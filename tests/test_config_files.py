@@ -54,7 +54,8 @@ def test_a_device_without_an_index_is_read_as_the_current_one_for_every_tensor(t
         read.append(device)
         raise LookupError("stop after the read's arguments")
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": VISION_MODEL_TYPE, "depth": 1, "deepstack_visual_indexes": [0]}))
+    config = {"model_type": VISION_MODEL_TYPE, "depth": 1, "deepstack_visual_indexes": [0]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(platform, "checked_device", lambda spec, *args: torch.device(spec))
     monkeypatch.setattr(platform, "device_runtime", lambda device: Runtime)
     monkeypatch.setattr(loading, "read_vision_tensors", read_vision_tensors)

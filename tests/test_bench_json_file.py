@@ -1,0 +1,57 @@
+"""``hwgraph bench --json``: the file is written whole or not at all, and links and pipes are written through."""
+
+from __future__ import annotations
+
+import errno
+import json
+import pathlib
+
+from hwgraph import cli
+
+
+def test_a_json_report_the_disk_cannot_hold_leaves_the_earlier_results_whole(tmp_path, monkeypatch, capsys):
+    """The disk filled while --json was written after the run: the file held half a JSON document (the earlier run's
+    results at that path were gone too), beside the message that it could not be written."""
+    path = tmp_path / "bench.json"
+    path.write_text('{"earlier": true}')
+    write_text = pathlib.Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):
+        if text.startswith("{\n"):  # the results: half of them reach the disk
+            write_text(self, text[: len(text) // 2], *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    assert cli.main(["bench", "--groups", "1x4", "--warmup", "0", "--samples", "1", "--budgets", "8",
+                     "--no-transformers", "--json", str(path)]) == 1
+    assert "could not write the results: [Errno 28] No space left on device" in capsys.readouterr().err
+    assert json.loads(path.read_text()) == {"earlier": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # no partial file left beside it
+
+
+def test_the_json_report_is_written_in_place_where_no_file_can_be_made_beside_it(tmp_path, monkeypatch):
+    from hwgraph.bench_command import write_json
+
+    path = tmp_path / "bench.json"
+    path.write_text("old")
+
+    def refused(self, *args, **kwargs):  # a folder that takes no new file, the file itself writable
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(pathlib.Path, "touch", refused)
+    write_json(path, '{"rows": []}')
+    assert json.loads(path.read_text()) == {"rows": []}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
+
+
+def test_a_json_report_path_that_is_a_symlink_writes_its_target(tmp_path):
+    from hwgraph.bench_command import write_json
+
+    target = tmp_path / "runs" / "bench-1.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+    write_json(link, '{"rows": []}')
+    assert link.is_symlink() and json.loads(target.read_text()) == {"rows": []}
