@@ -25,8 +25,10 @@ class Latency:
 
     @property
     def p95(self) -> float:
+        """The nearest-rank 95th percentile: the smallest sample that at least 95% of the samples do not exceed
+        (``round(0.95 * (n - 1))`` rounded halves to even, so 31 samples took the lower of two and 51 the upper)."""
         ordered = sorted(self.samples_ms)
-        return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+        return ordered[-(-95 * len(ordered) // 100) - 1]  # ceil(0.95 n) in integers: 0.95 * 60 is 56.99999999999999
 
     def as_dict(self) -> dict:
         return {"median_ms": self.median, "p95_ms": self.p95, "samples": len(self.samples_ms)}

@@ -430,10 +430,19 @@ def test_latency_median_and_p95_are_order_statistics_of_the_samples():
     lat = timing.Latency((5.0, 1.0, 3.0, 2.0, 100.0))
     assert lat.median == 3.0  # not the mean (22.2): one slow call does not move it
     descending = timing.Latency(tuple(float(v) for v in range(30, 0, -1)))  # 30 samples, given slowest first
-    # p95 of 30: the sorted sample at round(0.95 * 29) = 28, i.e. 29 ms
+    # p95 of 30: the sample of rank ceil(0.95 * 30) = 29, i.e. 29 ms
     assert descending.p95 == 29.0 and descending.median == 15.5
     assert descending.as_dict() == {"median_ms": 15.5, "p95_ms": 29.0, "samples": 30}
     assert timing.Latency((4.0,)).p95 == 4.0
+
+
+@pytest.mark.parametrize("n, rank", [(1, 1), (20, 19), (30, 29), (31, 30), (51, 49), (60, 57), (71, 68), (100, 95)])
+def test_p95_is_the_nearest_rank_percentile_whatever_the_sample_count(n, rank):
+    """It was the sample at round(0.95 * (n - 1)), which rounds halves to even: the lower of two candidates at 31
+    samples (rank 29, which 6.5% of the samples exceed) and the upper at 51."""
+    samples = timing.Latency(tuple(float(v) for v in range(n, 0, -1)))
+    assert samples.p95 == float(rank)
+    assert sum(s > samples.p95 for s in samples.samples_ms) <= 0.05 * n
 
 
 def test_interleaved_samples_leave_the_warm_up_calls_out(monkeypatch):
