@@ -41,12 +41,13 @@ def builtin_kernels() -> tuple[KernelSpec, ...]:
 
 
 def kernel_specs() -> tuple[KernelSpec, ...]:
-    """Every known kernel: built-in first, then each plugin's, each name once (a plugin's kernel that repeats a
-    name is ignored, with a warning the first time it is seen)."""
+    """Every known kernel: built-in first, then each plugin's, each name once, case ignored (a plugin's kernel that
+    repeats a name is ignored, with a warning the first time it is seen)."""
     specs = list(builtin_kernels())
     for backend in backend_specs():
         for kernel in backend.attention:
-            kept = next((k for k in specs if k.name == kernel.name), None)
+            # Names are matched case-insensitively (kernel_named): "flash_attn" would repeat FLASH_ATTN.
+            kept = next((k for k in specs if k.name.upper() == kernel.name.upper()), None)
             if kept is None:
                 specs.append(kernel)
             elif kept is not kernel and (backend.name, kernel.name) not in _REPEATS_WARNED:
@@ -63,8 +64,10 @@ def kernel_named(name: str) -> KernelSpec:
     """The kernel called ``name`` (case and surrounding blanks ignored, as for ``"auto"``); ``SelectionError``
     listing the known ones when there is none, ``TypeError`` naming ``name`` when it is not a string."""
     check_kernel_name(name)
+    # Both sides folded: a plugin's kernel may be named in lower or mixed case ("Toy_Attn"), and was then unknown
+    # even by its exact name.
     for spec in kernel_specs():
-        if spec.name == name.strip().upper():
+        if spec.name.upper() == name.strip().upper():
             return spec
     known = ", ".join(k.name for k in kernel_specs())
     # A plugin's kernels are unknown while the plugin, or its attention module, fails to load: say which failed.
