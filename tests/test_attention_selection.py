@@ -524,3 +524,20 @@ def test_npu_attention_is_offered_where_torch_npu_cannot_say_its_soc_version(fak
         raise RuntimeError("no soc")
     fake_torch_npu.npu = types.SimpleNamespace(get_soc_version=broken)
     assert reasons("NPU", ASCEND) == ()
+
+
+def test_a_plugin_kernel_whose_module_raises_another_error_on_import_is_passed_over_too(monkeypatch):
+    """Only ImportError and AttributeError were reasons: a vendor runtime raising OSError as its module imported
+    took every automatic choice on the platform down."""
+    module = types.ModuleType("hwgraph_toy_failing")
+
+    def __getattr__(name):
+        raise OSError(f"libtoy.so: cannot open shared object file (asked for {name})")
+
+    module.__getattr__ = __getattr__
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    install_toy_kernel(monkeypatch, "TOY_ATTN", "hwgraph_toy_failing:toy_attention")
+    chosen = choose_attention(platform=CPU, dtype=torch.float32, head_dim=72)
+    assert chosen.spec.name == "TORCH_SDPA"
+    assert ("TOY_ATTN: attention kernel 'TOY_ATTN' declares impl_path 'hwgraph_toy_failing:toy_attention', which does "
+            "not load: OSError: libtoy.so: cannot open shared object file") in chosen.reason

@@ -118,12 +118,14 @@ class KernelSpec:
         return Capability(tuple(reasons))
 
     def load(self) -> VarlenAttention:
-        """The kernel's function. An ``impl_path`` that does not import is named in an ``ImportError``."""
+        """The kernel's function. An ``impl_path`` that does not import is named in an ``ImportError``, whatever the
+        import raised: a vendor runtime may raise RuntimeError or OSError as it initialises, and that took automatic
+        choice down instead of passing the kernel over (as ``BackendSpec.load`` does for a backend)."""
         from hwgraph.registry import load_object
 
         try:
             return load_object(self.impl_path)
-        except (ImportError, AttributeError) as exc:
+        except Exception as exc:
             raise ImportError(f"attention kernel {self.name!r} declares impl_path {self.impl_path!r}, which does not "
                               f"load: {type(exc).__name__}: {exc}") from exc
 
