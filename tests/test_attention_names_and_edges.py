@@ -102,3 +102,18 @@ def test_sdpa_matches_a_per_sequence_reference_on_edge_cases(bounds, tokens, str
     assert (out[bounds[-1]:] == 0).all()
     expected = per_sequence_reference(q, k, v, cu_seqlens, scale)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("path", ["hwgraph.attention.triton_attn:triton_varlen",
+                                  "hwgraph_cuda.attention:flash_varlen", "hwgraph_rocm.attention:aiter_varlen",
+                                  "hwgraph_npu.attention:npu_varlen"])
+def test_a_kernel_called_directly_with_a_head_dim_outside_its_spec_is_refused_naming_it(path):
+    """Automatic choice checks the head dim against the spec; a direct call went on to the kernel, which failed as it
+    compiled (Triton: out of shared memory) or deep in a vendor library."""
+    from hwgraph.registry import load_object
+
+    fn = load_object(path)
+    q = torch.zeros(4, 2, 300, dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r": head_dim must be 1\.\.256, got 300 \(q \(4, 2, 300\)\)"):
+        fn(q, q, q, cu_seqlens, 4, 1.0)

@@ -91,8 +91,10 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
 # Varlen attention: ``q, k, v`` ``[T, H, D]``, ``cu_seqlens`` int32 ``[n + 1]`` -> ``[T, H, D]``. Every real sequence
 # must be at most ``max_seqlen`` long: rows beyond it are not computed.
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_HEAD_DIMS = (1, 256)
 triton_varlen, triton_varlen_op = register_varlen_kernel("TRITON_ATTN", "triton_varlen", launch,
-                                                         zeroes_padding=True, dtypes=TRITON_DTYPES)
+                                                         zeroes_padding=True, dtypes=TRITON_DTYPES,
+                                                         head_dims=TRITON_HEAD_DIMS)
 
 
 TRITON_ATTN = KernelSpec(
@@ -100,7 +102,7 @@ TRITON_ATTN = KernelSpec(
     impl_path="hwgraph.attention.triton_attn:triton_varlen",
     kinds=("cuda", "rocm", "cpu"),
     dtypes=TRITON_DTYPES,
-    head_dims=(1, 256),
+    head_dims=TRITON_HEAD_DIMS,
     graph_safe=True,
     gate=triton_gate,
     priority=20,

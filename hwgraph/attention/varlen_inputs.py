@@ -22,9 +22,11 @@ _RECORDING_LOGGED: set[str] = set()  # kernels whose differentiable stand-in was
 
 def check_varlen_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
-                        dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+                        dtypes: tuple[torch.dtype, ...] | None = None,
+                        head_dims: tuple[int, int] | None = None) -> None:
     """Raise ``ValueError`` naming the offending value when the inputs break the common kernel signature, or when
-    q, k, v are not of one of the kernel's ``dtypes`` (its ``KernelSpec.dtypes``; None: any floating dtype).
+    q, k, v are not of one of the kernel's ``dtypes`` (its ``KernelSpec.dtypes``; None: any floating dtype) or their
+    head dim is outside its ``head_dims`` (None: any).
     ``max_seqlen`` and ``scale`` are host numbers of any kind (Python's, numpy's), but not bools."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
         if not isinstance(t, torch.Tensor):
@@ -41,6 +43,10 @@ def check_varlen_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.
                          f"got {q.dtype}")
     if not q.is_floating_point():
         raise ValueError(f"{kernel}: q, k, v must be floating point, got {q.dtype}")
+    if head_dims is not None and not head_dims[0] <= q.shape[2] <= head_dims[1]:
+        # automatic choice checks it; a direct call failed as the kernel compiled (Triton: out of shared memory)
+        raise ValueError(f"{kernel}: head_dim must be {head_dims[0]}..{head_dims[1]}, got {q.shape[2]} "
+                         f"(q {tuple(q.shape)})")
     if k.device != q.device or v.device != q.device or cu_seqlens.device != q.device:
         raise ValueError(f"{kernel}: q, k, v and cu_seqlens must be on one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}, cu_seqlens {cu_seqlens.device}")
@@ -79,10 +85,12 @@ def unit_stride_on_d(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool = False,
-                           dtypes: tuple[torch.dtype, ...] | None = None, differentiable: bool = False):
+                           dtypes: tuple[torch.dtype, ...] | None = None, differentiable: bool = False,
+                           head_dims: tuple[int, int] | None = None):
     """Register ``body`` (the common signature, inputs unchecked) as the custom op ``hwgraph::<op_name>``, whose
     output is a new contiguous ``[tokens, heads, head_dim]`` tensor, as its fake says. Returns ``(public, op)``:
-    ``public`` checks its inputs (``ValueError`` naming ``kernel``; q, k, v of one of ``dtypes``), runs the op while
+    ``public`` checks its inputs (``ValueError`` naming ``kernel``; q, k, v of one of ``dtypes``, a head dim in
+    ``head_dims``, as its ``KernelSpec`` says), runs the op while
     torch.compile traces and ``body`` itself in eager (``eager_or_op``), and returns padding rows (rows at or past
     ``cu_seqlens[-1]``) as zeros: ``body`` zeroes them itself when ``zeroes_padding``, otherwise ``public`` does
     (three small device kernels, about 50 µs of host time per call on the H200's host).
@@ -108,7 +116,7 @@ def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool
 
     def padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, scale: float) -> torch.Tensor:
-        check_varlen_inputs(kernel, q, k, v, cu_seqlens, max_seqlen, scale, dtypes)
+        check_varlen_inputs(kernel, q, k, v, cu_seqlens, max_seqlen, scale, dtypes, head_dims)
         if records_grad(q, k, v):  # the op has no autograd formula: the body itself, or a differentiable stand-in
             if differentiable:
                 return body(q, k, v, cu_seqlens, int(max_seqlen), float(scale))

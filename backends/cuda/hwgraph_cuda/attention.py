@@ -120,8 +120,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on CUDA, ``cu_seqlens`` int32 ``[n + 1]``.
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_HEAD_DIMS = (1, 256)
 flash_varlen, flash_varlen_op = register_varlen_kernel("FLASH_ATTN", "flash_varlen", flash_attention,
-                                                       dtypes=FLASH_DTYPES)
+                                                       dtypes=FLASH_DTYPES, head_dims=FLASH_HEAD_DIMS)
 
 
 FLASH_ATTN = KernelSpec(
@@ -129,7 +130,7 @@ FLASH_ATTN = KernelSpec(
     impl_path="hwgraph_cuda.attention:flash_varlen",
     kinds=("cuda",),
     dtypes=FLASH_DTYPES,
-    head_dims=(1, 256),
+    head_dims=FLASH_HEAD_DIMS,
     graph_safe=True,
     gate=flash_gate,
     priority=30,

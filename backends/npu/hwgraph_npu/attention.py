@@ -152,6 +152,7 @@ def npu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
 
 NPU_DTYPES = (torch.float16, torch.bfloat16)
+NPU_HEAD_DIMS = (1, 256)
 npu_varlen_op = torch.library.custom_op("hwgraph::npu_varlen", npu_attention, mutates_args=())
 
 
@@ -174,7 +175,7 @@ def npu_varlen_padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    max_seqlen: int, scale: float) -> torch.Tensor:
     """``npu_varlen`` without zeroing the padding rows (what the tower uses: its padding rows never mix into real
     ones; the same split as ``hwgraph.attention.varlen_inputs.register_varlen_kernel``'s)."""
-    check_varlen_inputs("NPU", q, k, v, cu_seqlens, max_seqlen, scale, NPU_DTYPES)
+    check_varlen_inputs("NPU", q, k, v, cu_seqlens, max_seqlen, scale, NPU_DTYPES, NPU_HEAD_DIMS)
     if records_grad(q, k, v):  # the op has no backward
         return differentiable_attention("NPU", q, k, v, cu_seqlens, scale)
     tokens = q.shape[0]
@@ -196,7 +197,7 @@ NPU = KernelSpec(
     impl_path="hwgraph_npu.attention:npu_varlen",
     kinds=("npu",),
     dtypes=NPU_DTYPES,
-    head_dims=(1, 256),
+    head_dims=NPU_HEAD_DIMS,
     graph_safe=False,  # see the module docstring: the per-replay update of its host lists is not built
     reads_host_boundaries=True,
     gate=npu_gate,

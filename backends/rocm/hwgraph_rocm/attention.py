@@ -51,8 +51,9 @@ def aiter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 # Varlen attention: ``q, k, v`` ``[T, H, D]`` fp16/bf16 on ROCm, ``cu_seqlens`` int32 ``[n + 1]``.
 AITER_DTYPES = (torch.float16, torch.bfloat16)
+AITER_HEAD_DIMS = (1, 256)
 aiter_varlen, aiter_varlen_op = register_varlen_kernel("ROCM_AITER_FA", "aiter_varlen", aiter_attention,
-                                                       dtypes=AITER_DTYPES)
+                                                       dtypes=AITER_DTYPES, head_dims=AITER_HEAD_DIMS)
 
 
 ROCM_AITER_FA = KernelSpec(
@@ -60,7 +61,7 @@ ROCM_AITER_FA = KernelSpec(
     impl_path="hwgraph_rocm.attention:aiter_varlen",
     kinds=("rocm",),
     dtypes=AITER_DTYPES,
-    head_dims=(1, 256),
+    head_dims=AITER_HEAD_DIMS,
     graph_safe=True,
     gate=aiter_gate,
     priority=30,
