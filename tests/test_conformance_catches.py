@@ -1,0 +1,129 @@
+"""Checks of the shipped conformance suite that could not fail: each is run against a deliberately broken kernel or
+backend (it must fail) and against the CPU reference backend with the settings a vendor may override (it must pass).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hwgraph.graphs.cpu import CpuCapturedGraph
+from hwgraph.testing import suite
+from hwgraph.testing.cases import ConformanceCase
+from hwgraph.testing.towers import suite_tower
+
+CASE = ConformanceCase("cpu", "TORCH_SDPA", torch.float32, "cpu", "tiny")
+
+VENDOR_MODULE = '''
+import pytest
+{patch}
+from hwgraph.testing.suite import *  # noqa
+
+HWGRAPH_BACKEND = "cpu"
+HWGRAPH_ATTENTION = ("TORCH_SDPA",)
+'''
+
+BROKEN_KERNELS = {
+    # every other check compares the manager with the tower's eager answer, which runs the same kernel
+    "zeros": '''
+import torch
+import hwgraph.attention.sdpa as sdpa
+sdpa.masked_sdpa = lambda q, k, v, cu_seqlens, scale: torch.zeros_like(q)
+''',
+    # the images of a group attend to each other (padding rows still apart): eager of the group does the same
+    "one sequence": '''
+import torch
+import hwgraph.attention.sdpa as sdpa
+real = sdpa.masked_sdpa
+sdpa.masked_sdpa = lambda q, k, v, cu, scale: real(q, k, v, torch.stack([cu[0], cu[-1]]), scale)
+''',
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_KERNELS))
+def test_the_suite_fails_an_attention_kernel_that_is_wrong_in_eager_and_replay_alike(tmp_path, broken):
+    (tmp_path / "test_vendor_conformance.py").write_text(VENDOR_MODULE.format(patch=BROKEN_KERNELS[broken]))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-4000:] + run.stderr
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    assert failed and all("TestAttentionMatchesReference" in line for line in failed), run.stdout[-4000:]
+
+
+def test_the_kernel_check_also_checks_the_padding_unspecified_variant_the_tower_runs(monkeypatch):
+    """The tower runs ``kernel.padding_unspecified``: one attending across sequences failed no check."""
+    from hwgraph.attention import sdpa
+
+    public = sdpa.sdpa_varlen
+    real = public.padding_unspecified
+    monkeypatch.setattr(public, "padding_unspecified", lambda q, k, v, cu, m, s: real(
+        q, k, v, torch.stack([cu[0], cu[-1]]), m, s))
+    with pytest.raises(AssertionError, match="padding_unspecified"):
+        suite.TestAttentionMatchesReference().test_the_kernel_equals_the_float64_reference(CASE)
+    monkeypatch.undo()
+    suite.TestAttentionMatchesReference().test_the_kernel_equals_the_float64_reference(CASE)
+
+
+def make(cls, monkeypatch, **settings):
+    check = cls()
+    for name, value in settings.items():
+        monkeypatch.setattr(check, name, value)
+    tower = suite_tower(CASE.preset, CASE.device, CASE.dtype)
+    return check, tower, check.captured(check.make_manager(tower, CASE))
+
+
+def stale_after_first_replay(monkeypatch):
+    """Each graph replays once (the capture's own check), then hands back what that replay left."""
+    replay = CpuCapturedGraph.replay
+
+    def once(self):
+        if not getattr(self, "replayed", False):
+            replay(self)
+            self.replayed = True
+
+    monkeypatch.setattr(CpuCapturedGraph, "replay", once)
+
+
+def test_the_deepstack_check_replays_with_fewer_images_per_graph(monkeypatch):
+    """With ``max_images = 2`` its group of three images ran eagerly: a backend whose replays are all stale passed."""
+    stale_after_first_replay(monkeypatch)
+    check, tower, manager = make(suite.TestDeepStack, monkeypatch, max_images=2)
+    try:
+        with pytest.raises(AssertionError):
+            check.test_every_deepstack_slice_of_every_image_equals_eager(manager, tower)
+    finally:
+        manager.close()
+
+
+def test_the_new_pixels_check_replays_with_budgets_below_its_image(monkeypatch):
+    """Its 12-token image fit no budget of ``budgets = (4, 8)``: three eager calls, and a stale backend passed."""
+    stale_after_first_replay(monkeypatch)
+    check, tower, manager = make(suite.TestBudgetChanges, monkeypatch, budgets=(4, 8))
+    try:
+        with pytest.raises(AssertionError):
+            check.test_the_same_budget_with_new_pixels_gives_new_answers(manager, tower)
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize(("cls", "check"), [
+    (suite.TestNoHostSync, "test_replay_and_fallback_read_nothing_back_from_the_device"),
+    (suite.TestBudgetChanges, "test_consecutive_calls_switch_budgets_without_stale_inputs"),
+    (suite.TestDeepStack, "test_every_deepstack_slice_of_every_image_equals_eager"),
+])
+@pytest.mark.parametrize("max_images", [1, 2])
+def test_checks_pass_the_reference_backend_whose_graphs_take_fewer_images(monkeypatch, cls, check, max_images):
+    """A vendor whose graphs take one image sets ``max_images = 1``: two checks failed the correct CPU backend, their
+    two-image groups having run eagerly."""
+    instance, tower, manager = make(cls, monkeypatch, max_images=max_images)
+    try:
+        getattr(instance, check)(manager, tower)
+    finally:
+        manager.close()
+
