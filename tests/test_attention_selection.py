@@ -404,6 +404,14 @@ def test_env_var_names_the_kernel_case_insensitively(monkeypatch):
     assert chosen.spec.name == "TORCH_SDPA" and chosen.reason == "explicit"
 
 
+@pytest.mark.parametrize("value", ["", "  ", "\t"])
+def test_env_var_set_blank_is_unset(monkeypatch, value):
+    """Set empty it was automatic choice; set blank it was "unknown attention kernel '  '"."""
+    monkeypatch.setenv(registry.ATTENTION_ENV, value)
+    chosen = choose_attention(platform=H200, dtype=torch.bfloat16, head_dim=72)
+    assert chosen.reason.startswith("best available for cuda")
+
+
 @pytest.mark.parametrize("value", ["auto", "AUTO", " auto "])
 def test_env_var_auto_asks_for_automatic_choice_as_a_tower_takes_it(monkeypatch, value):
     monkeypatch.setenv(registry.ATTENTION_ENV, value)  # was "unknown attention kernel 'auto'"

@@ -112,7 +112,8 @@ def choose_attention(name: str | None = None, platform: PlatformInfo | None = No
     platform = platform or detect()
     # A kernel named by the environment says so when it fails: the caller may never have named one.
     origin = "" if name else f"${ATTENTION_ENV}: "
-    name = name or os.environ.get(ATTENTION_ENV) or None
+    # set blank (a shell's HWGRAPH_ATTENTION=" ", a template's empty field) is unset, as set empty is
+    name = name or os.environ.get(ATTENTION_ENV, "").strip() or None
     if name is not None and name.strip().lower() == "auto":  # as a tower takes it: $HWGRAPH_ATTENTION=auto too
         name = None
     if name:
