@@ -127,3 +127,28 @@ def test_checks_pass_the_reference_backend_whose_graphs_take_fewer_images(monkey
     finally:
         manager.close()
 
+
+
+@pytest.mark.parametrize(("cls", "check"), [
+    (suite.TestMultiImageGroups, "test_several_images_share_one_replay_in_caller_order"),
+    (suite.TestMultiImageGroups, "test_each_slot_count_graph_of_a_budget_replays_its_own_groups"),
+])
+def test_checks_pass_the_reference_backend_with_a_vendors_small_budgets(monkeypatch, cls, check):
+    """With budgets of (4, 8) and four images a graph, the first crashed (its 23-token group fit no budget: TypeError)
+    and the second asked for images of 0 tokens."""
+    instance, tower, manager = make(cls, monkeypatch, budgets=(4, 8), max_images=4)
+    try:
+        if check == "test_each_slot_count_graph_of_a_budget_replays_its_own_groups":
+            getattr(instance, check)(tower, CASE)
+        else:
+            getattr(instance, check)(manager, tower)
+    finally:
+        manager.close()
+
+
+def test_uneven_sizes_fit_the_tokens_they_are_given():
+    assert suite.ConformanceSuite.uneven((4, 1, 16, 2), 23) == (4, 1, 16, 2)
+    fitted = suite.ConformanceSuite.uneven((4, 1, 16, 2), 8)
+    assert sum(fitted) <= 8 and min(fitted) >= 1 and len(set(fitted)) > 1
+    with pytest.raises(ValueError, match="4 images of at least 1 token cannot share 3 tokens"):
+        suite.ConformanceSuite.uneven((1, 1, 1, 1), 3)

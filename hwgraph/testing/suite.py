@@ -112,6 +112,21 @@ class ConformanceSuite:
         """The budget the single-replay policy must pick for a group of ``tokens``, or None (eager)."""
         return min((b for b in self.budgets if b >= tokens), default=None)
 
+    @staticmethod
+    def uneven(sizes: tuple[int, ...], total: int) -> tuple[int, ...]:
+        """``sizes`` (merged tokens per image, uneven so that a reordering shows) as they are when they sum to at
+        most ``total``, else scaled down to fit it, each at least 1 (a vendor's small budgets: a group too large for
+        every budget crashed its check, and an image of 0 tokens was refused)."""
+        if sum(sizes) <= total:
+            return sizes
+        fitted = [max(1, n * total // sum(sizes)) for n in sizes]
+        while sum(fitted) > total and max(fitted) > 1:
+            fitted[fitted.index(max(fitted))] -= 1
+        if sum(fitted) > total:
+            raise ValueError(f"{len(sizes)} images of at least 1 token cannot share {total} tokens: each of the "
+                             f"suite's budgets must be at least its max_images")
+        return tuple(fitted)
+
     def grid(self, tower, *tokens: int, frames: int = 1) -> list[tuple[int, int, int]]:
         """One single-frame image per entry of ``tokens`` (merged tokens each)."""
         return [grid_of(n, tower.spatial_merge_size, frames) for n in tokens]
@@ -213,7 +228,7 @@ class TestReplayEqualsEager(ConformanceSuite):
 
 class TestMultiImageGroups(ConformanceSuite):
     def test_several_images_share_one_replay_in_caller_order(self, manager, tower):
-        tokens = (4, 1, 16, 2)[: self.max_images]  # different sizes, so a reordering shows
+        tokens = self.uneven((4, 1, 16, 2)[: self.max_images], max(self.budgets))  # a reordering shows
         grid = self.grid(tower, *tokens)
         out = self.encode_and_check(manager, tower, grid, seed=200, what=f"group of {len(grid)}")
         assert [o.embeds.shape[0] for o in out] == list(image_tokens(grid, tower.spatial_merge_size))
@@ -238,7 +253,7 @@ class TestMultiImageGroups(ConformanceSuite):
         try:
             calls = [counts[-1], *counts, *reversed(counts)]  # each count after each other one
             for i, n in enumerate(calls):
-                tokens = [budget // (2 * n) + j % 2 for j in range(n)]  # uneven sizes, at most the budget in all
+                tokens = self.uneven(tuple(max(1, budget // (2 * n)) + j % 2 for j in range(n)), budget)
                 self.encode_and_check(m, tower, self.grid(tower, *tokens), seed=210 + i,
                                       what=f"call {i + 1}: {n} image(s), slot-count graphs {counts}")
             # a group of n images replays the graph with n slots: each count is one the calls use
