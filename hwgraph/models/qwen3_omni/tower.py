@@ -242,6 +242,13 @@ class Qwen3OmniVisionTower(nn.Module):
             self._attention = None  # the device or dtype may have changed: choose again at next use
         return self
 
+    def __getstate__(self):
+        # The chosen kernel is left out (chosen again at next use from the request, as after ``to()``): its spec holds
+        # a gate lambda, so a tower that had run once could not be pickled (torch.save(tower), a process pool).
+        state = super().__getstate__()
+        state["_attention"] = None
+        return state
+
     # ------------------------------------------------------------------ forward
     # Host work in numpy: a graph break under torch.compile (dynamo tracing it failed with "Expected np.nditer base"
     # for a grid not yet in the metadata cache, so compiling the whole tower crashed on its first new grid).

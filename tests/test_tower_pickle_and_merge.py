@@ -1,0 +1,78 @@
+"""The tower against transformers at merge sizes other than 2, and a tower that has run saved whole (pickled)."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower, preset_config
+from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def module_level_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+    from hwgraph.attention.sdpa import sdpa_varlen
+
+    return sdpa_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def perturbed(tower: Qwen3OmniVisionTower) -> Qwen3OmniVisionTower:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return tower.eval()
+
+
+def pixels_for(tower, grid):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(sum(t * h * w for t, h, w in grid), tower.patch_row_width, generator=g)
+
+
+@pytest.mark.parametrize("merge", [1, 3])
+def test_merge_sizes_other_than_two_equal_transformers_down_to_a_single_merge_group(merge):
+    torch.manual_seed(0)
+    tower = perturbed(Qwen3OmniVisionTower(preset_config("tiny", spatial_merge_size=merge), attention="TORCH_SDPA"))
+    reference = reference_encoder(tower)
+    for grid in ([(1, merge, merge)], [(2, merge, merge)], [(1, merge, 4 * merge), (3, 2 * merge, merge)]):
+        pixels = pixels_for(tower, grid)
+        with torch.no_grad():
+            got, want = tower(pixels, grid), run_reference(reference, pixels, grid)
+        assert got.embeds.shape == (sum(t * h * w for t, h, w in grid) // merge**2, tower.out_hidden_size)
+        torch.testing.assert_close(got.embeds, want.embeds)
+        assert len(got.deepstack) == len(want.deepstack) == tower.num_deepstack
+        for g, w in zip(got.deepstack, want.deepstack, strict=True):
+            torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("attention", ["TORCH_SDPA", None, module_level_attention])
+def test_a_tower_that_has_run_pickles_and_gives_the_same_output(attention):
+    """The chosen kernel's spec holds a gate lambda: after the first forward, ``torch.save(tower)`` (and any pickling,
+    e.g. to a process pool) raised ``PicklingError: Can't pickle <function <lambda>``. The copy chooses again."""
+    torch.manual_seed(0)
+    tower = perturbed(Qwen3OmniVisionTower("tiny", attention=attention))
+    grid = [(1, 4, 6), (2, 2, 2)]
+    pixels = pixels_for(tower, grid)
+    with torch.no_grad():
+        want = tower(pixels, grid)
+    buffer = io.BytesIO()
+    torch.save(tower, buffer)
+    buffer.seek(0)
+    for copy in (torch.load(buffer, weights_only=False), pickle.loads(pickle.dumps(tower))):
+        assert copy.attention_kernel == tower.attention_kernel
+        with torch.no_grad():
+            got = copy(pixels, grid)
+        torch.testing.assert_close(got.embeds, want.embeds, rtol=0, atol=0)
+        for g, w in zip(got.deepstack, want.deepstack, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert tower.attention_kernel  # the original keeps its kernel
