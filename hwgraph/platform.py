@@ -54,6 +54,13 @@ def torch_npu_unavailable(failure: str | None) -> str:
     return f"torch_npu is not installed; install torch_npu built for torch {torch.__version__} with CANN"
 
 
+def torch_npu_installed() -> bool:
+    """Whether torch_npu is installed (imported, or found without importing it), whether or not it imports."""
+    if "torch_npu" in sys.modules:
+        return sys.modules["torch_npu"] is not None  # None: its import is blocked
+    return importlib.util.find_spec("torch_npu") is not None
+
+
 def npu_module():
     """The ``torch_npu`` module if it is importable (already imported or installed), else None."""
     return npu_import()[0]
@@ -79,11 +86,16 @@ def npu_info(notes: list[str]) -> PlatformInfo | None:
     except Exception as exc:
         notes.append(f"torch_npu counts {count} NPU(s) but cannot name the first ({exc})")
         return None
-    arch = str(name).split()[0] if name else None
+    # torch_npu names an NPU " " where CANN reads no SoC name (aclrtGetSocName returns null): ``" ".split()[0]``
+    # raised IndexError out of every detect(). The NPU still serves, unnamed, as where its SoC version is unreadable.
+    name = "" if name is None else str(name).strip()
+    if not name:
+        notes.append("torch_npu gives the first NPU no name (CANN could not read its SoC name)")
+    arch = name.split()[0] if name else None
     # torch_npu.version holds only __version__ and git_version (torch_npu's own); CANN's comes from the runtime
     cann = optional_answer(npu, "get_cann_version", notes, "the CANN version")
     soc = optional_answer(npu, "get_soc_version", notes, "the SoC version")
-    return PlatformInfo("npu", str(name), arch, torch.__version__, "CANN", None if cann is None else str(cann),
+    return PlatformInfo("npu", name or None, arch, torch.__version__, "CANN", None if cann is None else str(cann),
                         count, tuple(notes) + (() if soc is None else (f"soc version {soc}",)))
 
 
