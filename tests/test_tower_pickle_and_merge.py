@@ -76,3 +76,25 @@ def test_a_tower_that_has_run_pickles_and_gives_the_same_output(attention):
         for g, w in zip(got.deepstack, want.deepstack, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
     assert tower.attention_kernel  # the original keeps its kernel
+
+
+def test_tensors_assigned_in_another_dtype_choose_the_attention_kernel_again(monkeypatch):
+    """After ``load_state_dict(..., assign=True)`` with tensors of another dtype on the same device, the kernel chosen
+    for the old dtype stayed (on a GPU: FLASH_ATTN, chosen for bf16, fed fp32)."""
+    from hwgraph.attention import registry
+    from hwgraph.attention.base import KernelSpec
+    from hwgraph.capability import Capability
+    from hwgraph.registry import BackendSpec
+
+    fp32_only = KernelSpec(name="TOY_FP32", impl_path="hwgraph.attention.sdpa:sdpa_varlen", kinds=("cpu",),
+                           dtypes=(torch.float32,), head_dims=(1, 256), graph_safe=True,
+                           gate=lambda p: Capability.available(), priority=50)
+    specs = (BackendSpec(name="toy", class_path="unused:Backend", kinds=("cpu",),
+                         gate=lambda p: Capability.available(), attention=(fp32_only,)),)
+    monkeypatch.setattr(registry, "backend_specs", lambda: specs)
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[0]).eval()
+    assert tower.attention_kernel == "TOY_FP32"
+    tower.load_state_dict({k: v.to(torch.bfloat16) for k, v in tower.state_dict().items()}, assign=True)
+    assert tower.patch_embed.proj.weight.dtype == torch.bfloat16
+    assert tower.attention_kernel == "TORCH_SDPA"

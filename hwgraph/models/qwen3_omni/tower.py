@@ -65,11 +65,15 @@ def rotary_after_load(tower: Qwen3OmniVisionTower, incompatible_keys) -> None:
     A tower built under ``torch.device("meta")`` and loaded with ``assign=True`` (meta init, then load) had real
     weights and frequencies still on meta, and its forward failed ("Tensor on device meta is not on the expected
     device cpu!"); so did a tower built on the CPU and loaded with ``assign=True`` from another device's tensors
-    (frequencies on the CPU, weights on the GPU), which also chooses its attention kernel again, as after ``to()``."""
+    (frequencies on the CPU, weights on the GPU). The attention kernel is chosen again at next use, as after ``to()``:
+    tensors assigned in another dtype or on another device may not be the kernel's (FLASH_ATTN chosen for bf16, then
+    fp32 weights assigned, was fed fp32)."""
     weight = tower.patch_embed.proj.weight
-    if not weight.is_meta and tower.rotary_pos_emb.inv_freq.device != weight.device:
+    if weight.is_meta:
+        return
+    if tower.rotary_pos_emb.inv_freq.device != weight.device:
         tower.rotary_pos_emb.reset(weight.device)
-        tower._attention = None  # chosen for the old device: choose again at next use
+    tower._attention = None  # chosen for the old device and dtype: choose again at next use
 
 
 OVERLAP_MAX_ROWS = 512  # patch rows up to which DeepStack mergers overlap the blocks (merge_stream)
