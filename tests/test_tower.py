@@ -465,11 +465,25 @@ def test_registry_kernel_is_chosen_for_the_towers_dtype_and_equals_the_reference
     (torch.tensor([1, 4, 4]), r"must be \[images, 3\]"),
     ([torch.tensor([1.0, 4, 4])], r"grid_thw\[0\] = \[1\.0, 4\.0, 4\.0\] must hold ints, got dtype torch\.float32"),
     ([torch.tensor([1, 4])], r"grid_thw\[0\] = \[1, 4\] is not a \(t, h, w\) row"),
+    ([b"\x01\x04\x04"], r"grid_thw\[0\] = b'\\x01\\x04\\x04' is not a \(t, h, w\) row"),  # was read as (1, 4, 4)
+    ([(torch.tensor([1]), 4, 4)], r"grid_thw\[0\] holds a tensor of shape \(1,\) where a number is expected"),
+    ([(torch.tensor(1.0), 4, 4)], r"grid_thw\[0\] = \(np\.float32\(1\.0\), 4, 4\) must hold ints"),
 ])
 def test_bad_grids_raise_value_errors_naming_the_values(grid, match):
     tower = Qwen3OmniVisionTower.from_preset("tiny")
     with pytest.raises(ValueError, match=match):
         tower.prepare_metadata(grid)
+
+
+def test_grid_rows_of_0_d_int_tensors_are_read_as_their_values():
+    """``[tuple(r) for r in image_grid_thw]`` (a processor's tensor split into rows) was refused: "grid_thw[0] =
+    (tensor(1), 4, 4) must hold ints"."""
+    tower = Qwen3OmniVisionTower.from_preset("tiny")
+    grid = torch.tensor([[1, 4, 4], [2, 8, 6]])
+    want = tower.prepare_metadata([(1, 4, 4), (2, 8, 6)])
+    got = tower.prepare_metadata([tuple(row) for row in grid])
+    assert got.grid_thw == want.grid_thw == ((1, 4, 4), (2, 8, 6))
+    assert torch.equal(got.pos_indices, want.pos_indices) and torch.equal(got.cu_seqlens, want.cu_seqlens)
 
 
 def test_pixels_that_do_not_match_the_grid_raise_value_errors():

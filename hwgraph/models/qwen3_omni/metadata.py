@@ -205,6 +205,19 @@ def holds_ints(t: torch.Tensor) -> bool:
     return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
+def host_scalar(x, where: str):
+    """``x`` as it is, or a 0-d host tensor's value as a numpy scalar (a host read, which sync guards allow); a
+    device tensor, whose read would synchronise, or one of more dimensions is ``ValueError`` naming ``where``."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.device.type != "cpu":
+        raise ValueError(f"{where} holds a tensor on {x.device}; pass it on the host (a list or a CPU tensor): "
+                         f"reading a device tensor would synchronise with the device")
+    if x.dim() != 0:
+        raise ValueError(f"{where} holds a tensor of shape {tuple(x.shape)} where a number is expected")
+    return x.numpy()[()]
+
+
 def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
     """``grid_thw`` (rows of (t, h, w): a list, or an int array/tensor on the host) as a tuple of int triples.
 
@@ -242,9 +255,11 @@ def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
             if not holds_ints(row):
                 raise ValueError(f"grid_thw[{i}] = {row.numpy().tolist()!r} must hold ints, got dtype {row.dtype}")
             row = row.numpy().tolist()  # numpy: a host read, which sync guards allow (they reject .tolist())
-        if not isinstance(row, (Sequence, np.ndarray)) or len(row) != 3:
+        if not isinstance(row, (Sequence, np.ndarray)) or isinstance(row, (str, bytes)) or len(row) != 3:
             raise ValueError(f"grid_thw[{i}] = {row!r} is not a (t, h, w) row; grid_thw must be a list of "
                              f"(t, h, w) rows, e.g. [(1, 32, 32)]")
+        if any(isinstance(x, torch.Tensor) for x in row):  # [tuple(r) for r in image_grid_thw]: 0-d tensors
+            row = [host_scalar(x, f"grid_thw[{i}]") for x in row]
         if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in row):
             raise ValueError(f"grid_thw[{i}] = {tuple(row)} must hold ints")
         t, h, w = (int(x) for x in row)
