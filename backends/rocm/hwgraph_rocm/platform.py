@@ -13,7 +13,7 @@ from hwgraph.graphs.torch_cuda import torch_build, torch_version_capability
 from hwgraph.platform import PlatformInfo, torch_npu_installed
 from hwgraph.registry import BackendSpec, plugin_attention
 
-#: Architectures that ROCm builds of torch target and HIP graph capture runs on (CDNA 2-4, RDNA 2-4).
+#: Architectures that ROCm builds of torch target and HIP graph capture runs on (CDNA 1-4: MI100 to MI355; RDNA 2-4).
 SUPPORTED_ARCHS = frozenset({
     "gfx908", "gfx90a", "gfx942", "gfx950",
     "gfx1030", "gfx1100", "gfx1101", "gfx1102", "gfx1151", "gfx1200", "gfx1201",
