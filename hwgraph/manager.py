@@ -191,6 +191,9 @@ class EncoderGraphManager:
         # chosen above for this platform and dtype (the head dim does not move): applied, not chosen a second time
         tower.apply_attention_choice(choice)
         self._kernel = tower.attention_fn  # what the graphs run (see _check_tower)
+        # its name, for stats(): the tower's may change later (another manager, set_attention), and reading it after
+        # a move chooses a kernel again, on the tower
+        self._kernel_name = tower.attention_kernel
         self._weights = tower.weights_key()  # where the weights the graphs read live (see _check_tower)
         self.calibrate_on_capture = calibrate
         if slot_counts is None:
@@ -502,7 +505,9 @@ class EncoderGraphManager:
             return tensor
         if tensor.device.type == "cpu" and self.device.type != "cpu":
             tensor = pinned_copy(tensor)  # an async H2D copy; a pageable one would block the host
-        return tensor.to(self.device, self.dtype, non_blocking=True)
+        # To the host, a non-blocking copy lands in pinned memory and returns before the data has: the CPU forward
+        # would read it half-copied (a CPU manager given GPU pixels).
+        return tensor.to(self.device, self.dtype, non_blocking=self.device.type != "cpu")
 
     def _fill(self, entry: BudgetGraph, pixel_values: torch.Tensor, host) -> None:
         """Copy this call's inputs into the graph's static buffers (no device-to-host reads).
@@ -515,7 +520,7 @@ class EncoderGraphManager:
             # As the eager path does. From pageable memory the driver stages the copy itself: on the H200 a 600 KB
             # copy did not wait for earlier work (docs/benchmarks.md, session 39), but a pinned source never does.
             pixel_values = pinned_copy(pixel_values)
-        entry.pixels[:patches].copy_(pixel_values, non_blocking=True)
+        entry.pixels[:patches].copy_(pixel_values, non_blocking=self.device.type != "cpu")  # as in _to_device
         grid = host.grid_thw
         if entry.filled_grid == grid:
             return
@@ -614,7 +619,7 @@ class EncoderGraphManager:
     def _stats_snapshot(self) -> dict:
         out = self._stats.as_dict()
         out.update(budgets=sorted(self.graphs), slot_counts=list(self.slot_counts), graph_backend=self.backend.name,
-                   graph_mode=self.backend.mode, attention=self.tower.attention_kernel, calls=self._calls,
+                   graph_mode=self.backend.mode, attention=self._kernel_name, calls=self._calls,
                    images=self._stats.hits + self._stats.misses)
         return out
 

@@ -483,3 +483,25 @@ def test_a_cpu_tower_loaded_with_a_gpu_state_dict_by_assignment_runs_there_as_on
         assert loaded.attention_kernel == moved.attention_kernel
         for got, want in zip(loaded(pix, grid).tensors(), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_cpu_manager_given_gpu_pixels_reads_them_whole():
+    """The manager copied pixels to its device without blocking: to the host, such a copy lands in pinned memory and
+    returns before the data has, so a CPU manager's eager forward could read GPU pixels half-copied. The pixels here
+    are computed behind a long sleep on the GPU, so that a copy that does not wait reads them unwritten."""
+    torch.manual_seed(0)
+    tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
+    m = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=1, graph_backend="cpu")
+    m.capture()
+    try:
+        for grid, path in (([(1, 4, 4)], "replay"), ([(1, 16, 8)], "eager")):  # 32 tokens fit no budget of 16
+            pixels = torch.randn(grid[0][1] * grid[0][2], tower.patch_row_width)
+            with torch.no_grad():
+                want = tower(pixels, grid).embeds
+            source = pixels.cuda()
+            torch.cuda._sleep(int(2e8))  # the GPU is busy for a while: the next kernel writes the pixels after it
+            out = m.encode(source * 1, grid)
+            torch.testing.assert_close(out[0].embeds, want, msg=f"{path} of GPU pixels on a CPU manager")
+        assert m.stats()["replays"] == 1 and m.stats()["eager_groups"] == 1
+    finally:
+        m.close()
