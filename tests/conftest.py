@@ -31,3 +31,12 @@ def triton_kernel(monkeypatch):
     monkeypatch.setattr(module, "varlen_attention_kernel", RecordingKernel())
     monkeypatch.setattr(module, "varlen_attention_tma_kernel", RecordingKernel())
     return module
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core box: more intra-op threads only spin against each other (10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

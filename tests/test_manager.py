@@ -566,6 +566,12 @@ def test_a_manager_whose_tower_was_moved_refuses_to_replay_the_old_weights():
             call()
     second.capture()
     assert_outputs_equal(second.encode(pixels, grid), eager_per_image(tower, pixels.double(), grid))
+    # a third manager with another kernel: the others' stats still name the kernel their own calls ran (they named
+    # the shared tower's, and choosing it again after a move changed the tower)
+    third = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=2, graph_backend="cpu",
+                                dtype=torch.float64, attention=slot_bound_sdpa)
+    assert tower.attention_kernel == third.stats()["attention"] == "slot_bound_sdpa"
+    assert first.stats()["attention"] == second.stats()["attention"] == "TORCH_SDPA"
 
 
 def test_a_move_that_leaves_the_weights_in_place_leaves_every_tensor_the_graphs_read():

@@ -25,14 +25,7 @@ from hwgraph.models.qwen3_omni.config import vision_config_from_dict
 from hwgraph.models.qwen3_omni.reference import as_vision_output, reference_encoder, run_reference
 from hwgraph.models.qwen3_omni.tower import OVERLAP_MAX_ROWS
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core box: more intra-op threads only spin against each other (10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def masked_attention(q, k, v, cu_seqlens, max_seqlen, scale):

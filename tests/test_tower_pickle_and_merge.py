@@ -11,13 +11,7 @@ import torch
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower, preset_config
 from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def module_level_attention(q, k, v, cu_seqlens, max_seqlen, scale):
