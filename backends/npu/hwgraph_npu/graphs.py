@@ -34,7 +34,9 @@ def clone_outputs(outputs: Outputs) -> Outputs:
     flat_tensors(outputs)  # rejects anything that is not tensors
     if isinstance(outputs, torch.Tensor):
         return outputs.clone()
-    return type(outputs)(clone_outputs(item) for item in outputs)
+    items = [clone_outputs(item) for item in outputs]
+    # A named tuple takes its fields as arguments: given one iterable, it took it for its first field and raised
+    return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
 
 
 class CompiledGraph(CapturedGraph):
@@ -52,7 +54,13 @@ class CompiledGraph(CapturedGraph):
             fresh = flat_tensors(self.compiled())
             static = flat_tensors(self.outputs)
             if len(fresh) != len(static):
-                raise CaptureError("the compiled callable returned a different number of outputs on replay")
+                raise CaptureError(f"the compiled callable returned a different number of outputs on replay: "
+                                   f"{len(fresh)}, against {len(static)} at capture")
+            # After a recompilation (a guard failed) copy_ would broadcast an output of another shape without a word
+            if any(src.shape != dst.shape for dst, src in zip(static, fresh, strict=True)):
+                raise CaptureError(f"the compiled callable returned outputs of other shapes on replay: "
+                                   f"{[tuple(t.shape) for t in fresh]}, against {[tuple(t.shape) for t in static]} "
+                                   f"at capture")
             for dst, src in zip(static, fresh, strict=True):
                 dst.copy_(src)
 
