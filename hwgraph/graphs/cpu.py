@@ -9,7 +9,9 @@ up on CPU exactly as they would on a device.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import numbers
+import sys
 import weakref
 from collections.abc import Callable
 from typing import ClassVar
@@ -51,7 +53,8 @@ class CpuCapturedGraph(CapturedGraph):
             fresh = flat_tensors(self.fn())
             static = flat_tensors(self.outputs)
             if len(fresh) != len(static):
-                raise CaptureError("the captured callable returned a different number of outputs on replay")
+                raise CaptureError(f"the captured callable returned a different number of outputs on replay: "
+                                   f"{len(fresh)}, against {len(static)} at capture")
             for dst, src in zip(static, fresh, strict=True):
                 if dst.shape != src.shape:
                     raise CaptureError(f"replay produced shape {tuple(src.shape)}, captured {tuple(dst.shape)}")
@@ -76,7 +79,9 @@ class RejectHostReads:
     is switched off inside its own handler, so calls nested in Python-implemented ops (custom-op bodies among
     them) would slip through. Process-wide while active (other threads' reads are rejected too); re-entrant and
     safe to enter and leave from several threads: the first guard in replaces the methods, the last one out puts
-    them back. Public so that device backends without a runtime sync-debug mode reuse it as their sync guard.
+    them back. Public so that device backends without a runtime sync-debug mode reuse it as their sync guard. Replacing
+    ``__getitem__`` and ``__setitem__`` would make every tensor a Python sequence, for good: the guard puts the tensor
+    types' sequence slots back as it found them, on entering and on leaving (``put_back_sequence_slots``).
 
     On the emulated device every tensor is on the CPU, so ``.cpu()`` and a blocking ``.to("cpu")`` stand for the
     device-to-host copies they are on a device. ``.numpy()`` is not rejected: torch refuses it for a device tensor
@@ -191,21 +196,26 @@ class RejectHostReads:
         return out
 
     @classmethod
-    def _replace(cls) -> list:
-        """Replaces the host-reading attributes; returns (owner, name, the owner's own attribute or None) for each."""
+    def _replace(cls) -> tuple[list, dict]:
+        """Replaces the host-reading attributes; returns (owner, name, the owner's own attribute or None) for each, and
+        the sequence slots of the tensor types (``tensor_sequence_slots``), both as found."""
         replacements = cls._replacements()
         saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in replacements]
+        slots = tensor_sequence_slots()
         for owner, name, replacement in replacements:
             setattr(owner, name, replacement)
-        return saved
+        put_back_sequence_slots(slots)
+        return saved, slots
 
     @staticmethod
-    def _put_back(saved: list) -> None:
+    def _put_back(found: tuple[list, dict]) -> None:
+        saved, slots = found
         for owner, name, original in saved:
             if original is None:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
+        put_back_sequence_slots(slots)
 
     def __enter__(self):
         RejectHostReads.switch.__enter__()
@@ -216,6 +226,68 @@ class RejectHostReads:
 
 
 RejectHostReads.switch = CountedSwitch(RejectHostReads._replace, RejectHostReads._put_back)
+
+
+# A Python-level __getitem__ (or __setitem__) on a class fills its sequence slots, sq_item (sq_ass_item) as well as the
+# mapping one, and CPython keeps them filled once the attribute is deleted again; torch.Tensor's own indexing fills only
+# the mapping slots. While filled, torch takes a tensor inside a list for a sequence: torch.tensor([a.sum(), b.sum()])
+# raised "len() of a 0-d tensor", also after the guard that replaced the methods had ended, for the whole process. Only
+# CPython's type layout can put them back: PyTypeObject's tp_as_sequence is the tenth pointer after its tp_name, which
+# follows the PyVarObject header; in PySequenceMethods, sq_item and sq_ass_item are the fourth and sixth pointers.
+_POINTER = ctypes.sizeof(ctypes.c_void_p)
+_TP_NAME = object.__basicsize__ + _POINTER
+_SEQUENCE_SLOTS = {"__getitem__": 3, "__setitem__": 5}
+
+
+def sequence_slots(cls: type):
+    """``cls``'s PySequenceMethods as a ctypes array of 6 pointers; None where the type's layout is not the one
+    expected (checked against its name and size) or the interpreter is not CPython."""
+    if sys.implementation.name != "cpython":
+        return None
+    address = id(cls)
+    name = ctypes.c_char_p.from_address(address + _TP_NAME).value
+    size = ctypes.c_ssize_t.from_address(address + _TP_NAME + _POINTER).value
+    if name is None or name.decode(errors="replace").rsplit(".", 1)[-1] != cls.__name__ or size != cls.__basicsize__:
+        return None
+    methods = ctypes.c_void_p.from_address(address + _TP_NAME + 10 * _POINTER).value
+    return (ctypes.c_void_p * 6).from_address(methods) if methods else None
+
+
+def tensor_types() -> list[type]:
+    """``torch.Tensor`` and every subclass of it now (Parameter, FakeTensor...)."""
+    found, todo = {}, [torch.Tensor]
+    while todo:
+        cls = todo.pop()
+        if id(cls) not in found:
+            found[id(cls)] = cls
+            todo.extend(type.__subclasses__(cls))
+    return list(found.values())
+
+
+def tensor_sequence_slots() -> dict:
+    """The sequence slots (``_SEQUENCE_SLOTS``) of each tensor type whose layout is known: {type: {name: pointer}}."""
+    out = {}
+    for cls in tensor_types():
+        methods = sequence_slots(cls)
+        if methods is not None:
+            out[cls] = {name: methods[index] for name, index in _SEQUENCE_SLOTS.items()}
+    return out
+
+
+def put_back_sequence_slots(found: dict) -> None:
+    """Gives each tensor type the sequence slots ``tensor_sequence_slots()`` found; a type made since, which indexes as
+    ``torch.Tensor`` does, gets ``torch.Tensor``'s (one that indexes otherwise keeps its own)."""
+    if torch.Tensor not in found:
+        return
+    for cls in tensor_types():
+        methods = sequence_slots(cls)
+        if methods is None:
+            continue
+        for name, index in _SEQUENCE_SLOTS.items():
+            if cls in found:
+                methods[index] = found[cls][name]
+            elif getattr(cls, name) is getattr(torch.Tensor, name):
+                methods[index] = found[torch.Tensor][name]
 
 
 def is_mask(index) -> bool:

@@ -79,9 +79,14 @@ def torch_version_capability(backend: str, found: str | None, minimum: str = MIN
 def environment_defaults(values: Mapping[str, str]) -> Iterator[dict[str, str]]:
     """Set each of ``values`` in the process environment for the block, unless the process has set it already (the
     user's choice stands), and remove what it set afterwards. Yields what it set."""
-    applied = {name: value for name, value in values.items() if name not in os.environ}
-    os.environ.update(applied)
-    try:
+    applied = {}
+    try:  # each set inside: one that fails (a value not a str) must not leave those before it set for the process
+        for name, value in values.items():
+            if name in os.environ:
+                continue
+            if not isinstance(value, str):
+                raise TypeError(f"environment variable {name!r} takes a str value, got {value!r}")
+            os.environ[name] = applied[name] = value
         yield applied
     finally:
         for name in applied:
