@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hwgraph.capability import Capability
@@ -57,3 +58,19 @@ def test_nested_sync_guards_restore_the_mode_only_when_the_outer_one_ends():
         pass
     assert runtime.debug_mode == 0
     assert torch.ones(2).sum().item() == 2.0  # nothing of the guard is left behind
+
+
+def test_a_counted_switch_left_more_often_than_entered_says_so():
+    """A leave without its enter took the count below zero: the switch then never turned on again, silently."""
+    from hwgraph.graphs.base import CountedSwitch
+
+    log = []
+    switch = CountedSwitch(lambda: log.append("on") or "found", log.append)
+    with switch:
+        with switch:
+            assert switch.depth == 2
+    assert log == ["on", "found"] and switch.depth == 0
+    with pytest.raises(RuntimeError, match="left more often than entered"):
+        switch.__exit__(None, None, None)
+    with switch:
+        assert log[-1] == "on"

@@ -50,6 +50,8 @@ class CountedSwitch:
 
     def __exit__(self, *exc) -> bool:
         with self._lock:
+            if self.depth == 0:  # below zero the switch would never turn on again, silently
+                raise RuntimeError("CountedSwitch left more often than entered")
             self.depth -= 1
             if self.depth == 0:
                 found, self._found = self._found, None
