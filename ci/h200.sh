@@ -23,12 +23,15 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   hwgraph bench --preset qwen3-omni-30b-a3b --profile --json "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/bench.md"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1  # tee's status would hide a crashed benchmark
 fi
 if [ "$WHAT" = compile ] || [ "$WHAT" = all ]; then
   # Compiled replay (issue 5): first process compiles and captures; a second process reuses inductor's caches.
   python3 benchmarks/explore.py --compile --tokens 49 256 1024 2>&1 | grep -v Warn | tee "$OUTDIR/compile.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
   python3 benchmarks/explore.py --compile --no-plain --capture-only --tokens 49 256 1024 2>&1 | grep -v Warn \
     | tee -a "$OUTDIR/compile.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$WHAT" = validate ] || [ "$WHAT" = all ]; then
   hwgraph validate --preset qwen3-omni-30b-a3b --report "$OUTDIR/validate" 2>&1 | tail -40

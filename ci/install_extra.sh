@@ -12,6 +12,8 @@ WHEELS="$1"; EXTRAS="$2"; OFFLINE="${3:-}"
 PIP="python -m pip --disable-pip-version-check -q"
 mkdir -p "$WHEELS"
 for vendor in cuda rocm npu; do
+  # setuptools packs build/lib as an earlier build left it: a module since removed or renamed would still ship.
+  rm -rf "backends/$vendor/build"
   $PIP wheel --no-deps --no-build-isolation -w "$WHEELS" "backends/$vendor"
 done
 if [ "$OFFLINE" = --offline ]; then

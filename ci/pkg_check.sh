@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 rm -rf "$WORK"; mkdir -p "$WORK/wheels"
 PIP="python -m pip --disable-pip-version-check -q"
 for dist in . backends/cuda backends/rocm backends/npu; do
+  # setuptools packs build/lib as an earlier build left it, which would hide a module the wheel lacks.
+  rm -rf "$dist/build"
   $PIP wheel --no-deps --no-build-isolation -w "$WORK/wheels" "$dist"
 done
 ls "$WORK/wheels"
