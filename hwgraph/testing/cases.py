@@ -106,8 +106,9 @@ def conformance_params(settings: SuiteSettings) -> list:
     """``pytest.param`` per case: runnable ones carry a ``ConformanceCase``; the others are skips with reasons.
 
     Raises ValueError for a graph backend (``HWGRAPH_BACKEND``, or a name in ``$HWGRAPH_TEST_BACKENDS``) that is not
-    installed or failed to load, for a selected kernel name no installed kernel has, and for a graph mode the backend
-    does not have: a typo would otherwise skip, or fail, every case."""
+    installed or failed to load, for a selected kernel name no installed kernel has (case ignored), for an unknown
+    preset or dtype, and for a graph mode the backend does not have: a typo would otherwise skip, or fail, every
+    case."""
     from hwgraph.attention.registry import kernel_specs
     from hwgraph.models.qwen3_omni import preset_config
     from hwgraph.platform import detect, device_type, platform_for
@@ -119,6 +120,26 @@ def conformance_params(settings: SuiteSettings) -> list:
             spec_named(allowed)
         except SelectionError as exc:
             raise ValueError(f"{BACKENDS_ENV}={','.join(settings.allowed_backends)}: {exc}") from None
+    # Names are checked before the backend is excluded or found unavailable: a typo must fail that run too, not hide
+    # behind its one skip until the run on the hardware.
+    try:
+        config = preset_config(settings.preset)
+    except ValueError as exc:
+        raise ValueError(f"HWGRAPH_PRESET or {PRESET_ENV}: {exc}") from None
+    try:
+        chosen_dtype = parse_dtype(settings.dtype) if settings.dtype else None
+    except ValueError as exc:
+        raise ValueError(f"HWGRAPH_DTYPE or {DTYPE_ENV}: {exc}") from None
+    kernels = kernel_specs()
+    known = [kernel.name for kernel in kernels]
+    # Matched with case folded, as kernel_named does: a plugin's kernel may be named "Toy_Attn", and the selection is
+    # upper-cased (settings_for, and validate's module), so it was unknown even by its exact name.
+    by_folded = {kernel.name.upper(): kernel.name for kernel in kernels}
+    unknown = [name for name in settings.kernels or () if name.strip().upper() not in by_folded]
+    if unknown:
+        raise ValueError(f"unknown attention kernel {', '.join(map(repr, unknown))} in HWGRAPH_ATTENTION or "
+                         f"{ATTENTION_ENV}; known: {', '.join(known)}")
+    selected = tuple(by_folded[name.strip().upper()] for name in settings.kernels or ())
     name = settings.backend or choose_backend(platform=platform).spec.name
     if settings.allowed_backends and name not in settings.allowed_backends:
         return [skipped(f"{name}-excluded", f"{BACKENDS_ENV}={','.join(settings.allowed_backends)} "
@@ -141,27 +162,20 @@ def conformance_params(settings: SuiteSettings) -> list:
         return [skipped(f"{name}-unavailable", reason)]
     kind = platform.kind if platform.kind in spec.kinds else "cpu"
     device = device_type(kind)  # ROCm builds answer to "cuda"
-    dtype = parse_dtype(settings.dtype) if settings.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
-    config = preset_config(settings.preset)
+    dtype = chosen_dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
     head_dim = config.hidden_size // config.num_heads
     kernel_platform = platform_for(torch.device(device))
-    kernels = kernel_specs()
-    known = [kernel.name for kernel in kernels]
-    unknown = [name for name in settings.kernels or () if name not in known]
-    if unknown:
-        raise ValueError(f"unknown attention kernel {', '.join(map(repr, unknown))} in HWGRAPH_ATTENTION or "
-                         f"{ATTENTION_ENV}; known: {', '.join(known)}")
     params = []
     for kernel in kernels:
         case = ConformanceCase(name, kernel.name, dtype, device, settings.preset, settings.mode)
         if kernel_platform.kind not in kernel.kinds:
-            if settings.kernels and kernel.name in settings.kernels:  # selected: say why it has no case, not vanish
+            if kernel.name in selected:  # selected: say why it has no case, not vanish
                 params.append(skipped(case.id, f"attention kernel {kernel.name} runs on {', '.join(kernel.kinds)}, "
                                                f"not on the {name} graph backend's {kernel_platform.kind} devices"))
             continue  # a kernel for another accelerator is no concern of this backend's conformance
-        if settings.kernels and kernel.name not in settings.kernels:
+        if selected and kernel.name not in selected:
             params.append(skipped(case.id, f"attention kernel {kernel.name} not selected "
-                                           f"(selected: {', '.join(settings.kernels)})"))
+                                           f"(selected: {', '.join(selected)})"))
             continue
         kcap = kernel.capability(kernel_platform, dtype, head_dim)
         if not kcap.ok:
