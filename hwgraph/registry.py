@@ -39,6 +39,21 @@ def load_object(path: str):
     return obj
 
 
+def gate_capability(name: str, gate: Callable[[PlatformInfo], Capability], platform: PlatformInfo) -> Capability:
+    """``gate(platform)``, the gate of the backend or kernel ``name``. A gate that raises, or returns something other
+    than a ``Capability`` (True or None crashed `hwgraph info` and every choice), is a reason naming ``name``: a
+    plugin's error must not take selection down with it."""
+    try:
+        cap = gate(platform)
+    except Exception as exc:
+        log.debug("the %s gate failed", name, exc_info=True)  # its traceback, for the plugin's author
+        return Capability.unavailable(f"the {name} gate failed: {type(exc).__name__}: {exc}")
+    if not isinstance(cap, Capability):
+        return Capability.unavailable(f"the {name} gate returned {cap!r} ({type(cap).__name__}), "
+                                      f"expected a Capability")
+    return cap
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """What a plugin's probe returns; nothing here imports a vendor SDK."""
@@ -68,16 +83,7 @@ class BackendSpec:
         spec_fields.text(name, "description", self.description, empty=True)
 
     def capability(self, platform: PlatformInfo | None = None) -> Capability:
-        platform = platform or detect()
-        try:
-            cap = self.gate(platform)
-        except Exception as exc:  # a gate that crashes is a reason, not a crash
-            log.debug("the %s gate failed", self.name, exc_info=True)  # its traceback, for the plugin's author
-            return Capability.unavailable(f"the {self.name} gate failed: {type(exc).__name__}: {exc}")
-        if not isinstance(cap, Capability):  # a gate returning True or None crashed `hwgraph info` and every choice
-            return Capability.unavailable(f"the {self.name} gate returned {cap!r} ({type(cap).__name__}), "
-                                          f"expected a Capability")
-        return cap
+        return gate_capability(self.name, self.gate, platform or detect())
 
     def device_refusal(self, device) -> str | None:
         """Why this backend cannot capture on ``device`` whatever the machine has, or None: a CPU (or meta) device

@@ -35,6 +35,14 @@ def test_a_gate_returning_no_capability_is_a_reason_and_info_still_prints(monkey
     assert "toy" in out and "expected a Capability" in out and "selected: cpu" in out
 
 
+@pytest.mark.parametrize("answer", [True, None])
+def test_a_kernel_gate_returning_no_capability_is_named_as_a_backends_is(answer):
+    """A kernel's gate was judged apart from a backend's: True gave "the TOY gate failed: AttributeError: 'bool'
+    object has no attribute 'reasons'", naming no answer."""
+    cap = toy_kernel(gate=lambda platform: answer).capability(cpu_platform())
+    assert cap.reasons == (f"the TOY gate returned {answer!r} ({type(answer).__name__}), expected a Capability",)
+
+
 @pytest.mark.parametrize("reasons", ["needs the toy package", None, ("ok", 3)])
 def test_a_capability_takes_a_tuple_of_reasons_not_a_bare_string(reasons):
     with pytest.raises(TypeError, match="a Capability's reasons are strings in a tuple, got"):

@@ -103,10 +103,9 @@ class KernelSpec:
                             f"({type(dtype).__name__})")
         if head_dim is not None and not is_int(head_dim):
             raise TypeError(f"head_dim must be an int, got {head_dim!r} ({type(head_dim).__name__})")
-        try:
-            reasons = list(self.gate(platform).reasons)
-        except Exception as exc:  # a gate that crashes is a reason, not a crash
-            reasons = [f"the {self.name} gate failed: {type(exc).__name__}: {exc}"]
+        from hwgraph.registry import gate_capability
+
+        reasons = list(gate_capability(self.name, self.gate, platform).reasons)
         if not reasons and platform.kind not in self.kinds:
             reasons.append(f"{self.name} runs on {'/'.join(self.kinds)}, this platform is {platform.kind}")
         if dtype is not None and dtype not in self.dtypes:
