@@ -61,6 +61,16 @@ def torch_npu_installed() -> bool:
     return importlib.util.find_spec("torch_npu") is not None
 
 
+def cpu_torch_reason(backend: str, gpus: str, build: str) -> str:
+    """Why the GPU backend ``backend`` (serving ``gpus``, which need a ``build`` build of torch) refuses a CPU-only
+    torch. On an Ascend machine whose NPU is not usable (torch_npu installed) a GPU build of torch would break
+    torch_npu, which needs this one: the npu backend is named instead."""
+    if torch_npu_installed():
+        return (f"torch {torch.__version__} is a CPU-only build, as torch_npu needs: the {backend} backend serves "
+                f"{gpus}; for an Ascend NPU use the npu backend (its reason says what it lacks)")
+    return f"torch {torch.__version__} is a CPU-only build; install a {build} build of torch"
+
+
 def npu_module():
     """The ``torch_npu`` module if it is importable (already imported or installed), else None."""
     return npu_import()[0]

@@ -10,7 +10,7 @@ import torch
 
 from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import torch_build, torch_version_capability
-from hwgraph.platform import PlatformInfo, torch_npu_installed
+from hwgraph.platform import PlatformInfo, cpu_torch_reason
 from hwgraph.registry import BackendSpec, plugin_attention
 
 
@@ -26,10 +26,7 @@ def not_cuda_reason(platform: PlatformInfo) -> str:
         # no AMD GPU in use: on an NVIDIA GPU "use the rocm backend" alone left nothing to do (rocm's reason says why)
         return f"torch is a ROCm (HIP {version}) build: use the rocm backend (NVIDIA GPUs need a CUDA build)"
     if build == "cpu":
-        if torch_npu_installed():  # an Ascend machine whose NPU is not usable: a CUDA build of torch breaks torch_npu
-            return (f"torch {torch.__version__} is a CPU-only build, as torch_npu needs: the cuda backend serves "
-                    f"NVIDIA GPUs; for an Ascend NPU use the npu backend (its reason says what it lacks)")
-        return f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch"
+        return cpu_torch_reason("cuda", "NVIDIA GPUs", "CUDA")
     notes = f" ({'; '.join(platform.notes)})" if platform.notes else ""
     return (f"torch {torch.__version__} is a CUDA {version} build but no NVIDIA GPU is visible{notes}; "
             f"check nvidia-smi and CUDA_VISIBLE_DEVICES")

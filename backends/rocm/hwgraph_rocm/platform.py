@@ -10,7 +10,7 @@ import torch
 
 from hwgraph.capability import Capability, gfx_name
 from hwgraph.graphs.torch_cuda import torch_build, torch_version_capability
-from hwgraph.platform import PlatformInfo, torch_npu_installed
+from hwgraph.platform import PlatformInfo, cpu_torch_reason
 from hwgraph.registry import BackendSpec, plugin_attention
 
 #: Architectures that ROCm builds of torch target and HIP graph capture runs on (CDNA 1-4: MI100 to MI355; RDNA 2-4).
@@ -29,10 +29,7 @@ def not_rocm_reason(platform: PlatformInfo) -> str:
     if build == "cuda":
         return f"torch {torch.__version__} is a CUDA {version} build: use the cuda backend (AMD GPUs need a ROCm build)"
     if build == "cpu":
-        if torch_npu_installed():  # an Ascend machine whose NPU is not usable: a ROCm build of torch breaks torch_npu
-            return (f"torch {torch.__version__} is a CPU-only build, as torch_npu needs: the rocm backend serves "
-                    f"AMD GPUs; for an Ascend NPU use the npu backend (its reason says what it lacks)")
-        return f"torch {torch.__version__} is a CPU-only build; install a ROCm build of torch"
+        return cpu_torch_reason("rocm", "AMD GPUs", "ROCm")
     notes = f" ({'; '.join(platform.notes)})" if platform.notes else ""
     return (f"torch is a ROCm (HIP {version}) build but no AMD GPU is visible{notes}; "
             f"check rocm-smi and HIP_VISIBLE_DEVICES")
