@@ -460,6 +460,7 @@ def test_registry_kernel_is_chosen_for_the_towers_dtype_and_equals_the_reference
     ([torch.tensor([1, 4])], r"grid_thw\[0\] = \[1, 4\] is not a \(t, h, w\) row"),
     ([b"\x01\x04\x04"], r"grid_thw\[0\] = b'\\x01\\x04\\x04' is not a \(t, h, w\) row"),  # was read as (1, 4, 4)
     ([(torch.tensor([1]), 4, 4)], r"grid_thw\[0\] holds a tensor of shape \(1,\) where a number is expected"),
+    ([(torch.tensor(1, device="meta"), 4, 4)], r"a value of grid_thw\[0\] is on meta; pass it on the host"),
     ([(torch.tensor(1.0), 4, 4)], r"grid_thw\[0\] = \(np\.float32\(1\.0\), 4, 4\) must hold ints"),
 ])
 def test_bad_grids_raise_value_errors_naming_the_values(grid, match):

@@ -205,14 +205,19 @@ def holds_ints(t: torch.Tensor) -> bool:
     return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
+def refuse_device_tensor(t: torch.Tensor, where: str) -> None:
+    """``ValueError`` naming ``where`` when ``t`` is not on the host: reading it would synchronise with the device."""
+    if t.device.type != "cpu":
+        raise ValueError(f"{where} is on {t.device}; pass it on the host (a list or a CPU tensor): reading a device "
+                         f"tensor would synchronise with the device")
+
+
 def host_scalar(x, where: str):
     """``x`` as it is, or a 0-d host tensor's value as a numpy scalar (a host read, which sync guards allow); a
     device tensor, whose read would synchronise, or one of more dimensions is ``ValueError`` naming ``where``."""
     if not isinstance(x, torch.Tensor):
         return x
-    if x.device.type != "cpu":
-        raise ValueError(f"{where} holds a tensor on {x.device}; pass it on the host (a list or a CPU tensor): "
-                         f"reading a device tensor would synchronise with the device")
+    refuse_device_tensor(x, f"a value of {where}")
     if x.dim() != 0:
         raise ValueError(f"{where} holds a tensor of shape {tuple(x.shape)} where a number is expected")
     return x.numpy()[()]
@@ -225,9 +230,7 @@ def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
     divisible by the merge size. A device tensor is refused: reading it would synchronise with the device.
     """
     if isinstance(grid_thw, torch.Tensor):
-        if grid_thw.device.type != "cpu":
-            raise ValueError(f"grid_thw is on {grid_thw.device}; pass it on the host (a list or a CPU tensor): "
-                             f"reading a device tensor would synchronise with the device")
+        refuse_device_tensor(grid_thw, "grid_thw")
         if not holds_ints(grid_thw):
             raise ValueError(f"grid_thw must hold integers, got dtype {grid_thw.dtype}")
         if grid_thw.layout != torch.strided:
@@ -249,9 +252,7 @@ def normalize_grid(grid_thw, spatial_merge_size: int) -> Grid:
     grid = []
     for i, row in enumerate(rows):
         if isinstance(row, torch.Tensor):  # a list of 1-D tensors, one per image
-            if row.device.type != "cpu":
-                raise ValueError(f"grid_thw[{i}] is on {row.device}; pass it on the host (a list or a CPU tensor): "
-                                 f"reading a device tensor would synchronise with the device")
+            refuse_device_tensor(row, f"grid_thw[{i}]")
             if not holds_ints(row):
                 raise ValueError(f"grid_thw[{i}] = {row.numpy().tolist()!r} must hold ints, got dtype {row.dtype}")
             row = row.numpy().tolist()  # numpy: a host read, which sync guards allow (they reject .tolist())
