@@ -5,6 +5,7 @@ returns another number of outputs names both counts."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -70,6 +71,40 @@ def test_a_capture_environment_value_that_is_no_string_is_named_and_leaves_nothi
     with environment_defaults({"HWGRAPH_TEST_ENV_A": "1"}) as applied:
         assert applied == {"HWGRAPH_TEST_ENV_A": "1"} and os.environ["HWGRAPH_TEST_ENV_A"] == "1"
     assert "HWGRAPH_TEST_ENV_A" not in os.environ
+
+
+def test_capture_environment_stays_set_while_an_overlapping_capture_in_another_thread_runs(monkeypatch):
+    """Captures on two devices from two threads overlap. The first block set the variable and removed it as it left,
+    while the second, which had found it set and left it alone, was still capturing: that capture ran without the
+    plugin's setting (cuBLASLt's kernel choice for the CUDA plugin). The last block out removes it now."""
+    name = "HWGRAPH_TEST_ENV_SHARED"
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with environment_defaults({name: "1"}) as applied:
+            seen["first"] = dict(applied)
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second():
+        first_in.wait(5)
+        with environment_defaults({name: "2"}) as applied:
+            seen["second"] = dict(applied)
+            second_in.set()
+            first_out.wait(5)
+            seen["after the first left"] = os.environ.get(name)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert seen == {"first": {name: "1"}, "second": {name: "1"}, "after the first left": "1"}
+    assert name not in os.environ
 
 
 def test_a_replay_that_returns_another_number_of_outputs_names_both_counts(backend):

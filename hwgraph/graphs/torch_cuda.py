@@ -75,22 +75,41 @@ def torch_version_capability(backend: str, found: str | None, minimum: str = MIN
     return Capability.available()
 
 
+#: name -> [value, blocks]: the variables ``environment_defaults`` set, and how many open blocks hold each (in any
+#: thread). Changed only under ``_defaults_lock``.
+_defaults_held: dict[str, list] = {}
+_defaults_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def environment_defaults(values: Mapping[str, str]) -> Iterator[dict[str, str]]:
     """Set each of ``values`` in the process environment for the block, unless the process has set it already (the
-    user's choice stands), and remove what it set afterwards. Yields what it set."""
+    user's choice stands), and remove what it set once no block holds it. Yields what the block runs with that it
+    set, or that another block still open (in any thread: captures on two devices) set and shares with it: the first
+    block's value, which the last one out removes."""
     applied = {}
-    try:  # each set inside: one that fails (a value not a str) must not leave those before it set for the process
-        for name, value in values.items():
-            if name in os.environ:
-                continue
-            if not isinstance(value, str):
-                raise TypeError(f"environment variable {name!r} takes a str value, got {value!r}")
-            os.environ[name] = applied[name] = value
+    try:  # each taken inside: one that fails (a value not a str) must not leave those before it set for the process
+        with _defaults_lock:
+            for name, value in values.items():
+                held = _defaults_held.get(name)
+                if held is None and name in os.environ:
+                    continue
+                if not isinstance(value, str):
+                    raise TypeError(f"environment variable {name!r} takes a str value, got {value!r}")
+                if held is None:
+                    os.environ[name] = value
+                    held = _defaults_held[name] = [value, 0]
+                held[1] += 1
+                applied[name] = held[0]
         yield applied
     finally:
-        for name in applied:
-            os.environ.pop(name, None)
+        with _defaults_lock:
+            for name in applied:
+                held = _defaults_held[name]
+                held[1] -= 1
+                if held[1] == 0:
+                    del _defaults_held[name]
+                    os.environ.pop(name, None)
 
 
 class TorchCudaCapturedGraph(CapturedGraph):
