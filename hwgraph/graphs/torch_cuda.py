@@ -112,6 +112,18 @@ def environment_defaults(values: Mapping[str, str]) -> Iterator[dict[str, str]]:
                     os.environ.pop(name, None)
 
 
+def pool_id(pool):
+    """The id the runtime's graph calls take for ``pool``: a ``MemPool``'s (``new_pool``), or a pool handle, which is
+    one. (Every torch since 2.10 takes an id; only newer ones take a MemPool too.)"""
+    return getattr(pool, "id", pool)
+
+
+def pool_uses(pool) -> int | None:
+    """How many users hold ``pool`` (the pool object and each graph captured into it), or None for a pool handle."""
+    use_count = getattr(pool, "use_count", None)
+    return None if use_count is None else int(use_count())
+
+
 class TorchCudaCapturedGraph(CapturedGraph):
     """A captured device graph and its outputs.
 
@@ -198,7 +210,7 @@ class TorchCudaGraphBackend(GraphBackend):
         return self.runtime().CUDAGraph()
 
     def graph_context(self, graph: Any, pool: Any, stream: Any) -> contextlib.AbstractContextManager:
-        return self.runtime().graph(graph, pool=pool, stream=stream)
+        return self.runtime().graph(graph, pool=pool_id(pool), stream=stream)
 
     @classmethod
     def device_capability(cls, device: torch.device | str | None) -> Capability:
@@ -217,7 +229,19 @@ class TorchCudaGraphBackend(GraphBackend):
     # -- the GraphBackend interface ---------------------------------------------------------------------------------
 
     def new_pool(self) -> Any:
-        return self.runtime().graph_pool_handle()
+        """The pool the captures of one manager share: a ``MemPool`` on the backend's device where the runtime can
+        release a pool's uses (its use count shows what a failed capture kept, ``release_kept_uses``), else a graph
+        pool handle. Either is given back when the last graph in it is released and the pool object dropped."""
+        runtime = self.runtime()
+        mem_pool = getattr(runtime, "MemPool", None)
+        if mem_pool is None or self._release_pool_use() is None:
+            return runtime.graph_pool_handle()
+        with runtime.device(self.device):
+            return mem_pool()
+
+    def _release_pool_use(self):
+        """The runtime's call that drops one use of a pool, or None where this torch has none."""
+        return getattr(torch._C, f"_{self.runtime_name}_releasePool", None)
 
     def capture_stream(self):
         """The device's capture stream, shared by every backend in the process; made on first capture and replaced
@@ -277,6 +301,7 @@ class TorchCudaGraphBackend(GraphBackend):
         graph = self.new_graph()
         previous = runtime.current_stream()
         raised_by_fn = None
+        uses = pool_uses(pool)
         try:
             with torch.inference_mode(), self.graph_context(graph, pool, stream):
                 try:
@@ -285,7 +310,7 @@ class TorchCudaGraphBackend(GraphBackend):
                     raised_by_fn = exc
                     raise
         except BaseException as exc:
-            self.abandon_capture(graph, pool, stream, previous)
+            self.abandon_capture(graph, pool, stream, previous, uses)
             first, raised_by_fn = (raised_by_fn if raised_by_fn is not None else exc), None
             try:
                 if not isinstance(first, Exception):  # Ctrl-C or SystemExit is never a failed capture, also when
@@ -309,11 +334,12 @@ class TorchCudaGraphBackend(GraphBackend):
             raise
         return captured
 
-    def abandon_capture(self, graph, pool, stream, previous) -> None:
-        """Undo what a failed capture leaves behind, so the device stays usable.
+    def abandon_capture(self, graph, pool, stream, previous, uses: int | None = None) -> None:
+        """Undo what a failed capture leaves behind, so the device stays usable and its pool can be given back.
 
         ``torch.cuda.graph.__exit__`` skips restoring the current stream when ending the capture raises, and torch
         before 2.12 also left the allocator routing into the pool (pytorch#180395): later syncs then assert.
+        ``uses``: the pool's use count before the capture began (``pool_uses``), for ``release_kept_uses``.
         """
         runtime = self.runtime()
         is_capturing = getattr(runtime, "is_current_stream_capturing", None)
@@ -323,8 +349,12 @@ class TorchCudaGraphBackend(GraphBackend):
         self.end_allocate_to_pool(pool)
         with contextlib.suppress(Exception):
             runtime.set_stream(previous)
-        with contextlib.suppress(Exception):
+        try:
             graph.reset()
+        except Exception as exc:  # the graph may still hold its use of the pool: leave that to its destructor
+            log.debug("resetting a failed capture's graph raised: %s: %s", type(exc).__name__, exc)
+        else:
+            self.release_kept_uses(pool, uses)
         # Never capture on a stream a failed capture has touched again. Its replacement gets cuBLAS workspaces of its
         # own on first use (34 MiB on the H200), kept for the process; torch hands out pooled streams, 32 per device,
         # which bounds what repeated failures can leave behind.
@@ -334,13 +364,26 @@ class TorchCudaGraphBackend(GraphBackend):
         except Exception as exc:
             log.warning("the device did not synchronise after a failed capture: %s: %s", type(exc).__name__, exc)
 
+    def release_kept_uses(self, pool, uses: int | None) -> None:
+        """Drop the uses of ``pool`` a failed capture still holds after its graph was reset. Torch without
+        pytorch#190348 (2.11 on the H200 machine) releases a graph's pool in ``reset`` only when its capture ended
+        well, so after one failed capture the shared pool, with every budget's graph memory in it, stayed reserved
+        for the process once the manager had released its graphs. ``uses``: the count before the capture (None: a
+        pool handle, whose count cannot be read; nothing is done)."""
+        kept = 0 if uses is None else pool_uses(pool) - uses
+        if kept > 0:
+            log.debug("a failed capture kept %d use(s) of its graph pool: released", kept)
+            release = self._release_pool_use()
+            for _ in range(kept):
+                release(self.device.index, pool_id(pool))
+
     def end_allocate_to_pool(self, pool) -> None:
         end = getattr(torch._C, f"_{self.runtime_name}_endAllocateToPool", None)
         if end is None:
             return
         # Raises "not currently recording to mempool" when torch already ended it, which is the usual case.
         with contextlib.suppress(Exception):
-            end(self.device.index, pool)
+            end(self.device.index, pool_id(pool))
 
     def check_replay(self, captured: TorchCudaCapturedGraph, fn) -> None:
         """Replay once and compare with an eager run of the same inputs; a mismatch is a ``CaptureError``.

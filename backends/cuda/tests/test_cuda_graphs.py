@@ -148,6 +148,27 @@ def test_memory_in_use_grows_on_capture_and_drops_after_release(backend):
 
 
 @pytest.mark.cuda
+def test_a_failed_capture_leaves_no_use_of_the_shared_pool_so_it_is_given_back(backend):
+    """Torch without pytorch#190348 (2.11 here) releases a graph's pool on ``reset`` only when its capture ended
+    well: after one failed capture into the pool the budgets share, releasing every graph and the pool left all of
+    their memory reserved for the process."""
+    big = torch.randn(2048, 2048, device=backend.device)
+    backend.capture(lambda: big @ big).release()  # the capture stream and its workspaces, kept for the process
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = backend.memory_in_use()
+    pool = backend.new_pool()
+    graph = backend.capture(lambda: (big @ big).relu(), pool)
+    with pytest.raises(CaptureError, match="capture failed"):
+        backend.capture(lambda: big * (big @ big).sum().item(), pool)  # a host read ends the capture invalidated
+    graph.release()
+    del graph, pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert backend.memory_in_use() <= before
+
+
+@pytest.mark.cuda
 def test_a_released_graph_refuses_to_replay(backend, buffers):
     x, _ = buffers
     graph = backend.capture(lambda: x + 1)
@@ -314,6 +335,96 @@ def test_a_capture_goes_into_the_callers_pool(runtime):
     assert runtime.pools_captured_into == [pool, pool] and runtime.pools_made == 0
     backend.capture(lambda: x + 3)  # none given: a new one
     assert runtime.pools_captured_into[-1] == ("pool", 1)
+
+
+class FakeMemPool:
+    """As ``torch.cuda.MemPool``: one use for the object, one per graph captured into it (``FakeGraph``)."""
+
+    def __init__(self, runtime):
+        self.uses, self.id = 1, ("mempool", len(runtime.mem_pools) + 1)
+        runtime.mem_pools.append(self)
+
+    def use_count(self):
+        return self.uses
+
+
+class GraphKeepingItsPool(FakeGraph):
+    """As torch's graph without pytorch#190348: ``reset`` gives the pool's use back only after a capture that ended."""
+
+    def capture_begin(self, pool=None):
+        super().capture_begin(pool)
+        self.pool, self.ended = self.runtime.mem_pool_by_id[pool], False
+        self.pool.uses += 1
+
+    def capture_end(self):
+        super().capture_end()
+        if self.runtime.invalidated:
+            raise RuntimeError("operation failed due to a previous error during capture")
+        self.ended = True
+
+    def reset(self):
+        super().reset()
+        if getattr(self, "ended", False):
+            self.pool.uses -= 1
+            self.ended = False
+
+
+class RuntimeWithMemPools(FakeRuntime):
+    def __init__(self):
+        super().__init__()
+        self.mem_pools, self.invalidated = [], False
+
+    @property
+    def mem_pool_by_id(self):
+        return {pool.id: pool for pool in self.mem_pools}
+
+    def MemPool(self):  # noqa: N802 (torch's spelling)
+        return FakeMemPool(self)
+
+    def CUDAGraph(self):  # noqa: N802
+        self.graphs.append(GraphKeepingItsPool(self))
+        return self.graphs[-1]
+
+
+def test_a_failed_capture_gives_back_the_use_of_the_pool_its_graph_kept(monkeypatch):
+    """The pool a backend makes is a MemPool whose use count shows what a failed capture's graph kept after its reset
+    (torch without pytorch#190348); that use is released, so the pool goes once its graphs and owner do. A capture
+    that failed in the function, whose capture still ended, keeps none and nothing more is released."""
+    runtime = RuntimeWithMemPools()
+    released = []
+
+    def release_pool(index, pool_id):
+        released.append((index, pool_id))
+        runtime.mem_pool_by_id[pool_id].uses -= 1
+
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", release_pool, raising=False)
+    backend, x = on(runtime)("cuda:1"), torch.ones(2)
+    pool = backend.new_pool()
+    assert isinstance(pool, FakeMemPool) and runtime.pools_made == 0
+    kept = backend.capture(lambda: x + 1, pool)
+    assert pool.use_count() == 2 and runtime.pools_captured_into == [("mempool", 1)]  # the graph context gets its id
+
+    def invalidates():
+        if runtime.capturing:
+            runtime.invalidated = True  # a host read while capturing: ending the capture fails
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return x + 2
+
+    with pytest.raises(CaptureError, match="operation not permitted"):
+        backend.capture(invalidates, pool)
+    assert pool.use_count() == 2 and released == [(1, ("mempool", 1))]
+    runtime.invalidated = False
+
+    def raises():
+        if runtime.capturing:
+            raise RuntimeError("out of memory while capturing")
+        return x + 3
+
+    with pytest.raises(CaptureError, match="out of memory"):
+        backend.capture(raises, pool)
+    assert pool.use_count() == 2 and len(released) == 1
+    kept.release()
+    assert pool.use_count() == 1
 
 
 def test_each_device_has_its_own_capture_stream_made_on_it_and_shared_by_its_backends(runtime):
