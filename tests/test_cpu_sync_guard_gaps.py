@@ -3,7 +3,9 @@
 A 0-dim index tensor is read back to pick its element, a boolean mask given to ``index_put_`` (or assigned a tensor
 through) is expanded with ``nonzero()``, and ``masked_fill`` reads a tensor value back with ``.item()``; but
 ``t[mask] = 1.0`` becomes a ``masked_fill_`` of a host scalar and reads nothing back (PyTorch's own
-``test_sync_warning`` expects the same of CUDA). The ``cuda`` test checks those claims against the runtime.
+``test_sync_warning`` expects the same of CUDA). ``complex(t)``, a list subscript holding a 0-dim index (torch reads
+``t[[i, j]]`` as ``t[i, j]``) and a tensor given to a method as a size or a number (``x.view(n)``) read the value back
+too. The ``cuda`` test checks those claims against the runtime.
 """
 
 from __future__ import annotations
@@ -12,10 +14,15 @@ import pytest
 import torch
 
 from hwgraph.graphs import HostSyncError
-from hwgraph.graphs.cpu import CpuGraphBackend, RejectHostReads
+from hwgraph.graphs.cpu import CpuGraphBackend, RejectHostReads, put_back_sequence_slots, tensor_sequence_slots
+from hwgraph.testing.threads import first_leaves_while_second_is_inside
 
 # the tensor methods the guard replaces for these reads, on top of those tests/test_cpu_backend.py lists
-NEW_GUARDED_METHODS = ("__setitem__", "index_put_", "index_put", "masked_fill", "masked_fill_")
+NEW_GUARDED_METHODS = ("__setitem__", "index_put_", "index_put", "masked_fill", "masked_fill_", "__complex__", "view",
+                       "reshape", "expand", "repeat", "tile", "narrow", "select", "unflatten", "new_empty", "new_zeros",
+                       "new_ones", "new_full")
+# torch warns that it reads a list subscript holding a tensor as a tuple (t[[i, j]] as t[i, j]), as these tests expect
+LIST_SUBSCRIPT_WARNING = "ignore:Using a non-tuple sequence for multidimensional indexing"
 
 
 @pytest.fixture
@@ -100,6 +107,7 @@ def test_a_compiled_forward_is_not_recompiled_by_the_guard(backend):
     def forward(x, mask):
         y = x.masked_fill(mask, 0.0) + torch.arange(x.shape[0])
         y[mask] = 1.0
+        y = y.view(x.shape[0], 1).expand(-1, 2).reshape(-1).narrow(0, 0, x.shape[0]) + x.new_zeros(x.shape[0])
         return y.index_put((torch.tensor([0]),), torch.tensor(2.0))
 
     compiled = torch.compile(forward, backend="eager", fullgraph=True)
@@ -113,26 +121,146 @@ def test_a_compiled_forward_is_not_recompiled_by_the_guard(backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.filterwarnings(LIST_SUBSCRIPT_WARNING)
+@pytest.mark.parametrize("device_read", [
+    pytest.param(lambda x, n, m: complex(n), id="complex-of-an-int"),
+    pytest.param(lambda x, n, m: complex(x[0, 0]), id="complex-of-a-float"),
+    pytest.param(lambda x, n, m: x[[n - 1, n - 2]], id="list-of-0-dim-indices"),
+    pytest.param(lambda x, n, m: x[[n - 1]], id="list-of-one-0-dim-index"),
+    pytest.param(lambda x, n, m: x[[torch.tensor([0, 1]), n - 2]], id="list-of-an-index-tensor-and-a-0-dim-index"),
+    pytest.param(lambda x, n, m: x[[n - 1, None]], id="list-of-a-0-dim-index-and-None"),
+    pytest.param(lambda x, n, m: assign(x, [n - 1, 0], 1.0), id="list-of-a-0-dim-index-assigned"),
+    pytest.param(lambda x, n, m: assign(x, [m, torch.tensor([0, 1])], 1.0), id="list-of-a-mask-and-an-index-assigned"),
+    pytest.param(lambda x, n, m: x.view(n, -1), id="view"),
+    pytest.param(lambda x, n, m: x.view((n, 3)), id="view-of-a-tuple"),
+    pytest.param(lambda x, n, m: x.reshape(-1, n - 1), id="reshape"),
+    pytest.param(lambda x, n, m: x.expand(2, n, 3), id="expand"),
+    pytest.param(lambda x, n, m: x.repeat(n, 1), id="repeat"),
+    pytest.param(lambda x, n, m: x.tile((n,)), id="tile"),
+    pytest.param(lambda x, n, m: x.narrow(0, 0, n), id="narrow-length"),
+    pytest.param(lambda x, n, m: x.narrow(0, n - 4, 1), id="narrow-tensor-start"),
+    pytest.param(lambda x, n, m: x.select(0, n - 1), id="select"),
+    pytest.param(lambda x, n, m: x.unflatten(1, (n - 1, 1)), id="unflatten"),
+    pytest.param(lambda x, n, m: x.new_zeros(n), id="new_zeros"),
+    pytest.param(lambda x, n, m: x.new_empty((n, 2)), id="new_empty"),
+    pytest.param(lambda x, n, m: x.new_ones(size=(n,)), id="new_ones-keyword"),
+    pytest.param(lambda x, n, m: x.new_full((2,), x[0, 0]), id="new_full-value"),
+])
+def test_sync_guard_rejects_complex_list_subscripts_and_tensors_given_as_sizes(backend, device_read):
+    """Each passed the CPU guard: complex() reads the value, torch reads a list subscript holding a tensor as a tuple
+    (a 0-dim index in it is read to pick the element, a mask expanded with nonzero()), and its argument parser reads
+    a tensor given where a size or a number is expected with Tensor::item(), in C++ where no replaced method saw it."""
+    x, n, mask = torch.zeros(4, 3), torch.tensor(4), torch.tensor([True, False, True, False])
+    with backend.sync_guard(), pytest.raises(HostSyncError, match=r"inside sync_guard\(\): a device-to-host"):
+        device_read(x, n, mask)
+    device_read(x, n, mask)  # allowed again once the guard ends
+
+
+@pytest.mark.filterwarnings(LIST_SUBSCRIPT_WARNING)
+def test_sync_guard_allows_list_subscripts_of_index_tensors_and_sizes_given_as_ints(backend):
+    """A list holding only index tensors is advanced indexing (x[[rows]] is x[rows]), one mask in a list assigned a
+    number is the masked_fill_ of x[mask] = 1.0, and sizes given as ints, a dtype or a Size read nothing back."""
+    def work(x, mask, rows):
+        assign(x, [mask], 1.0)
+        assign(x, [rows, rows], 2.0)
+        return (x[[rows]], x[[rows, rows]], x.view(x.shape[0], -1), x.view(torch.int32), x.reshape((2, 6)),
+                x.expand(2, -1, -1), x.repeat(1, 2), x.tile((2,)), x.narrow(0, 1, 2), x.select(1, 0),
+                x.unflatten(0, (2, 2)), x.new_zeros(x.shape), x.new_full((2,), 3.0))
+
+    mask, rows = torch.tensor([True, False, True, False]), torch.tensor([0, 2])
+    x, expected = torch.zeros(4, 3), torch.zeros(4, 3)
+    with backend.sync_guard():
+        got = work(x, mask, rows)
+    for g, e in zip((x, *got), (expected, *work(expected, mask, rows)), strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    assert x.tolist() == [[2.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 2.0], [0.0, 0.0, 0.0]]
+
+
+def test_sync_guard_names_the_complex_and_the_size_it_rejected(backend):
+    n = torch.tensor(2)
+    with backend.sync_guard():
+        with pytest.raises(HostSyncError, match=r"^complex\(\) on a tensor inside sync_guard\(\)"):
+            complex(n)
+        with pytest.raises(HostSyncError, match=r"^view\(\) with a tensor where a size or a number is expected \(its "
+                                                r"value is read back\) on a tensor inside sync_guard\(\)"):
+            torch.zeros(4).view(n, -1)
+
+
+def test_guards_left_by_an_exception_or_by_one_of_two_threads_leave_each_replaced_attribute_as_found():
+    """Process-wide: the second thread's guard keeps rejecting after the first thread's ended, and once both ended
+    (or one ended by an exception) every attribute the guard replaces is the object it found."""
+    def found():
+        return [(owner, name, vars(owner).get(name)) for owner, name, _ in RejectHostReads._replacements()]
+
+    def complex_inside():
+        try:
+            complex(torch.tensor(1.5))
+        except HostSyncError:
+            return "rejected"
+        return "let through"
+
+    before, slots = found(), tensor_sequence_slots()
+    with pytest.raises(KeyError, match="boom"), RejectHostReads():
+        raise KeyError("boom")
+    assert first_leaves_while_second_is_inside(RejectHostReads, complex_inside) == "rejected"
+    changed = [name for (_, name, was), (_, _, now) in zip(before, found(), strict=True) if now is not was]
+    assert not changed, f"after every guard ended, {changed} are not the attributes found before"
+    assert tensor_sequence_slots() == slots and RejectHostReads.switch.depth == 0
+    assert complex(torch.tensor(1.5)) == 1.5 and torch.zeros(4).view(torch.tensor(2), -1).shape == (2, 2)
+
+
+def test_an_entry_interrupted_half_way_leaves_nothing_replaced(monkeypatch):
+    """An exception while the guard replaced its attributes one by one (a Ctrl-C) left those it had replaced for good:
+    no guard was open to put them back, so every later .item() in the process raised HostSyncError."""
+    replacements, slots = RejectHostReads._replacements(), tensor_sequence_slots()
+    before = [(owner, name, vars(owner).get(name)) for owner, name, _ in replacements]
+    # the last replacement fails: int's attributes cannot be set
+    monkeypatch.setattr(RejectHostReads, "_replacements",
+                        classmethod(lambda cls: [*replacements, (int, "no_such_attribute", None)]))
+    try:
+        with pytest.raises(TypeError, match="no_such_attribute"), RejectHostReads():
+            pass
+        left = [name for owner, name, was in before if vars(owner).get(name) is not was]
+        assert not left, f"an interrupted guard entry left {left} replaced"
+        assert RejectHostReads.switch.depth == 0 and torch.ones(1).item() == 1.0
+    finally:  # what the code before the fix left behind, put back for the tests after this one
+        for owner, name, was in before:
+            if was is not None:
+                setattr(owner, name, was)
+            elif name in vars(owner):
+                delattr(owner, name)
+        put_back_sequence_slots(slots)
+
+
 @pytest.mark.cuda
+@pytest.mark.filterwarnings(LIST_SUBSCRIPT_WARNING)
 def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
     """What the CPU guard rejects here synchronises on CUDA, and what it allows does not; a blocking copy_ between host
     and device synchronises too, which the CPU guard leaves alone (it cannot tell such a copy from the emulated
-    device's own CPU-to-CPU copies)."""
+    device's own CPU-to-CPU copies), and so does a tensor where a torch function wants a number (torch.arange,
+    torch.full), which it leaves too (see RejectHostReads)."""
     # every tensor made before the mode is on: torch.tensor(..., device="cuda") is itself a blocking copy
     x, host = torch.zeros(4, 3, device="cuda"), torch.ones(4, 3)
     mask, value = torch.tensor([True, False, True, False], device="cuda"), torch.tensor(5.0, device="cuda")
-    one, four, rows = (torch.tensor(v, device="cuda") for v in (1, 4, [0, 2]))
+    one, four, twelve, rows = (torch.tensor(v, device="cuda") for v in (1, 4, 12, [0, 2]))
     syncs = {"x[mask] = value": lambda: assign(x, mask, value),
              "x[0-dim index]": lambda: x[one],
              "index_put_ with a mask": lambda: x.index_put_((mask,), value),
              "masked_fill with a tensor value": lambda: x.masked_fill(mask[:, None], value),
+             "x[[0-dim index, 0-dim index]]": lambda: x[[one, one]],
+             "complex(tensor)": lambda: complex(value),
+             "x.view(tensor)": lambda: x.view(twelve),
+             "x.new_zeros(tensor)": lambda: x.new_zeros(four),
              "torch.arange(tensor)": lambda: torch.arange(four, device="cuda"),
+             "torch.full(size, tensor)": lambda: torch.full((2,), value, device="cuda"),
              "blocking copy_ from the host": lambda: x.copy_(host),
              "blocking copy_ to the host": lambda: host.copy_(x)}
     no_sync = {"x[mask] = 1.0": lambda: assign(x, mask, 1.0),
                "x[:, mask] = 2": lambda: assign(x, (slice(None), mask[:3]), 2),
                "masked_fill with a number": lambda: x.masked_fill(mask[:, None], 0.0),
-               "x[index tensor]": lambda: x[rows]}
+               "x[index tensor]": lambda: x[rows],
+               "x[[index tensor]]": lambda: x[[rows]],
+               "x[[mask]] = 1.0": lambda: assign(x, [mask], 1.0)}
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")

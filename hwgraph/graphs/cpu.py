@@ -96,14 +96,23 @@ class RejectHostReads:
     boolean mask in ``index_put_`` or in an assignment ``t[mask] = v`` (its ``nonzero()`` size). Not ``t[mask] = 1.0``
     with one mask and a Python number: torch makes that a ``masked_fill_`` of a host scalar, with no read.
 
-    Two reads are let through. A tensor where a ``torch`` function wants a number (``torch.arange(n)``,
-    ``torch.full(size, v)``) is read in C++ before the function runs, so only a replaced ``torch.arange`` could see
-    it, and torch.compile guards on the identity of the ``torch`` functions a compiled forward calls: replacing
-    ``torch.arange`` recompiles the tower on the replay path (Tensor methods carry no such guard, so those above and
-    ``masked_fill``/``index_put_`` are replaced only as methods). And ``copy_``, although a blocking copy between
-    host and device synchronises on CUDA: it names no device, and the emulated device's static buffers are filled
-    (and replay's outputs written) by blocking ``copy_`` between CPU tensors, which no guard can tell from a copy to
-    the host.
+    A tensor where a method wants a size or a number (``x.view(n)``, ``x.new_zeros(n)``, ``x.narrow(0, 0, n)``:
+    ``SIZE_METHODS``) is read in C++ by torch's argument parser (``Tensor::item()``), so those methods are replaced too,
+    and a list subscript holding a tensor (``t[[i, j]]``, which torch reads as ``t[i, j]``) is judged by its items.
+
+    Two kinds of read are let through. A tensor where a ``torch`` function wants a number (``torch.arange(n)``,
+    ``torch.zeros(n)``, ``torch.full(size, v)``) is read in C++ before the function runs, so only a replaced
+    ``torch.arange`` or a torch function mode could see it, and torch.compile guards on both (the identity of the
+    ``torch`` functions a compiled forward calls, and the mode stack): either recompiles the tower on the replay path.
+    Tensor methods carry no such guard, which is why the reads above are replaced only as methods. Rejecting
+    ``aten::_local_scalar_dense`` (what ``Tensor::item()`` runs) on the CPU dispatch key would catch these without a
+    recompile, but the CPU kernels run it on host values where CUDA reads nothing back (``t[mask] = 1.0`` reads its
+    wrapped number, ``t.var()`` its own result), and it would change a kernel every thread is dispatching. And
+    ``copy_``, although a blocking copy between host and device synchronises on CUDA: it names no device, and the
+    emulated device's static buffers are filled (and replay's outputs written) by blocking ``copy_`` between CPU
+    tensors, which no guard can tell from a copy to the host. The replacements in ``torch`` (``DATA_DEPENDENT``,
+    ``torch.where``, ``torch.repeat_interleave``) have the cost avoided for ``torch.arange``: a compiled forward that
+    calls one of them, even ``torch.where(c, a, b)`` which reads nothing back, is recompiled inside the guard.
     """
 
     FORBIDDEN = {
@@ -113,6 +122,7 @@ class RejectHostReads:
         "__bool__": "bool()",
         "__int__": "int()",
         "__float__": "float()",
+        "__complex__": "complex()",
         "__index__": "operator.index() (a tensor as a Python int: range(), a list subscript)",
     }
     # on torch.Tensor and in torch, where each has it
@@ -126,6 +136,10 @@ class RejectHostReads:
         "allclose": "allclose() (a Python bool)",
         "is_nonzero": "is_nonzero() (a Python bool)",
     }
+    #: Tensor methods whose arguments are sizes, dimensions or numbers: a tensor among them (or in a list or tuple
+    #: of them) is read back by torch's argument parser
+    SIZE_METHODS = ("view", "reshape", "expand", "repeat", "tile", "narrow", "select", "unflatten", "new_empty",
+                    "new_zeros", "new_ones", "new_full")
     #: The guards open now, in every thread: the first one in replaces the attributes, the last one out puts back
     #: what it found (set below the class, from its methods)
     switch: ClassVar[CountedSwitch]
@@ -178,6 +192,10 @@ class RejectHostReads:
             lambda self, *args, **kwargs: holds_a_mask(args[0] if args else kwargs.get("indices"))))
             for name in ("index_put_", "index_put")]
         out += [(tensor, name, cls._rejecting_calls(
+            getattr(tensor, name), f"{name}() with a tensor where a size or a number is expected (its value is read "
+            f"back)", lambda self, *args, **kwargs: holds_a_tensor((*args, *kwargs.values()))))
+            for name in cls.SIZE_METHODS]
+        out += [(tensor, name, cls._rejecting_calls(
             getattr(tensor, name), f"{name}() with a tensor value (its value is read back)",
             lambda self, *args, **kwargs: isinstance(args[1] if len(args) > 1 else kwargs.get("value"),
                                                      torch.Tensor)))
@@ -202,19 +220,23 @@ class RejectHostReads:
         replacements = cls._replacements()
         saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in replacements]
         slots = tensor_sequence_slots()
-        for owner, name, replacement in replacements:
-            setattr(owner, name, replacement)
-        put_back_sequence_slots(slots)
+        try:
+            for owner, name, replacement in replacements:
+                setattr(owner, name, replacement)
+            put_back_sequence_slots(slots)
+        except BaseException:  # interrupted half way (Ctrl-C): no guard is open that would put the rest back
+            cls._put_back((saved, slots))
+            raise
         return saved, slots
 
     @staticmethod
     def _put_back(found: tuple[list, dict]) -> None:
         saved, slots = found
         for owner, name, original in saved:
-            if original is None:
-                delattr(owner, name)
-            else:
+            if original is not None:
                 setattr(owner, name, original)
+            elif name in vars(owner):  # not there where an interrupted _replace had not reached it yet
+                delattr(owner, name)
         put_back_sequence_slots(slots)
 
     def __enter__(self):
@@ -296,8 +318,19 @@ def is_mask(index) -> bool:
 
 
 def index_parts(index) -> tuple:
-    """The parts of a subscript: a tuple's items, or the index itself."""
-    return index if isinstance(index, tuple) else (index,)
+    """The parts of a subscript as torch reads them: a tuple's items; a list's items where it holds a tensor and has
+    fewer than 32 (NumPy's old rule, which torch keeps: ``t[[i, j]]`` is ``t[i, j]``); otherwise the index itself (a
+    longer list becomes an index tensor, which reads any tensor in it through ``__index__``)."""
+    if isinstance(index, tuple):
+        return index
+    if isinstance(index, list) and len(index) < 32 and holds_a_tensor(index):
+        return tuple(index)
+    return (index,)
+
+
+def holds_a_tensor(values) -> bool:
+    """Whether ``values`` holds a tensor, itself or inside a list or tuple among them."""
+    return any(isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and holds_a_tensor(v)) for v in values)
 
 
 def is_scalar_index(index) -> bool:
