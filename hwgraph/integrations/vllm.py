@@ -167,11 +167,12 @@ class Qwen3OmniEncoderCudaGraphAdapter:
         """Whether the group is precomputed ``image_embeds`` (no pixels). vLLM's own manager, which knows no
         ``encoder_cudagraph_accepts``, still hands such a group to the protocol: select, replay buffers, eager and
         postprocess then pass the embeddings through (a replay still runs, on the buffers as they are, and is
-        ignored), so that the group gets what ``embed_multimodal`` gives it instead of an error in the engine."""
+        ignored), so that the group gets what ``embed_multimodal`` gives it (in the tower's dtype) instead of an error
+        in the engine."""
         return mm_kwargs is not None and PIXELS not in mm_kwargs and EMBEDS in mm_kwargs
 
     def embeds(self, mm_kwargs: dict[str, Any]) -> torch.Tensor:
-        """The group's ``image_embeds``, checked against the grid's token counts (shapes only)."""
+        """The group's ``image_embeds``, checked against the grid's token counts (shapes only), as they are."""
         embeds, grid = mm_kwargs[EMBEDS], self.host_grid(mm_kwargs)
         tokens = sum(t * h * w for t, h, w in grid) // self.merge_area
         if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2 or embeds.shape[0] != tokens:
@@ -179,11 +180,24 @@ class Qwen3OmniEncoderCudaGraphAdapter:
                              f"{list(grid)}, got {getattr(embeds, 'shape', type(embeds).__name__)}")
         return embeds
 
+    def embeds_features(self, mm_kwargs: dict[str, Any]) -> torch.Tensor:
+        """The group's ``image_embeds`` as features: in the tower's dtype, as vLLM's Qwen models cast them
+        (``image_embeds.type(self.visual.dtype)``). Under encoder data parallelism vLLM's manager all-gathers them
+        beside other ranks' features; as given (float32 embeddings beside a bfloat16 tower) they made ranks send
+        different dtypes."""
+        return self.embeds(mm_kwargs).to(self.tower.dtype)
+
     def pixels(self, mm_kwargs: dict[str, Any]) -> torch.Tensor:
         if PIXELS not in mm_kwargs:
             raise ValueError(f"mm_kwargs hold no {PIXELS!r} (keys: {sorted(mm_kwargs)}): a group of precomputed "
                              f"image_embeds has nothing to encode; the model's embed_multimodal must take it")
-        return mm_kwargs[PIXELS]
+        pixels = mm_kwargs[PIXELS]
+        if not isinstance(pixels, torch.Tensor):
+            # None went on to the replay buffers, where vLLM's copy skips a None value: the graph replayed the
+            # previous group's pixels and handed back its features
+            raise ValueError(f"{PIXELS} must be a floating-point torch.Tensor [patches, {self.tower.patch_row_width}]"
+                             f", got {type(pixels).__name__}")
+        return pixels
 
     def host_grid(self, mm_kwargs: dict[str, Any]) -> tuple[tuple[int, int, int], ...]:
         """The image grids as host ints; ``ValueError`` for a device tensor (reading it would sync)."""
@@ -218,9 +232,9 @@ class Qwen3OmniEncoderCudaGraphAdapter:
         starts = [0]
         for t, h, w in grid:
             starts.append(starts[-1] + t * h * w // per_row)
-        if pixels.shape[0] != starts[-1]:  # slicing by the grid's offsets would drop or shift rows silently
-            raise ValueError(f"pixel_values has {pixels.shape[0]} rows but grids {list(grid)} need {starts[-1]} "
-                             f"patch rows")
+        if key == PIXELS:  # as the replay and eager paths check them (a [1, patches, width] tensor was named by its
+            # rows); slicing by the grid's offsets needs exactly the grid's rows
+            self.tower.check_pixel_rows(pixels, grid, starts[-1])
         if any(not 0 <= i < len(grid) for i in indices):
             raise IndexError(f"item indices {list(indices)} out of range for {len(grid)} images")
         if not indices:
@@ -274,6 +288,12 @@ class Qwen3OmniEncoderCudaGraphAdapter:
         # They are checked before the metadata's tables, which grow with the grids, are built.
         pixels = self.pixels(mm_kwargs)
         metadata = self.tower.prepare_metadata(self.host_grid(mm_kwargs), pixels)
+        slots = max(max_batch_size, max_frames_per_batch, 1)  # as prepare_encoder_cudagraph_capture_inputs sized them
+        if metadata.num_frames > slots:  # else pad_cu_seqlens refused it, naming only the two buffers' shapes
+            raise ValueError(f"grids {list(metadata.grid_thw)} have {metadata.num_frames} frames (one attention "
+                             f"sequence each), more than the {slots} sequence slots of the captured graphs "
+                             f"(max(max_batch_size, max_frames_per_batch)); Qwen's image processor makes grids with "
+                             f"t == 1, and SingleReplayEncoderCudaGraphManager runs a group with t > 1 eagerly")
         metadata = metadata.to(self.tower.device)
         return EncoderCudaGraphReplayBuffers(values={PIXELS: pixels, **metadata.tensors()})
 
@@ -298,7 +318,7 @@ class Qwen3OmniEncoderCudaGraphAdapter:
         """The tower's eager forward on the group: ``[tokens, out_hidden_size]``."""
         self._check_path(path)
         if self.embeds_group(mm_kwargs):
-            return self.embeds(mm_kwargs)
+            return self.embeds_features(mm_kwargs)
         # Checked as given, before the cast, as the replay buffers check them: cast first, integer pixels (raw uint8
         # values, say) passed here while the same group in a graph was refused.
         pixels = self.pixels(mm_kwargs)
@@ -317,7 +337,7 @@ class Qwen3OmniEncoderCudaGraphAdapter:
         """Slice each image's rows (embeddings and DeepStack, side by side) out of ``outputs['default']`` into
         ``dest[index]``; rows after the last image are padding and dropped. ``clone`` when the rows live in a
         graph buffer that the next replay overwrites."""
-        out = self.embeds(batch_mm_kwargs) if self.embeds_group(batch_mm_kwargs) else outputs["default"]
+        out = self.embeds_features(batch_mm_kwargs) if self.embeds_group(batch_mm_kwargs) else outputs["default"]
         counts = [per_item_out_tokens[i] for i in indices]
         if sum(counts) > out.shape[0]:
             raise ValueError(f"{sum(counts)} output tokens for items {list(indices)} exceed the {out.shape[0]} "

@@ -241,15 +241,18 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
                 self.graph_misses += len(specs)
                 self.eager_groups += 1
                 self.eager_reasons[decision.reason] = self.eager_reasons.get(decision.reason, 0) + 1
-            if self.use_dp and output.dtype != self.dtype:
-                # vLLM's _dp_gather pads and all-gathers in self.dtype (a rank without images sends that): every
-                # rank must send the same dtype, whatever the tower's.
-                output = output.to(self.dtype)
+            # vLLM's _dp_gather pads and all-gathers in self.dtype (a rank without images sends that): every rank
+            # must send the same dtype, whatever the tower's. Cast what postprocess hands back, not ``output``: for a
+            # group of image_embeds (a model that does not forward encoder_cudagraph_accepts) it returns the
+            # embeddings themselves, which went out in their own dtype.
+            cast = self.use_dp and output.dtype != self.dtype
             dest: dict[int, torch.Tensor] = {}
-            # Replayed rows live in the graph's output buffer, which the next replay overwrites: clone them.
+            # Replayed rows live in the graph's output buffer, which the next replay overwrites: clone them (a cast
+            # copies them anyway).
             self.model.postprocess_encoder_output({"default": output}, indices, tokens, dest,
-                                                  clone=decision.replay, batch_mm_kwargs=mm_kwargs)
-            return [dest[i] for i in indices]
+                                                  clone=decision.replay and not cast, batch_mm_kwargs=mm_kwargs)
+            features = [dest[i] for i in indices]
+            return [t.to(self.dtype) for t in features] if self.use_dp else features
 
     def get_cumulative_stats(self) -> dict[str, Any]:
         stats = super().get_cumulative_stats()

@@ -164,3 +164,41 @@ def test_an_empty_grid_is_still_no_items(adapter):
     for grid in ([], torch.zeros(0, 3, dtype=torch.int64)):
         kwargs = {"pixel_values": torch.zeros(0, adapter.tower.patch_row_width), "image_grid_thw": grid}
         assert adapter.get_encoder_cudagraph_item_specs(kwargs) == []
+
+
+def test_replay_buffers_refuse_pixel_values_of_none(adapter):
+    """None reached the replay buffers as None, which vLLM's copy skips: the graph replayed the previous group's pixels
+    (tests/integrations/test_vllm_edge_cases.py shows it through the manager)."""
+    kwargs = {"pixel_values": None, "image_grid_thw": GRID}
+    with pytest.raises(ValueError, match=r"pixel_values must be a floating-point torch.Tensor .*got NoneType"):
+        adapter.prepare_encoder_cudagraph_replay_buffers(kwargs, 4, 4)
+
+
+def test_select_names_a_pixel_tensor_of_the_wrong_rank_by_its_shape(tower, adapter):
+    """select compared only the row count: [1, 80, width] was named as '1 rows', not as the wrong shape."""
+    kwargs = {"pixel_values": torch.zeros(1, 80, tower.patch_row_width), "image_grid_thw": GRID}
+    with pytest.raises(ValueError, match=rf"\[patches, {tower.patch_row_width}\].*got shape \(1, 80, "):
+        adapter.select_encoder_cudagraph_items(kwargs, [0])
+
+
+def test_image_embeds_come_out_in_the_towers_dtype(tower, adapter):
+    """As vLLM's Qwen models cast them (image_embeds.type(self.visual.dtype)): passed through as given, float64
+    embeddings reached vLLM's encoder-DP all-gather beside float32 features."""
+    embeds = torch.randn(20, adapter.out_hidden_size, dtype=torch.float64)
+    kwargs = {"image_embeds": embeds, "image_grid_thw": GRID}
+    with torch.inference_mode():
+        eager = adapter.encoder_eager_forward(kwargs)
+    dest = {}
+    adapter.postprocess_encoder_output({}, [0, 1], [16, 4], dest, batch_mm_kwargs=kwargs)
+    for got in (eager, torch.cat([dest[0], dest[1]])):
+        assert got.dtype == tower.dtype
+        torch.testing.assert_close(got, embeds.to(tower.dtype), rtol=0, atol=0)
+
+
+def test_replay_buffers_name_a_group_with_more_frames_than_the_graphs_slots(tower, adapter):
+    """One (t=5) grid has 5 attention sequences; graphs captured for 4 slots: pad_cu_seqlens refused it later, naming
+    only the buffers' shapes."""
+    kwargs = {"pixel_values": torch.zeros(40, tower.patch_row_width), "image_grid_thw": [(5, 2, 4)]}
+    with pytest.raises(ValueError, match=r"grids \[\(5, 2, 4\)\] have 5 frames .*more than the 4 sequence slots"):
+        adapter.prepare_encoder_cudagraph_replay_buffers(kwargs, 4, 4)
+    assert adapter.prepare_encoder_cudagraph_replay_buffers(kwargs, 4, 5).values["cu_seqlens"].shape == (6,)

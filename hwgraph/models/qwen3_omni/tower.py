@@ -263,7 +263,7 @@ class Qwen3OmniVisionTower(nn.Module):
         rows that do not match are refused before the metadata's tables, which grow with the grids, are built."""
         grid = normalize_grid(grid_thw, self.spatial_merge_size)
         if pixel_values is not None:
-            self._check_pixels(pixel_values, grid, sum(t * h * w for t, h, w in grid))
+            self.check_pixel_rows(pixel_values, grid, sum(t * h * w for t, h, w in grid))
         return grid_metadata(grid, self.spatial_merge_size, self.num_grid_per_side)
 
     def check_pixels(self, pixel_values: torch.Tensor, metadata: VisionMetadata) -> None:
@@ -273,14 +273,16 @@ class Qwen3OmniVisionTower(nn.Module):
         if not isinstance(metadata, VisionMetadata):  # e.g. a grid: AttributeError "'list' ... no attribute 'grid_thw'"
             raise ValueError(f"metadata must be a VisionMetadata (this tower's prepare_metadata(grid_thw)), got "
                              f"{type(metadata).__name__}: for a grid, call forward(pixel_values, grid_thw)")
-        self._check_pixels(pixel_values, metadata.grid_thw, metadata.num_rows)
+        self.check_pixel_rows(pixel_values, metadata.grid_thw, metadata.num_rows)
         built_for = (metadata.spatial_merge_size, metadata.num_grid_per_side)
         if built_for != (self.spatial_merge_size, self.num_grid_per_side):
             raise ValueError(f"metadata was built for spatial_merge_size {built_for[0]} and a position table of side "
                              f"{built_for[1]}, but this tower has spatial_merge_size {self.spatial_merge_size} and "
                              f"side {self.num_grid_per_side}: build it with this tower's prepare_metadata(grid_thw)")
 
-    def _check_pixels(self, pixel_values: torch.Tensor, grid, rows: int) -> None:
+    def check_pixel_rows(self, pixel_values: torch.Tensor, grid, rows: int) -> None:
+        """``ValueError`` unless ``pixel_values`` is a dense ``[rows, patch_row_width]`` floating-point tensor with
+        data, ``rows`` being what ``grid`` (normalised (t, h, w) triples, named in the message) needs."""
         if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point():
             raise ValueError(f"pixel_values must be a floating-point torch.Tensor [patches, {self.patch_row_width}], "
                              f"got {type(pixel_values).__name__}"

@@ -1,0 +1,197 @@
+"""Edge cases of the vLLM integration against vLLM 0.33's own code: inputs vLLM may pass the protocol, and encoder
+data parallelism (``mm_encoder_tp_mode="data"``) with the tower, the embeddings and the manager in different dtypes.
+Runs in .venv-vllm (ci/test.sh vllm); the default CPU run has no vllm and skips this module.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm is not installed: the vLLM integration tests run with ci/test.sh vllm")
+
+from vllm.config import CompilationConfig, MultiModalConfig, ParallelConfig, SchedulerConfig  # noqa: E402
+from vllm.v1.worker import encoder_cudagraph as upstream  # noqa: E402
+
+from hwgraph.integrations import vllm as hv  # noqa: E402
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BUDGETS = [64, 128, 256]
+MAX_ITEMS = 4
+CPU = torch.device("cpu")
+
+
+def vllm_config():
+    return SimpleNamespace(
+        compilation_config=CompilationConfig(cudagraph_mm_encoder=True, encoder_cudagraph_token_budgets=BUDGETS,
+                                             encoder_cudagraph_max_vision_items_per_batch=MAX_ITEMS),
+        model_config=SimpleNamespace(multimodal_config=MultiModalConfig(limit_per_prompt={"image": 8, "video": 0})),
+        parallel_config=ParallelConfig(),
+        scheduler_config=SchedulerConfig(max_model_len=8192, is_encoder_decoder=False, max_num_batched_tokens=8192),
+    )
+
+
+@pytest.fixture(scope="module")
+def tower():
+    torch.manual_seed(0)
+    return Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval()  # float32
+
+
+@pytest.fixture(scope="module")
+def adapter(tower):
+    return hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
+
+
+def captured_manager(model, dtype=torch.float32):
+    m = hv.SingleReplayEncoderCudaGraphManager(vllm_config(), CPU, dtype, model, graph_backend="cpu")
+    m.capture(graph_pool=None)
+    return m
+
+
+def vllms_manager(model, graphs_from):
+    """vLLM's own EncoderCudaGraphManager replaying the CPU reference backend's graphs of ``graphs_from`` (vLLM's own
+    capture needs CUDA)."""
+    m = upstream.EncoderCudaGraphManager(vllm_config(), CPU, graphs_from.dtype, model)
+    m.budget_graphs, m.graph_pool = graphs_from.budget_graphs, graphs_from.graph_pool
+    return m
+
+
+def pixels_for(tower, grid, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(t * h * w for t, h, w in grid), tower.patch_row_width, generator=g)
+
+
+def gathered_dtypes(manager, kwargs, monkeypatch):
+    """What each of two tensor-parallel ranks sends to vLLM's all-gather for ``kwargs`` under encoder DP."""
+    manager.use_dp = True
+    monkeypatch.setattr(upstream, "get_tensor_model_parallel_world_size", lambda: 2)
+    sent = {}
+    for rank in (0, 1):
+        monkeypatch.setattr(upstream, "get_tensor_model_parallel_rank", lambda r=rank: r)
+        monkeypatch.setattr(upstream, "tensor_model_parallel_all_gather",
+                            lambda t, dim=0, r=rank: (sent.__setitem__(r, t.dtype), torch.cat([t, t]))[1])
+        manager.execute(kwargs)
+    return sent
+
+
+class WithoutAcceptsExtension:
+    """A model that forwards the protocol to the adapter but not hwgraph's ``encoder_cudagraph_accepts``."""
+
+    supports_encoder_cudagraph = True
+
+    def __init__(self, adapter):
+        self.tower, self._adapter = adapter.tower, adapter
+
+    def __getattr__(self, name):
+        if name == "encoder_cudagraph_accepts":
+            raise AttributeError(name)
+        return getattr(self._adapter, name)
+
+
+# ------------------------------------------------------------------------------------------------ bad pixels
+def test_pixel_values_of_none_are_refused_not_replayed_on_the_previous_groups_pixels(tower, adapter):
+    """pixel_values=None reached the replay buffers as None, which vLLM's copy skips: the graph replayed the pixels
+    the previous group left in its buffer and handed back that group's features, silently."""
+    m = captured_manager(adapter)
+    try:
+        grid = [(1, 8, 8)]
+        first = m.execute({"pixel_values": pixels_for(tower, grid), "image_grid_thw": grid})
+        assert m.replays == 1 and len(first) == 1
+        kwargs = {"pixel_values": None, "image_grid_thw": grid}
+        message = rf"pixel_values must be a floating-point torch.Tensor \[patches, {tower.patch_row_width}\], " \
+                  r"got NoneType"
+        with pytest.raises(ValueError, match=message):
+            m.execute(kwargs)
+        with pytest.raises(ValueError, match=message):  # vLLM's packing selects first: AttributeError on .shape
+            upstream.EncoderCudaGraphManager._execute_local(m, kwargs)
+        assert m.replays == 1
+    finally:
+        m.clear()
+
+
+@pytest.mark.parametrize("pixels, got", [(lambda t: pixels_for(t, [(1, 8, 8)])[None], r"got shape \(1, 64, 96\)"),
+                                         (lambda t: list(pixels_for(t, [(1, 8, 8)])), "got list")],
+                         ids=["3-d tensor", "list of rows"])
+def test_vllms_packing_names_pixels_of_the_wrong_form_as_the_single_replay_path_does(tower, adapter, pixels, got):
+    """select_encoder_cudagraph_items (vLLM's packing and DP sharding call it first) compared only the row count: a
+    [1, patches, width] tensor was 'pixel_values has 1 rows but grids ... need 64', a list an AttributeError."""
+    kwargs = {"pixel_values": pixels(tower), "image_grid_thw": [(1, 8, 8)]}
+    m = captured_manager(adapter)
+    try:
+        for run in (m.execute, lambda kw: upstream.EncoderCudaGraphManager._execute_local(m, kw)):
+            with pytest.raises(ValueError, match=rf"pixel_values must be .*{got}"):
+                run(kwargs)
+    finally:
+        m.clear()
+
+
+def test_a_group_with_more_frames_than_the_graphs_slots_is_named(tower, adapter):
+    """Image grids with t > 1 under vLLM's packing: four items of five frames each filled 20 sequences into graphs of
+    4 slots, and pad_cu_seqlens refused it naming only '(21,) does not fit the captured buffer (5,)'."""
+    grid = [(5, 2, 4)] * 4  # 2 tokens per frame, 40 tokens: the 64 budget holds them, its 4 slots do not
+    kwargs = {"pixel_values": pixels_for(tower, grid), "image_grid_thw": grid}
+    message = r"grids \[(\(5, 2, 4\), ){3}\(5, 2, 4\)\] have 20 frames .* more than the 4 sequence slots"
+    with pytest.raises(ValueError, match=message):
+        adapter.prepare_encoder_cudagraph_replay_buffers(kwargs, MAX_ITEMS, MAX_ITEMS)
+    m = captured_manager(adapter)
+    try:
+        with pytest.raises(ValueError, match=message):
+            upstream.EncoderCudaGraphManager._execute_local(m, kwargs)
+        got = m.execute(kwargs)  # the single-replay manager runs t > 1 eagerly
+        assert [t.shape[0] for t in got] == [10] * 4 and m.eager_reasons == {"video": 1}
+    finally:
+        m.clear()
+
+
+# ------------------------------------------------------------------------------------------------ encoder DP, dtypes
+def test_under_encoder_dp_image_embeds_are_gathered_in_the_managers_dtype(tower, adapter, monkeypatch):
+    """The single-replay manager cast its output to its dtype before postprocess, but for a group of image_embeds
+    (a model that does not forward encoder_cudagraph_accepts) postprocess hands back the embeddings themselves: the
+    rank holding them sent float32 to the all-gather, the empty rank bfloat16."""
+    m = captured_manager(WithoutAcceptsExtension(adapter), dtype=torch.bfloat16)
+    try:
+        kwargs = {"image_embeds": torch.randn(16, adapter.out_hidden_size), "image_grid_thw": torch.tensor([(1, 8, 8)])}
+        assert gathered_dtypes(m, kwargs, monkeypatch) == {0: torch.bfloat16, 1: torch.bfloat16}
+    finally:
+        m.clear()
+
+
+def test_under_encoder_dp_pixels_replayed_in_another_dtype_are_gathered_in_the_managers_dtype(tower, adapter,
+                                                                                              monkeypatch):
+    m = captured_manager(adapter, dtype=torch.bfloat16)
+    try:
+        grid = [(1, 8, 8)]
+        kwargs = {"pixel_values": pixels_for(tower, grid, seed=4), "image_grid_thw": grid}
+        assert gathered_dtypes(m, kwargs, monkeypatch) == {0: torch.bfloat16, 1: torch.bfloat16}
+        assert m.replays == 1  # rank 0 replayed; rank 1 had no image
+        m.use_dp = False
+        with torch.inference_mode():
+            want = adapter.encoder_eager_forward(kwargs)
+        [got] = m.execute(kwargs)  # the replayed rows, uncast and cloned out of the graph's buffer
+        torch.testing.assert_close(got, want)
+        buffer = m.budget_graphs["default"][64].output_buffer
+        assert got.data_ptr() != buffer.data_ptr()
+    finally:
+        m.clear()
+
+
+def test_vllms_own_manager_under_encoder_dp_gathers_image_embeds_in_the_towers_dtype(tower, adapter, monkeypatch):
+    """With the tower in the model's dtype (what encoder DP under vLLM's own manager needs), float64 embeddings went
+    out as float64 from the rank holding them and as float32 from the empty one. vLLM's Qwen models cast them to the
+    vision tower's dtype (image_embeds.type(self.visual.dtype)); so does the adapter."""
+    graphs = captured_manager(adapter)
+    try:
+        m = vllms_manager(adapter, graphs)
+        embeds = torch.randn(16, adapter.out_hidden_size, dtype=torch.float64)
+        kwargs = {"image_embeds": embeds, "image_grid_thw": torch.tensor([(1, 8, 8)])}
+        assert gathered_dtypes(m, kwargs, monkeypatch) == {0: torch.float32, 1: torch.float32}
+        m.use_dp = False
+        [got] = m.execute(kwargs)
+        assert got.dtype == tower.dtype
+        torch.testing.assert_close(got, embeds.float(), rtol=0, atol=0)
+    finally:
+        graphs.clear()
