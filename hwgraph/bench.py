@@ -62,7 +62,16 @@ def parse_groups(spec: str) -> list[Group]:
         if not item:
             continue
         count, sep, tokens = item.lower().partition("x")
-        if not sep or not ascii_digits(count) or not ascii_digits(tokens) or int(count) < 1 or int(tokens) < 1:
+        if not sep or not ascii_digits(count) or not ascii_digits(tokens):
+            raise ValueError(f"bad group {item!r} in {spec!r}: expected COUNTxTOKENS with positive ints, e.g. 2x49")
+        # leading zeros dropped, and a number longer than any call's patch rows refused before int() reads it
+        # (int() refuses 4301 digits with a message about sys.set_int_max_str_digits, naming no group)
+        count, tokens = count.lstrip("0") or "0", tokens.lstrip("0") or "0"
+        longest = max(count, tokens, key=len)
+        if len(longest) > len(str(budget_rules.MAX_PATCH_ROWS)):
+            raise ValueError(f"group {item!r} in {spec!r} is too large: {longest} is past the "
+                             f"{budget_rules.MAX_PATCH_ROWS} patch rows one call takes (int32 cu_seqlens)")
+        if int(count) < 1 or int(tokens) < 1:
             raise ValueError(f"bad group {item!r} in {spec!r}: expected COUNTxTOKENS with positive ints, e.g. 2x49")
         group = Group(int(count), int(tokens))
         if group in groups:
@@ -207,8 +216,8 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
     all), captured first, then timed group by group with every kernel's calls and the transformers call in
     ``reference`` (group label -> callable) sampled in turn: kernels timed one after another were not comparable
     (on the H200 whichever kernel ran second replayed a 49-token image 6-12% slower, ``docs/benchmarks.md``).
-    ``before_profiling``: called once every group is timed, before ``cfg.profile``'s profiler runs (more timing, which
-    the profiler would slow)."""
+    ``before_profiling``: called once every group is timed and the plain managers are closed, before ``cfg.profile``'s
+    profiler runs on the main managers (more timing, which the profiler would slow)."""
     from hwgraph.manager import EncoderGraphManager
     from hwgraph.profiling import kernel_time
 
@@ -269,6 +278,11 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
                     row["plain_note"] = plain_notes[kernel]
                 rows[kernel][group.label] = row
                 progress.advance(note=f"{kernel} {group.label}")
+        # Plain replay is timed, not profiled: its managers' graphs are released before anything more runs.
+        plain_stats = {}
+        for kernel in list(plains):
+            plain_stats[kernel] = plains[kernel].stats()
+            plains.pop(kernel).close()
         if before_profiling is not None:
             before_profiling()
         for row, eager, replay in profiled:
@@ -283,10 +297,10 @@ def time_kernels(tower, kernels: list[str], groups, inputs, cfg: BenchConfig, pr
                             "rows": rows[kernel], "stats": stats,
                             "graph_memory_bytes": dict(sorted(stats["capture_bytes_per_budget"].items())),
                             "plain_capture_seconds": dict(sorted(
-                                plains[kernel].stats()["capture_seconds_per_budget"].items()))
-                            if kernel in plains else None,
-                            "plain_capture_failures": dict(plains[kernel].stats()["capture_failures"])
-                            if kernel in plains else None})
+                                plain_stats[kernel]["capture_seconds_per_budget"].items()))
+                            if kernel in plain_stats else None,
+                            "plain_capture_failures": dict(plain_stats[kernel]["capture_failures"])
+                            if kernel in plain_stats else None})
         return results
     finally:
         for manager in (*managers.values(), *plains.values()):
@@ -373,12 +387,19 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         reference = reference_calls(tower, groups, inputs) if cfg.reference else None
         calibrated_runs = []
 
-        def time_calibrated():  # its calibration and timing before --profile's profiler, which slows later launches
+        def time_calibrated():
             calibrated_runs.extend(time_kernels(tower, kernels[:1], groups, inputs, replace(cfg, profile=False),
                                                 progress, calibrate=True, reference=reference))
 
+        # The calibrated run after the main run's timing, its captures counting no startup of the main managers; with
+        # --profile before the profiler, which slows later launches, while the managers it profiles hold their
+        # graphs; without, once they are closed, so that its captures (up to the calibration cap) are not made
+        # beside theirs.
         per_kernel = time_kernels(tower, kernels, groups, inputs, cfg, progress, reference=reference,
-                                  before_profiling=time_calibrated if cfg.calibrate else None) if kernels else []
+                                  before_profiling=time_calibrated if cfg.calibrate and cfg.profile else None) \
+            if kernels else []
+        if cfg.calibrate and not cfg.profile and kernels:
+            time_calibrated()
         calibrated = calibrated_runs[0] if calibrated_runs else None
         reference = None  # not del: time_calibrated's closure names it
         empty_cache(cfg.device)  # the reference encoder's weights are garbage now
@@ -406,6 +427,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         result["calibration"] = {
             "kernel": calibrated["kernel"], "findings": calibrated["stats"]["calibration"],
             "timing": dict(CALIBRATION_TIMING), "kept_budgets": calibrated["budgets"],
+            # a budget whose capture failed has no finding: the search covered it, and this says why it is missing
+            "capture_failures": dict(calibrated["stats"]["capture_failures"]),
             "rows": [{"group": g.label, "replay": calibrated["rows"][g.label]["replay"],
                       "budget": calibrated["rows"][g.label]["budget"],
                       "replay_note": calibrated["rows"][g.label]["replay_note"],

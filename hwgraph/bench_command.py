@@ -92,6 +92,8 @@ def writable_path(option: str, spec: str) -> Path:
     lost to a bad path; ``ValueError`` naming the option and the path otherwise."""
     if not spec:
         raise ValueError(f"{option} {spec!r}: expected a file path")
+    if os.path.basename(spec) in ("", ".", ".."):  # 'out/': Path drops the separator, and a file 'out' was written
+        raise ValueError(f"{option} {spec!r} is a folder: expected a file path")
     path = Path(spec)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,7 +198,9 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--preset", help=f"tower preset (default: {CPU_PRESET} on CPU, {ACCELERATOR_PRESET} elsewhere)")
     parser.add_argument("--groups", help=f"image groups COUNTxTOKENS,... (default: {ACCELERATOR_GROUPS}; "
                                          f"on CPU {CPU_GROUPS})")
-    parser.add_argument("--attention", nargs="+", metavar="NAME", help="attention kernels (default: every available)")
+    # extend: a repeated option adds to the list (argparse's default kept only the last one's, dropping the rest)
+    parser.add_argument("--attention", nargs="+", action="extend", metavar="NAME",
+                        help="attention kernels (default: every available)")
     parser.add_argument("--backend", help="graph backend (default: the best available here)")
     parser.add_argument("--graph-mode", help="the graph backend's mode (default: its first; npu: aclgraph or "
                                              "torchair; hwgraph info lists each backend's modes)")
@@ -204,8 +208,8 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16; float32 on CPU)")
     parser.add_argument("--warmup", type=int, default=10, help="warm-up calls per cell (default 10)")
     parser.add_argument("--samples", type=int, default=30, help="timed calls per cell (default 30)")
-    parser.add_argument("--budgets", type=int, nargs="+", help="token budgets (default: doubling from 64 to cover "
-                                                               "the largest group)")
+    parser.add_argument("--budgets", type=int, nargs="+", action="extend",
+                        help="token budgets (default: doubling from 64 to cover the largest group)")
 
 
 def register_cli(sub) -> None:

@@ -170,9 +170,12 @@ def fmt(value: float | None) -> str | None:
 def calibration_section(cal: dict | None) -> str | None:
     if not cal:
         return None
+    # a budget whose capture failed has no finding: its row says so (JSON keys are strings, hence int())
+    failed = {int(b): why for b, why in cal.get("capture_failures", {}).items()}
+    findings = [[int(b), fmt(f["eager_ms"]), fmt(f["replay_ms"]), "yes" if f["kept"] else "no"]
+                for b, f in cal["findings"].items()]
     found = md_table(["budget", "eager ms", "replay ms", "kept"],
-                     [[b, fmt(f["eager_ms"]), fmt(f["replay_ms"]), "yes" if f["kept"] else "no"]
-                      for b, f in sorted(cal["findings"].items(), key=lambda kv: int(kv[0]))])
+                     sorted(findings + [[b, "-", "-", f"no: capture failed ({why})"] for b, why in failed.items()]))
     rows = md_table(["group", "calibrated dispatch", "budget", "vs transformers"],
                     [[r["group"], " ".join(filter(None, [ms(r["replay"]), None if r["replay_note"] == "replay"
                                                           else f"({r['replay_note']})"])),

@@ -260,13 +260,15 @@ def register_cli(sub) -> None:
     p.add_argument("--report", default="hwgraph-report", metavar="DIR", help="output folder (default hwgraph-report)")
     p.add_argument("--backend", help="graph backend to validate (default: the one hwgraph chooses here)")
     p.add_argument("--graph-mode", help="its graph mode (default: its first; npu: aclgraph or torchair)")
-    p.add_argument("--attention", nargs="+", metavar="NAME", help="attention kernels (default: every available)")
+    # extend: a repeated option adds to the list (argparse's default kept only the last one's, dropping the rest)
+    p.add_argument("--attention", nargs="+", action="extend", metavar="NAME",
+                   help="attention kernels (default: every available)")
     p.add_argument("--preset", help="tower preset for the suite and the benchmark (default: tiny on CPU, "
                                     "qwen3-omni-30b-a3b on accelerators)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 elsewhere)")
-    p.add_argument("--tokens", type=int, nargs="+", help="single-image sizes to benchmark, merged tokens "
-                                                         f"(default {' '.join(map(str, ACCELERATOR_TOKENS))}; "
-                                                         f"CPU {' '.join(map(str, CPU_TOKENS))})")
+    p.add_argument("--tokens", type=int, nargs="+", action="extend",
+                   help=f"single-image sizes to benchmark, merged tokens (default "
+                        f"{' '.join(map(str, ACCELERATOR_TOKENS))}; CPU {' '.join(map(str, CPU_TOKENS))})")
     p.add_argument("--warmup", type=int, help="warm-up calls per cell (default 10; CPU 3)")
     p.add_argument("--samples", type=int, help="timed calls per cell (default 30; CPU 10)")
     p.add_argument("--no-bench", action="store_true", help="conformance only")

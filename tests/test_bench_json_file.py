@@ -6,6 +6,8 @@ import errno
 import json
 import pathlib
 
+import pytest
+
 from hwgraph import cli
 
 
@@ -55,3 +57,14 @@ def test_a_json_report_path_that_is_a_symlink_writes_its_target(tmp_path):
     link.symlink_to(target)
     write_json(link, '{"rows": []}')
     assert link.is_symlink() and json.loads(target.read_text()) == {"rows": []}
+
+
+def test_a_json_path_that_names_a_folder_is_refused_not_written_as_a_file(tmp_path, monkeypatch, capsys):
+    """'--json out/' wrote the results to a file named 'out' (Path drops the separator); 'x/..' made the folder x."""
+    from hwgraph import bench_command
+
+    monkeypatch.setattr(bench_command, "run_bench", lambda cfg: pytest.fail("refused before the run"))
+    for spec in (f"{tmp_path}/out/", f"{tmp_path}/out/.", f"{tmp_path}/x/.."):
+        assert cli.main(["bench", "--groups", "1x4", "--json", spec]) == 2
+        assert capsys.readouterr().err.strip() == f"hwgraph bench: --json {spec!r} is a folder: expected a file path"
+    assert list(tmp_path.iterdir()) == []

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import torch
 
 from hwgraph import cli
 from hwgraph.bench import BenchConfig, parse_groups, run_bench
-from hwgraph.report import heading
+from hwgraph.report import calibration_section, heading
 
 
 def tiny_bench(**kwargs):
@@ -77,3 +80,63 @@ def test_the_calibrate_help_says_every_budget_up_to_the_largest_winner_is_kept(c
     assert "keep those where replay wins" not in text
     assert "keep every budget up to the largest whose replay beats eager; without --budgets, searched up to 2048" \
         in text
+
+
+def recording_managers(monkeypatch, fail_calibrated_budget=None):
+    """Every manager the bench builds, in order; each calibrating one records, as it captures, the other managers
+    then open (not closed) and holding graphs. ``fail_calibrated_budget``: that budget's capture fails in it."""
+    from hwgraph import manager as manager_module
+
+    built, open_at_calibration = [], []
+
+    class Recording(manager_module.EncoderGraphManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+        def capture(self):
+            if self.calibrate_on_capture:
+                open_at_calibration.append([m for m in built if m is not self and not m._closed and m.graphs])
+            return super().capture()
+
+        def _capture_budget(self, budget, compiled=False):
+            if self.calibrate_on_capture and budget == fail_calibrated_budget:
+                raise RuntimeError("simulated: out of memory")
+            return super()._capture_budget(budget, compiled)
+
+    monkeypatch.setattr(manager_module, "EncoderGraphManager", Recording)
+    return built, open_at_calibration
+
+
+def test_without_profile_the_calibrated_run_captures_once_the_main_managers_are_closed(monkeypatch):
+    """The calibrated manager (budgets up to the calibration cap) captured while every main manager still held its
+    graphs, also without --profile, which alone needs them after the timing."""
+    built, open_at_calibration = recording_managers(monkeypatch)
+    result = tiny_bench(calibrate=True, budgets=[8, 16])
+    assert len(built) == 2 and open_at_calibration == [[]]
+    assert result["rows"][0]["replay"] and result["calibration"]["rows"][0]["replay"]
+
+
+def test_with_profile_the_plain_managers_are_closed_before_the_calibrated_run(monkeypatch):
+    """With --profile the main managers must outlive the calibrated run (the profiler runs after it); the plain
+    managers beside --measure-products are timed, never profiled, and held their graphs through it too."""
+    built, open_at_calibration = recording_managers(monkeypatch)
+    result = tiny_bench(calibrate=True, profile=True, measure_products=True, budgets=[8, 16])
+    main, plain, calibrated = built
+    assert main.measure_products and not plain.measure_products and calibrated.calibrate_on_capture
+    assert open_at_calibration == [[main]]
+    per = result["per_kernel"]["TORCH_SDPA"]
+    assert set(per["plain_capture_seconds"]) == {8, 16} and per["plain_capture_failures"] == {}
+    assert result["rows"][0]["plain_replay"]["samples"] == 1 and result["rows"][0]["profile"]["replay_kernel_ms"]
+
+
+def test_a_budget_the_calibration_could_not_capture_is_reported_with_why(monkeypatch):
+    """The calibrated manager's failed captures were dropped: its findings lacked the budget, with no reason."""
+    recording_managers(monkeypatch, fail_calibrated_budget=16)
+    cal = tiny_bench(calibrate=True, budgets=[8, 16])["calibration"]
+    assert set(cal["findings"]) == {8}
+    assert list(cal["capture_failures"]) == [16] and "simulated: out of memory" in cal["capture_failures"][16]
+    # the Markdown report too, from the JSON form (budgets as strings): the budget had no row at all
+    section = calibration_section(json.loads(json.dumps(cal)))
+    assert "| 8 |" in section
+    assert re.search(r"\| 16 \| - \| - \| no: capture failed \(.*simulated: out of memory.*\) \|", section)

@@ -1,0 +1,53 @@
+"""``hwgraph bench``'s options at their edges: refused with the value named and what was expected (exit 2, nothing
+built), never dropped or turned into a traceback. Each test failed on the code before its fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from hwgraph import bench_command, cli
+from hwgraph.bench import Group, parse_groups
+
+
+@pytest.fixture(autouse=True)
+def nothing_runs(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("bad arguments must be refused before anything is built or run")
+
+    monkeypatch.setattr(bench_command, "run_bench", refuse)
+
+
+def test_a_group_number_longer_than_int_reads_is_refused_naming_the_group(capsys):
+    """Past 4300 digits int() raised its own error: the message named no group and pointed at
+    sys.set_int_max_str_digits; leading zeros of a small number failed the same way."""
+    huge = "1x" + "9" * 5000
+    with pytest.raises(ValueError, match=r"^group '1x9{5000}' in '1x9{5000}' is too large: 9{5000} is past the "
+                                         r"2147483647 patch rows one call takes \(int32 cu_seqlens\)$"):
+        parse_groups(huge)
+    assert parse_groups("1x" + "0" * 5000 + "4, 02x8") == [Group(1, 4), Group(2, 8)]
+    assert cli.main(["bench", "--groups", "4x16," + "9" * 5000 + "x1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hwgraph bench: --groups: group '{'9' * 5000}x1' in '4x16,") and "set_int_max" not in err
+
+
+@pytest.mark.parametrize("argv, refusal", [
+    (["--attention", "TORCH_SDPA", "--attention", "torch_sdpa"],
+     "--attention TORCH_SDPA torch_sdpa: TORCH_SDPA repeats; give each kernel once"),
+    (["--budgets", "8", "--budgets", "8"], "--budgets: budgets must not repeat, got duplicates [8] in [8, 8]"),
+])
+def test_a_list_option_given_twice_adds_to_its_list(argv, refusal, capsys):
+    """argparse kept only the last occurrence: '--attention TORCH_SDPA --attention TRITON_ATTN' benched TRITON_ATTN
+    alone, and a repeated kernel or budget passed the checks for repeats."""
+    args = cli.build_parser().parse_args(["bench", "--attention", "TORCH_SDPA", "--attention", "TRITON_ATTN",
+                                          "--budgets", "16", "--budgets", "8", "32"])
+    assert args.attention == ["TORCH_SDPA", "TRITON_ATTN"] and args.budgets == [16, 8, 32]
+    assert cli.main(["bench", "--device", "cpu", *argv]) == 2
+    assert capsys.readouterr().err.strip() == f"hwgraph bench: {refusal}"
+
+
+
+def test_validates_list_options_given_twice_add_to_their_lists():
+    """As bench's: '--attention A --attention B' validated B alone, and '--tokens 49 --tokens 256' benchmarked 256."""
+    args = cli.build_parser().parse_args(["validate", "--attention", "TORCH_SDPA", "--attention", "TRITON_ATTN",
+                                          "--tokens", "49", "--tokens", "256", "1024"])
+    assert args.attention == ["TORCH_SDPA", "TRITON_ATTN"] and args.tokens == [49, 256, 1024]
