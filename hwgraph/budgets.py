@@ -33,7 +33,10 @@ def check_cap(cap) -> int:
 
 
 def auto_budgets(cap: int = DEFAULT_CAP, start: int = MIN_AUTO_BUDGET) -> list[int]:
-    """Budgets doubling from ``start`` up to and including ``cap``: 64, 128, 256."""
+    """Budgets doubling from ``start`` up to and including ``cap``: 64, 128, 256. ``ValueError`` naming the value
+    unless both are positive ints (a start of 0 or below, or an infinite cap, doubled forever; a float start gave
+    float budgets), or when ``cap`` is below ``start``."""
+    cap, start = positive_ints("auto_budgets", cap=cap, start=start)
     if cap < start:
         raise ValueError(f"budget cap {cap} is below the smallest auto budget {start}")
     out, b = [], start
