@@ -256,7 +256,7 @@ class EncoderGraphManager:
             # too: a compiled replay recompiled on the replay path.
             raise RuntimeError(
                 f"{what}: the tower's attention kernel is now {self.tower.attention_kernel}, not the one this "
-                f"manager's graphs run ({getattr(self._kernel, '__name__', self._kernel)}): another manager on the "
+                f"manager's graphs run ({self._kernel_name}): another manager on the "
                 f"same tower chose another kernel, or tower.set_attention() was called. close() this manager and "
                 f"build one per kernel, on its own tower (e.g. hwgraph.bench.kernel_view)")
 

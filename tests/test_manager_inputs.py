@@ -152,3 +152,21 @@ def test_a_grid_past_int32_cu_seqlens_is_refused_naming_its_rows():
     with pytest.raises(ValueError, match=r"1099511627776 tokens are 4398046511104 patch rows at merge size 2"):
         filling_grid(2**40, 2)
     assert filling_grid(2**20, 2) == (1, 2048, 2048)
+
+
+def test_a_kernel_changed_under_the_manager_is_named_against_the_kernel_its_graphs_run(tower):
+    """The refusal named the graphs' kernel by its Python function ("not the one this manager's graphs run
+    (sdpa_varlen)") where the new one was named as a kernel; both are kernel names now."""
+    m = manager(tower, dtype=torch.float32, attention="TORCH_SDPA")
+    m.capture()
+    sdpa = tower.attention_fn
+
+    def other_kernel(*args, **kwargs):
+        return sdpa(*args, **kwargs)
+
+    tower.set_attention(other_kernel)
+    grid = [(1, 4, 4)]
+    with pytest.raises(RuntimeError, match=r"attention kernel is now other_kernel, not the one this manager's graphs "
+                                           r"run \(TORCH_SDPA\)"):
+        m.encode(torch.randn(16, tower.patch_row_width), grid)
+    m.close()
