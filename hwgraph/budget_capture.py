@@ -53,8 +53,13 @@ class BudgetGraph:
     numerics_warned: bool = False  # a replay refused for changed settings was logged
 
     def graph_for(self, num_seqs: int) -> tuple[int, CapturedGraph]:
-        """The graph with the fewest slots holding ``num_seqs`` sequences, and its slot count."""
-        slots = min(n for n in self.graphs if n >= num_seqs)
+        """The graph with the fewest slots holding ``num_seqs`` sequences, and its slot count; ``ValueError`` naming
+        both when none holds them (the manager's dispatch never asks: it sends such groups eagerly)."""
+        fitting = [n for n in self.graphs if n >= num_seqs]
+        if not fitting:
+            raise ValueError(f"no graph of budget {self.budget} holds num_seqs={num_seqs} sequences: its slot counts "
+                             f"are {sorted(self.graphs)}")
+        slots = min(fitting)
         return slots, self.graphs[slots]
 
     def input_bytes(self) -> int:

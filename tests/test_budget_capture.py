@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hwgraph.budget_capture import VERIFY_TOLERANCE, capture_budget, relative_error
+from hwgraph.budget_capture import VERIFY_TOLERANCE, BudgetGraph, capture_budget, relative_error
 from hwgraph.graphs.base import CaptureError
 from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
@@ -91,3 +91,13 @@ def test_relative_error_is_the_l2_distance_over_the_norm_of_what_was_wanted():
     assert relative_error(want, want) == 0.0
     assert relative_error(torch.tensor([3.0, 0.0]), want) == pytest.approx(4.0 / 5.0)
     assert relative_error(torch.zeros(2), torch.zeros(2)) == 0.0  # no division by zero
+
+
+def test_graph_for_more_sequences_than_any_graph_holds_names_them():
+    """It raised min()'s "arg is an empty sequence", naming neither the count nor the graphs' slots."""
+    graph = object()
+    entry = BudgetGraph(16, 64, None, None, {1: graph, 4: graph}, 0, 0.0)
+    assert entry.graph_for(3) == (4, graph) and entry.graph_for(1) == (1, graph)
+    with pytest.raises(ValueError, match=r"^no graph of budget 16 holds num_seqs=5 sequences: its slot counts are "
+                                         r"\[1, 4\]$"):
+        entry.graph_for(5)
