@@ -62,8 +62,9 @@ def parse_groups(spec: str) -> list[Group]:
         if not item:
             continue
         count, sep, tokens = item.lower().partition("x")
+        bad = f"bad group {item!r} in {spec!r}: expected COUNTxTOKENS with positive ints, e.g. 2x49"
         if not sep or not ascii_digits(count) or not ascii_digits(tokens):
-            raise ValueError(f"bad group {item!r} in {spec!r}: expected COUNTxTOKENS with positive ints, e.g. 2x49")
+            raise ValueError(bad)
         # leading zeros dropped, and a number longer than any call's patch rows refused before int() reads it
         # (int() refuses 4301 digits with a message about sys.set_int_max_str_digits, naming no group)
         count, tokens = count.lstrip("0") or "0", tokens.lstrip("0") or "0"
@@ -72,7 +73,7 @@ def parse_groups(spec: str) -> list[Group]:
             raise ValueError(f"group {item!r} in {spec!r} is too large: {longest} is past the "
                              f"{budget_rules.MAX_PATCH_ROWS} patch rows one call takes (int32 cu_seqlens)")
         if int(count) < 1 or int(tokens) < 1:
-            raise ValueError(f"bad group {item!r} in {spec!r}: expected COUNTxTOKENS with positive ints, e.g. 2x49")
+            raise ValueError(bad)
         group = Group(int(count), int(tokens))
         if group in groups:
             raise ValueError(f"group {group.label} repeats in {spec!r}: each group is one row of the table")

@@ -192,11 +192,9 @@ class Qwen3OmniEncoderCudaGraphAdapter:
             raise ValueError(f"mm_kwargs hold no {PIXELS!r} (keys: {sorted(mm_kwargs)}): a group of precomputed "
                              f"image_embeds has nothing to encode; the model's embed_multimodal must take it")
         pixels = mm_kwargs[PIXELS]
-        if not isinstance(pixels, torch.Tensor):
-            # None went on to the replay buffers, where vLLM's copy skips a None value: the graph replayed the
-            # previous group's pixels and handed back its features
-            raise ValueError(f"{PIXELS} must be a floating-point torch.Tensor [patches, {self.tower.patch_row_width}]"
-                             f", got {type(pixels).__name__}")
+        # None went on to the replay buffers, where vLLM's copy skips a None value: the graph replayed the previous
+        # group's pixels and handed back its features
+        self.tower.check_pixel_tensor(pixels)
         return pixels
 
     def host_grid(self, mm_kwargs: dict[str, Any]) -> tuple[tuple[int, int, int], ...]:

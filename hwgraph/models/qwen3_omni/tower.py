@@ -280,13 +280,17 @@ class Qwen3OmniVisionTower(nn.Module):
                              f"{built_for[1]}, but this tower has spatial_merge_size {self.spatial_merge_size} and "
                              f"side {self.num_grid_per_side}: build it with this tower's prepare_metadata(grid_thw)")
 
-    def check_pixel_rows(self, pixel_values: torch.Tensor, grid, rows: int) -> None:
-        """``ValueError`` unless ``pixel_values`` is a dense ``[rows, patch_row_width]`` floating-point tensor with
-        data, ``rows`` being what ``grid`` (normalised (t, h, w) triples, named in the message) needs."""
+    def check_pixel_tensor(self, pixel_values) -> None:
+        """``ValueError`` unless ``pixel_values`` is a floating-point tensor (its type and dtype only)."""
         if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point():
             raise ValueError(f"pixel_values must be a floating-point torch.Tensor [patches, {self.patch_row_width}], "
                              f"got {type(pixel_values).__name__}"
                              + (f" of {pixel_values.dtype}" if isinstance(pixel_values, torch.Tensor) else ""))
+
+    def check_pixel_rows(self, pixel_values: torch.Tensor, grid, rows: int) -> None:
+        """``ValueError`` unless ``pixel_values`` is a dense ``[rows, patch_row_width]`` floating-point tensor with
+        data, ``rows`` being what ``grid`` (normalised (t, h, w) triples, named in the message) needs."""
+        self.check_pixel_tensor(pixel_values)
         if pixel_values.is_meta:  # shapes without data: the copy into a graph's buffer (or the eager call) fails
             raise ValueError(f"pixel_values is on the meta device (shape {tuple(pixel_values.shape)}, no data): pass "
                              f"pixel rows with values, on the host or the tower's device")
