@@ -108,6 +108,7 @@ def test_a_compiled_forward_is_not_recompiled_by_the_guard(backend):
         y = x.masked_fill(mask, 0.0) + torch.arange(x.shape[0])
         y[mask] = 1.0
         y = y.view(x.shape[0], 1).expand(-1, 2).reshape(-1).narrow(0, 0, x.shape[0]) + x.new_zeros(x.shape[0])
+        y = y.unsqueeze(1).transpose(0, 1).flip(0).sum(0) * x.size(0)
         return y.index_put((torch.tensor([0]),), torch.tensor(2.0))
 
     compiled = torch.compile(forward, backend="eager", fullgraph=True)
@@ -174,6 +175,60 @@ def test_sync_guard_allows_list_subscripts_of_index_tensors_and_sizes_given_as_i
     for g, e in zip((x, *got), (expected, *work(expected, mask, rows)), strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
     assert x.tolist() == [[2.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 2.0], [0.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("device_read", [
+    pytest.param(lambda x, n: x.flip(n), id="flip"),
+    pytest.param(lambda x, n: x.flip((n,)), id="flip-of-a-tuple"),
+    pytest.param(lambda x, n: x.roll(1, n), id="roll-dims"),
+    pytest.param(lambda x, n: x.roll(shifts=n, dims=0), id="roll-shifts-keyword"),
+    pytest.param(lambda x, n: x.permute(n, 0, 2), id="permute-separate-sizes"),
+    pytest.param(lambda x, n: x.permute(2, 0, n), id="permute-a-later-size"),
+    pytest.param(lambda x, n: x.transpose(0, n), id="transpose"),
+    pytest.param(lambda x, n: x.movedim(n, 0), id="movedim"),
+    pytest.param(lambda x, n: x.unsqueeze(n), id="unsqueeze"),
+    pytest.param(lambda x, n: x.flatten(n), id="flatten"),
+    pytest.param(lambda x, n: x.chunk(n + 1), id="chunk"),
+    pytest.param(lambda x, n: x.split(n), id="split"),
+    pytest.param(lambda x, n: x.size(n), id="size"),
+    pytest.param(lambda x, n: x.sum(n), id="sum-dim"),
+    pytest.param(lambda x, n: x.sum(dim=(0, n)), id="sum-dim-keyword"),
+    pytest.param(lambda x, n: x.softmax(n), id="softmax"),
+    pytest.param(lambda x, n: x.index_select(n, torch.tensor([0])), id="index_select-dim"),
+    pytest.param(lambda x, n: x.add(x, alpha=n), id="add-alpha"),
+    pytest.param(lambda x, n: x.new_full((2,), 1.0, dtype=torch.float32).add_(1, alpha=n), id="add_-alpha"),
+])
+def test_sync_guard_rejects_a_tensor_where_any_method_wants_a_size_a_dimension_or_a_number(backend, device_read):
+    """The guard judged only the methods it listed (view, reshape, new_zeros...); every other method's sizes,
+    dimensions and numbers (x.flip(n), x.sum(dim=n), x.add(y, alpha=n)) took a tensor, read back by torch's argument
+    parser. They are now judged from each method's ATen schemas: wherever no overload takes a tensor."""
+    x, n = torch.zeros(4, 3, 2), torch.tensor(1)
+    with backend.sync_guard(), pytest.raises(HostSyncError, match=r"with a tensor where a size, a dimension or a "
+                                                                  r"number is expected \(its value is read back\) on "
+                                                                  r"a tensor inside sync_guard\(\)"):
+        device_read(x, n)
+    device_read(x, n)  # allowed again once the guard ends
+
+
+@pytest.mark.filterwarnings("ignore:This overload of add is deprecated")
+def test_sync_guard_allows_tensor_overloads_deprecated_orders_and_tensors_too_large_to_be_a_number(backend):
+    """A one-element tensor where an overload takes a tensor (x.add(n), x.clamp(n), x.pow(n)) is an operand, read
+    nothing back; torch's deprecated orders put a number where the schemas list a tensor (x.add(2, y)); and a tensor of
+    several elements where a number is wanted is torch's TypeError, not a read."""
+    def work(x, y, n, m):
+        return (x.add(n), x.clamp(min=n), x.pow(n), x.mul(n), x.lerp(y, n), x.clone().fill_(n), x.where(x > 0, n),
+                x.add(2, y), m.addmm(0.5, m, m), x.transpose(0, 1), x.permute(2, 1, 0), x.sum((0, 1)),
+                x.index_select(0, torch.tensor([0, 1])), x.gather(0, torch.zeros(1, 3, 2, dtype=torch.long)),
+                x.view(torch.int32), x.size(), torch.tensor(x.size(0)))
+
+    x, y, n, m = torch.rand(4, 3, 2), torch.rand(4, 3, 2), torch.tensor(2.0), torch.rand(2, 2)
+    expected = work(x, y, n, m)
+    with backend.sync_guard():
+        got = work(x, y, n, m)
+        with pytest.raises(TypeError, match="must be tuple of ints, not Tensor"):
+            x.permute(torch.tensor([1, 0, 2]))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
 def test_sync_guard_names_the_complex_and_the_size_it_rejected(backend):
@@ -251,6 +306,9 @@ def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
              "complex(tensor)": lambda: complex(value),
              "x.view(tensor)": lambda: x.view(twelve),
              "x.new_zeros(tensor)": lambda: x.new_zeros(four),
+             "x.flip(tensor)": lambda: x.flip(one),
+             "x.sum(dim=tensor)": lambda: x.sum(dim=one),
+             "x.add(y, alpha=tensor)": lambda: x.add(x, alpha=one),
              "torch.arange(tensor)": lambda: torch.arange(four, device="cuda"),
              "torch.full(size, tensor)": lambda: torch.full((2,), value, device="cuda"),
              "blocking copy_ from the host": lambda: x.copy_(host),
@@ -259,6 +317,8 @@ def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
                "x[:, mask] = 2": lambda: assign(x, (slice(None), mask[:3]), 2),
                "masked_fill with a number": lambda: x.masked_fill(mask[:, None], 0.0),
                "x[index tensor]": lambda: x[rows],
+               "x.add(0-dim tensor)": lambda: x.add(value),
+               "x.clamp(min=0-dim tensor)": lambda: x.clamp(min=value),
                "x[[index tensor]]": lambda: x[[rows]],
                "x[[mask]] = 1.0": lambda: assign(x, [mask], 1.0)}
     torch.cuda.synchronize()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import inspect
 import numbers
 import sys
 import weakref
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -96,9 +98,13 @@ class RejectHostReads:
     boolean mask in ``index_put_`` or in an assignment ``t[mask] = v`` (its ``nonzero()`` size). Not ``t[mask] = 1.0``
     with one mask and a Python number: torch makes that a ``masked_fill_`` of a host scalar, with no read.
 
-    A tensor where a method wants a size or a number (``x.view(n)``, ``x.new_zeros(n)``, ``x.narrow(0, 0, n)``:
-    ``SIZE_METHODS``) is read in C++ by torch's argument parser (``Tensor::item()``), so those methods are replaced too,
-    and a list subscript holding a tensor (``t[[i, j]]``, which torch reads as ``t[i, j]``) is judged by its items.
+    A tensor where a method wants a size, a dimension or a number (``x.view(n)``, ``x.flip(n)``, ``x.sum(dim=n)``,
+    ``x.add(y, alpha=n)``) is read in C++ by torch's argument parser (``Tensor::item()``), so those methods are replaced
+    too: ``SIZE_METHODS`` reject any tensor among their arguments (``narrow``'s tensor start is read too, although a
+    schema takes it), and every other method a one-element tensor where none of its ATen schemas' overloads takes a
+    tensor (``number_argument_methods``, about 200 of them; a call torch would refuse with a ``TypeError`` may be named
+    a read instead). A list subscript holding a tensor (``t[[i, j]]``, which torch reads as ``t[i, j]``) is judged by
+    its items.
 
     Two kinds of read are let through. A tensor where a ``torch`` function wants a number (``torch.arange(n)``,
     ``torch.zeros(n)``, ``torch.full(size, v)``) is read in C++ before the function runs, so only a replaced
@@ -172,6 +178,26 @@ class RejectHostReads:
             return fn(*args, **kwargs)
         return reject_some
 
+    @staticmethod
+    @functools.cache  # one wrapper per method as found (about 200 of them), not new ones every time a guard opens
+    def _rejecting_number_tensors(fn, name: str, slots: NumberSlots):
+        """Tensor method ``fn`` that rejects a one-element tensor given where its schemas take a size, a dimension or a
+        number (``x.flip(n)``, ``x.sum(dim=n)``, ``x.add(y, alpha=n)``): torch's argument parser reads it back."""
+        what = f"{name}() with a tensor where a size, a dimension or a number is expected (its value is read back)"
+
+        def reject_number_tensors(self, *args, **kwargs):
+            if args and not (slots.tensor_first and isinstance(args[0], numbers.Number)):
+                for position, value in enumerate(args):
+                    if slots.reads_position(position) and one_element_tensor_in(value):
+                        raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host "
+                                            f"synchronisation on the replay path")
+            for key, value in kwargs.items():
+                if key in slots.keywords and one_element_tensor_in(value):
+                    raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
+                                        f"on the replay path")
+            return fn(self, *args, **kwargs)
+        return reject_number_tensors
+
     @classmethod
     def _replacements(cls) -> list:
         """(owner, name, replacement) for every attribute the guard replaces, made from the attributes of now."""
@@ -200,6 +226,9 @@ class RejectHostReads:
             lambda self, *args, **kwargs: isinstance(args[1] if len(args) > 1 else kwargs.get("value"),
                                                      torch.Tensor)))
             for name in ("masked_fill", "masked_fill_")]
+        replaced = {name for owner, name, _ in out if owner is tensor} | {"repeat_interleave"}
+        out += [(tensor, name, cls._rejecting_number_tensors(getattr(tensor, name), name, slots))
+                for name, slots in number_argument_methods() if name not in replaced]
         out.append((torch, "where", cls._rejecting_calls(
             torch.where, "torch.where(condition) (its size is read back)",
             lambda *args, **kwargs: len(args) + len(kwargs) == 1)))
@@ -326,6 +355,92 @@ def index_parts(index) -> tuple:
     if isinstance(index, list) and len(index) < 32 and holds_a_tensor(index):
         return tuple(index)
     return (index,)
+
+
+#: Argument types, as torch's schemas write them, that torch's argument parser fills from a one-element tensor by
+#: reading its value (``Tensor::item()``): sizes, dimensions, numbers, dtypes (``bool`` takes no tensor)
+NUMBER_TYPES = frozenset({"int", "float", "complex", "number", "List[int]", "List[float]", "List[complex]",
+                          "Optional[int]", "Optional[float]", "Optional[complex]", "Optional[number]",
+                          "Optional[List[int]]", "Optional[List[float]]"})
+TENSOR_TYPES = frozenset({"Any", "t", "List[t]", "Optional[t]"})
+
+
+class NumberSlots(NamedTuple):
+    """Where a tensor method's overloads take a number and none takes a tensor: its positional arguments (after
+    ``self``), the positions from ``rest_from`` on (the sizes of ``x.view(2, n)``, where an overload takes its size
+    list as separate arguments; None where none does) and its keywords. ``tensor_first``: an overload takes a tensor
+    first, so a number there is one of torch's deprecated orders (``x.add(2, y)`` for ``x.add(y, alpha=2)``), whose
+    positions the schemas do not list, and only the keywords are judged."""
+    positions: frozenset[int]
+    rest_from: int | None
+    keywords: frozenset[str]
+    tensor_first: bool
+
+    def reads_position(self, position: int) -> bool:
+        return position in self.positions or (self.rest_from is not None and position >= self.rest_from)
+
+
+def number_slots(name: str) -> NumberSlots | None:
+    """The ``NumberSlots`` of ``torch.Tensor``'s method ``name`` from the schemas of its ATen operator (the overloads
+    that take ``self`` first), or None where it has none."""
+    overloads = []
+    for schema in torch._C._jit_get_schemas_for_operator(f"aten::{name}"):
+        arguments = schema.arguments
+        if arguments and arguments[0].name == "self" and str(arguments[0].type) == "Tensor":
+            overloads.append(arguments[1:])
+    if not overloads:
+        return None
+
+    def takes(types) -> tuple[bool, bool]:
+        """(whether one of ``types`` is a number, whether one takes a tensor)"""
+        return (any(t in NUMBER_TYPES for t in types),
+                any("Tensor" in t or t in TENSOR_TYPES for t in types if t is not None))
+
+    positional = [[str(a.type) for a in arguments if not a.kwarg_only] for arguments in overloads]
+    # where an overload's first argument is a size list, torch takes its sizes as separate arguments too
+    separate = [bool(types) and types[0] == "List[int]" for types in positional]
+    width = max(len(types) for types in positional)
+    positions = set()
+    for position in range(width):
+        types = [types[position] if position < len(types) else ("int" if apart else None)
+                 for types, apart in zip(positional, separate, strict=True)]
+        number, tensor = takes(types)
+        if number and not tensor:
+            positions.add(position)
+    by_keyword: dict[str, list[str]] = {}
+    for arguments in overloads:
+        for argument in arguments:
+            by_keyword.setdefault(argument.name, []).append(str(argument.type))
+    keywords = {key for key, types in by_keyword.items() if takes(types) == (True, False)}
+    if not positions and not keywords and not any(separate):
+        return None
+    return NumberSlots(frozenset(positions), width if any(separate) else None, frozenset(keywords),
+                       any(takes(types[:1])[1] for types in positional))
+
+
+@functools.cache
+def number_argument_methods() -> tuple[tuple[str, NumberSlots], ...]:
+    """The public methods of ``torch.Tensor`` (no properties) whose ATen schemas take a size, a dimension or a number
+    somewhere no overload takes a tensor, with their ``NumberSlots``; the same for the life of the process."""
+    found = []
+    for name in dir(torch.Tensor):
+        if name.startswith("_"):
+            continue
+        attribute = inspect.getattr_static(torch.Tensor, name)
+        if not callable(attribute) or isinstance(attribute, (property, staticmethod, classmethod)):
+            continue
+        slots = number_slots(name)
+        if slots is not None:
+            found.append((name, slots))
+    return tuple(found)
+
+
+def one_element_tensor_in(value) -> bool:
+    """Whether ``value`` is a one-element tensor, or a list or tuple holding one: what torch's argument parser reads
+    where it wants a number (a larger tensor there is a ``TypeError``, read nothing)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (list, tuple)) and any(one_element_tensor_in(v) for v in value)
 
 
 def holds_a_tensor(values) -> bool:
