@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import operator
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -301,3 +303,23 @@ def test_a_guard_another_thread_holds_keeps_rejecting_after_this_thread_enters_a
         leave.set()
         holder.join()
     assert torch.ones(1).item() == 1.0
+
+
+def test_a_pool_is_dropped_once_its_owner_and_its_graphs_are():
+    """The backend kept every pool it made or captured into for its own life: a long-lived backend (a manager's, each
+    capture without a pool making one) grew a list of empty pools. A graph keeps its pool, as a device graph keeps
+    its pool's memory, so what it holds is counted until it goes."""
+    backend, x = CpuGraphBackend(), torch.ones(1000)
+    pool = backend.new_pool()
+    graph = backend.capture(lambda: x * 2, pool)
+    held, pool_ref = backend.memory_in_use(), weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert held == 4000 and pool_ref() is not None and backend.memory_in_use() == held
+    graph.release()
+    del graph
+    gc.collect()
+    assert pool_ref() is None, "the backend still holds a pool whose owner and graphs are gone"
+    refs = [weakref.ref(backend.capture(lambda: x * 2).pool) for _ in range(20)]
+    gc.collect()
+    assert not [ref for ref in refs if ref() is not None] and backend.memory_in_use() == 0

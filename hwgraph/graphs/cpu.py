@@ -46,6 +46,7 @@ class CpuCapturedGraph(CapturedGraph):
     def __init__(self, fn: Callable[[], Outputs], outputs: Outputs):
         self.fn = fn
         self.outputs = outputs
+        self.pool: CpuPool | None = None  # set by the capture
 
     def replay(self) -> None:
         if self.outputs is None:
@@ -72,6 +73,7 @@ class CpuCapturedGraph(CapturedGraph):
     def release(self) -> None:
         self.fn = None
         self.outputs = None
+        self.pool = None
 
 
 class RejectHostReads:
@@ -505,7 +507,8 @@ class CpuGraphBackend(GraphBackend):
     def __init__(self, device=None, mode=None):
         # Any device works: replay is an eager rerun, so this is also the eager-equivalent fallback elsewhere.
         super().__init__(device, mode)
-        self._pools: list[CpuPool] = []
+        # weakly: a pool lives while its owner or one of its graphs holds it, not for the backend's life
+        self._pools: weakref.WeakSet[CpuPool] = weakref.WeakSet()
 
     @classmethod
     def capability(cls, device=None) -> Capability:
@@ -513,7 +516,7 @@ class CpuGraphBackend(GraphBackend):
 
     def new_pool(self) -> CpuPool:
         pool = CpuPool()
-        self._pools.append(pool)
+        self._pools.add(pool)
         return pool
 
     def capture(self, fn, pool=None) -> CpuCapturedGraph:
@@ -523,14 +526,16 @@ class CpuGraphBackend(GraphBackend):
             outputs = fn()
         flat_tensors(outputs)
         graph = CpuCapturedGraph(fn, outputs)
+        graph.pool = pool  # kept while the graph is, as a device graph keeps its pool's memory
         pool.graphs.add(graph)
+        self._pools.add(pool)
         return graph
 
     def synchronize(self) -> None:
         return None
 
     def memory_in_use(self) -> int:
-        return sum(pool.bytes_held() for pool in self._pools)
+        return sum(pool.bytes_held() for pool in list(self._pools))
 
     @contextlib.contextmanager
     def sync_guard(self):
