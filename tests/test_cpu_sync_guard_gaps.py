@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from hwgraph.graphs import HostSyncError
-from hwgraph.graphs.cpu import CpuGraphBackend, RejectHostReads, put_back_sequence_slots, tensor_sequence_slots
+from hwgraph.graphs.cpu import CpuGraphBackend
+from hwgraph.graphs.host_reads import RejectHostReads, put_back_sequence_slots, tensor_sequence_slots
 from hwgraph.testing.threads import first_leaves_while_second_is_inside
 
 # the tensor methods the guard replaces for these reads, on top of those tests/test_cpu_backend.py lists
@@ -289,6 +290,7 @@ def test_an_entry_interrupted_half_way_leaves_nothing_replaced(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.filterwarnings(LIST_SUBSCRIPT_WARNING)
+@pytest.mark.filterwarnings("ignore:This overload of add is deprecated")
 def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
     """What the CPU guard rejects here synchronises on CUDA, and what it allows does not; a blocking copy_ between host
     and device synchronises too, which the CPU guard leaves alone (it cannot tell such a copy from the emulated
@@ -309,6 +311,8 @@ def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
              "x.flip(tensor)": lambda: x.flip(one),
              "x.sum(dim=tensor)": lambda: x.sum(dim=one),
              "x.add(y, alpha=tensor)": lambda: x.add(x, alpha=one),
+             "x.clamp(tensor, 1.0)": lambda: x.clamp(value, 1.0),
+             "x.add(tensor, y), a deprecated order": lambda: x.add(one, x),
              "torch.arange(tensor)": lambda: torch.arange(four, device="cuda"),
              "torch.full(size, tensor)": lambda: torch.full((2,), value, device="cuda"),
              "blocking copy_ from the host": lambda: x.copy_(host),

@@ -23,7 +23,8 @@ from torch.overrides import TorchFunctionMode
 
 from hwgraph.capability import Capability, parse_version
 from hwgraph.graphs.base import CapturedGraph, CaptureError, CountedSwitch, GraphBackend, HostSyncError, Outputs
-from hwgraph.graphs.cpu import RejectHostReads, flat_tensors
+from hwgraph.graphs.cpu import flat_tensors
+from hwgraph.graphs.host_reads import RejectHostReads
 
 log = logging.getLogger(__name__)
 

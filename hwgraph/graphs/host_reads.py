@@ -1,0 +1,369 @@
+"""The sync guard of backends without a runtime sync-debug mode: ``RejectHostReads``, on the CPU and elsewhere.
+
+While a guard is open, the tensor methods (and the few ``torch`` functions) that read a device tensor's value or a
+device-computed size back to the host raise ``HostSyncError``, as CUDA's sync debug mode does on a GPU. The CPU
+reference backend's ``sync_guard()`` is one; a device backend whose runtime has no sync-debug mode falls back to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import numbers
+import sys
+from typing import ClassVar
+
+import torch
+
+from hwgraph.graphs.base import CountedSwitch, HostSyncError
+from hwgraph.graphs.number_args import NumberSlots, number_argument_methods, one_element_tensor_in, value_kind
+
+
+class RejectHostReads:
+    """While active, the tensor methods that read device memory back to the host raise ``HostSyncError``.
+
+    The methods are replaced on ``torch.Tensor`` itself rather than intercepted by a torch function mode: a mode
+    is switched off inside its own handler, so calls nested in Python-implemented ops (custom-op bodies among
+    them) would slip through. Process-wide while active (other threads' reads are rejected too); re-entrant and
+    safe to enter and leave from several threads: the first guard in replaces the methods, the last one out puts
+    them back. Public so that device backends without a runtime sync-debug mode reuse it as their sync guard. Replacing
+    ``__getitem__`` and ``__setitem__`` would make every tensor a Python sequence, for good: the guard puts the tensor
+    types' sequence slots back as it found them, on entering and on leaving (``put_back_sequence_slots``).
+
+    On the emulated device every tensor is on the CPU, so ``.cpu()`` and a blocking ``.to("cpu")`` stand for the
+    device-to-host copies they are on a device. ``.numpy()`` is not rejected: torch refuses it for a device tensor
+    (``TypeError``, no synchronisation), so it only ever reads host memory, such as a ``grid_thw`` the caller made.
+
+    Ops whose result has a size or a Python value that the device computes (``nonzero``, a boolean-mask index,
+    ``torch.equal``...) read it back before they return, and CUDA's sync debug mode rejects them too (capturing one
+    fails): they are replaced on ``torch.Tensor`` and in ``torch`` alike (``DATA_DEPENDENT``; ``torch.where`` with only
+    a condition, a boolean-mask index and ``repeat_interleave`` without ``output_size`` by wrappers that reject
+    only those calls). So are the tensor methods that read a tensor's value back in C++, where no replaced method
+    sees it: a 0-dim index tensor (``t[i]``: its value picks the element), a tensor ``value`` of ``masked_fill``, and a
+    boolean mask in ``index_put_`` or in an assignment ``t[mask] = v`` (its ``nonzero()`` size). Not ``t[mask] = 1.0``
+    with one mask and a Python number: torch makes that a ``masked_fill_`` of a host scalar, with no read.
+
+    A tensor where a method wants a size, a dimension or a number (``x.view(n)``, ``x.flip(n)``, ``x.sum(dim=n)``,
+    ``x.add(y, alpha=n)``) is read in C++ by torch's argument parser (``Tensor::item()``), so those methods are replaced
+    too: ``SIZE_METHODS`` reject any tensor among their arguments (``narrow``'s tensor start is read too, although a
+    schema takes it), and every other method a one-element tensor where, of its ATen schemas' overloads that could take
+    the call, one takes a number and none a tensor (``number_argument_methods``, about 200 of them: ``x.clamp(n, 1.0)``,
+    whose number rules out the tensor overload, as well as ``x.flip(n)``), or that stands before the tensors of one of
+    torch's deprecated orders (``x.add(n, y)``, ``x.addmm(n, m1, m2)``); a call torch would refuse with a ``TypeError``
+    may be named a read instead. A list subscript holding a tensor (``t[[i, j]]``, which torch reads as ``t[i, j]``)
+    is judged by its items.
+
+    Two kinds of read are let through. A tensor where a ``torch`` function wants a number (``torch.arange(n)``,
+    ``torch.zeros(n)``, ``torch.full(size, v)``) is read in C++ before the function runs, so only a replaced
+    ``torch.arange`` or a torch function mode could see it, and torch.compile guards on both (the identity of the
+    ``torch`` functions a compiled forward calls, and the mode stack): either recompiles the tower on the replay path.
+    Tensor methods carry no such guard, which is why the reads above are replaced only as methods. Rejecting
+    ``aten::_local_scalar_dense`` (what ``Tensor::item()`` runs) on the CPU dispatch key would catch these without a
+    recompile, but the CPU kernels run it on host values where CUDA reads nothing back (``t[mask] = 1.0`` reads its
+    wrapped number, ``t.var()`` its own result), and it would change a kernel every thread is dispatching. And
+    ``copy_``, although a blocking copy between host and device synchronises on CUDA: it names no device, and the
+    emulated device's static buffers are filled (and replay's outputs written) by blocking ``copy_`` between CPU
+    tensors, which no guard can tell from a copy to the host. The replacements in ``torch`` (``DATA_DEPENDENT``,
+    ``torch.where``, ``torch.repeat_interleave``) have the cost avoided for ``torch.arange``: a compiled forward that
+    calls one of them, even ``torch.where(c, a, b)`` which reads nothing back, is recompiled inside the guard.
+    """
+
+    FORBIDDEN = {
+        "item": ".item()",
+        "tolist": ".tolist()",
+        "cpu": ".cpu()",
+        "__bool__": "bool()",
+        "__int__": "int()",
+        "__float__": "float()",
+        "__complex__": "complex()",
+        "__index__": "operator.index() (a tensor as a Python int: range(), a list subscript)",
+    }
+    # on torch.Tensor and in torch, where each has it
+    DATA_DEPENDENT = {
+        "nonzero": "nonzero() (its size is read back)",
+        "argwhere": "argwhere() (its size is read back)",
+        "masked_select": "masked_select() (its size is read back)",
+        "unique": "unique() (its size is read back)",
+        "unique_consecutive": "unique_consecutive() (its size is read back)",
+        "equal": "equal() (a Python bool)",
+        "allclose": "allclose() (a Python bool)",
+        "is_nonzero": "is_nonzero() (a Python bool)",
+    }
+    #: Tensor methods whose arguments are sizes, dimensions or numbers: a tensor among them (or in a list or tuple
+    #: of them) is read back by torch's argument parser
+    SIZE_METHODS = ("view", "reshape", "expand", "repeat", "tile", "narrow", "select", "unflatten", "new_empty",
+                    "new_zeros", "new_ones", "new_full")
+    #: The guards open now, in every thread: the first one in replaces the attributes, the last one out puts back
+    #: what it found (set below the class, from its methods)
+    switch: ClassVar[CountedSwitch]
+
+    @staticmethod
+    def _rejecting(what: str):
+        def reject(*args, **kwargs):
+            raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
+                                f"on the replay path")
+        return reject
+
+    @staticmethod
+    def _rejecting_host_copies(to):
+        """``Tensor.to`` that rejects a blocking copy to the host; casts and non-blocking copies go through."""
+        def reject_host_copy(self, *args, **kwargs):
+            device, non_blocking = host_copy_target(args, kwargs)
+            if device is not None and device.type == "cpu" and not non_blocking:
+                raise HostSyncError(f".to({str(device)!r}) on a tensor inside sync_guard(): a device-to-host "
+                                    f"synchronisation on the replay path")
+            return to(self, *args, **kwargs)
+        return reject_host_copy
+
+    @staticmethod
+    def _rejecting_calls(fn, what: str, reads):
+        """``fn`` that raises for the calls ``reads(*args, **kwargs)`` says read a device-computed size back."""
+        def reject_some(*args, **kwargs):
+            if reads(*args, **kwargs):
+                raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
+                                    f"on the replay path")
+            return fn(*args, **kwargs)
+        return reject_some
+
+    @staticmethod
+    @functools.cache  # one wrapper per method as found (about 200 of them), not new ones every time a guard opens
+    def _rejecting_number_tensors(fn, name: str, slots: NumberSlots):
+        return RejectHostReads._rejecting_number_tensors_of(fn, name, slots)
+
+    @staticmethod
+    def _rejecting_number_tensors_of(fn, name: str, slots: NumberSlots):
+        """Tensor method ``fn`` that rejects a one-element tensor given where its schemas take a size, a dimension or a
+        number (``x.flip(n)``, ``x.sum(dim=n)``, ``x.add(y, alpha=n)``): torch's argument parser reads it back."""
+        what = f"{name}() with a tensor where a size, a dimension or a number is expected (its value is read back)"
+
+        verdicts: dict[tuple, bool] = {}  # by the kinds of the arguments, all the judgement depends on
+
+        def reject_number_tensors(self, *args, **kwargs):
+            if any(map(one_element_tensor_in, args)) or any(map(one_element_tensor_in, kwargs.values())):
+                kinds = (tuple(map(value_kind, args)), tuple((k, value_kind(v)) for k, v in kwargs.items()))
+                reads = verdicts.get(kinds)
+                if reads is None:
+                    reads = slots.reads(*kinds)
+                    if len(verdicts) < 4096:  # bounded: a few kinds of call per method, in practice
+                        verdicts[kinds] = reads
+                if reads:
+                    raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
+                                        f"on the replay path")
+            return fn(self, *args, **kwargs)
+        return reject_number_tensors
+
+    @classmethod
+    def _replacements(cls) -> list:
+        """(owner, name, replacement) for every attribute the guard replaces, made from the attributes of now."""
+        tensor = torch.Tensor
+        out = [(tensor, name, cls._rejecting(what)) for name, what in cls.FORBIDDEN.items()]
+        out.append((tensor, "to", cls._rejecting_host_copies(tensor.to)))
+        out += [(owner, name, cls._rejecting(what)) for name, what in cls.DATA_DEPENDENT.items()
+                for owner in (tensor, torch) if hasattr(owner, name)]
+        out.append((tensor, "__getitem__", cls._rejecting_calls(
+            tensor.__getitem__, "a boolean-mask or 0-dim tensor index (its size or value is read back)",
+            lambda self, index: any(is_mask(i) or is_scalar_index(i) for i in index_parts(index)))))
+        out.append((tensor, "__setitem__", cls._rejecting_calls(
+            tensor.__setitem__, "an assignment through a 0-dim tensor index or a boolean mask, other than one mask "
+            "given a Python number (its size or value is read back)",
+            lambda self, index, value: assignment_reads_back(index, value))))
+        out += [(tensor, name, cls._rejecting_calls(
+            getattr(tensor, name), f"{name}() with a boolean-mask index (its size is read back)",
+            lambda self, *args, **kwargs: holds_a_mask(args[0] if args else kwargs.get("indices"))))
+            for name in ("index_put_", "index_put")]
+        out += [(tensor, name, cls._rejecting_calls(
+            getattr(tensor, name), f"{name}() with a tensor where a size or a number is expected (its value is read "
+            f"back)", lambda self, *args, **kwargs: holds_a_tensor((*args, *kwargs.values()))))
+            for name in cls.SIZE_METHODS]
+        out += [(tensor, name, cls._rejecting_calls(
+            getattr(tensor, name), f"{name}() with a tensor value (its value is read back)",
+            lambda self, *args, **kwargs: isinstance(args[1] if len(args) > 1 else kwargs.get("value"),
+                                                     torch.Tensor)))
+            for name in ("masked_fill", "masked_fill_")]
+        replaced = {name for owner, name, _ in out if owner is tensor} | {"repeat_interleave"}
+        out += [(tensor, name, cls._rejecting_number_tensors(getattr(tensor, name), name, slots))
+                for name, slots in number_argument_methods() if name not in replaced]
+        out.append((torch, "where", cls._rejecting_calls(
+            torch.where, "torch.where(condition) (its size is read back)",
+            lambda *args, **kwargs: len(args) + len(kwargs) == 1)))
+        repeats = cls._rejecting_calls(
+            tensor.repeat_interleave, "repeat_interleave() with tensor repeats and no output_size (its size is read "
+            "back)", lambda self, *args, **kwargs: repeats_read_back(args[0] if args else kwargs.get("repeats"),
+                                                                     kwargs))
+        # and its dim and output_size as any method's sizes (a new wrapper each time: it wraps a new one)
+        slots = dict(number_argument_methods()).get("repeat_interleave")
+        out.append((tensor, "repeat_interleave", repeats if slots is None else cls._rejecting_number_tensors_of(
+            repeats, "repeat_interleave", slots)))
+        out.append((torch, "repeat_interleave", cls._rejecting_calls(
+            torch.repeat_interleave, "repeat_interleave() with tensor repeats and no output_size (its size is read "
+            "back)", lambda *args, **kwargs: repeats_read_back(
+                args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None), kwargs))))
+        return out
+
+    @classmethod
+    def _replace(cls) -> tuple[list, dict]:
+        """Replaces the host-reading attributes; returns (owner, name, the owner's own attribute or None) for each, and
+        the sequence slots of the tensor types (``tensor_sequence_slots``), both as found."""
+        replacements = cls._replacements()
+        saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in replacements]
+        slots = tensor_sequence_slots()
+        try:
+            for owner, name, replacement in replacements:
+                setattr(owner, name, replacement)
+            put_back_sequence_slots(slots)
+        except BaseException:  # interrupted half way (Ctrl-C): no guard is open that would put the rest back
+            cls._put_back((saved, slots))
+            raise
+        return saved, slots
+
+    @staticmethod
+    def _put_back(found: tuple[list, dict]) -> None:
+        saved, slots = found
+        for owner, name, original in saved:
+            if original is not None:
+                setattr(owner, name, original)
+            elif name in vars(owner):  # not there where an interrupted _replace had not reached it yet
+                delattr(owner, name)
+        put_back_sequence_slots(slots)
+
+    def __enter__(self):
+        RejectHostReads.switch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return RejectHostReads.switch.__exit__(*exc)
+
+
+RejectHostReads.switch = CountedSwitch(RejectHostReads._replace, RejectHostReads._put_back)
+
+
+# A Python-level __getitem__ (or __setitem__) on a class fills its sequence slots, sq_item (sq_ass_item) as well as the
+# mapping one, and CPython keeps them filled once the attribute is deleted again; torch.Tensor's own indexing fills only
+# the mapping slots. While filled, torch takes a tensor inside a list for a sequence: torch.tensor([a.sum(), b.sum()])
+# raised "len() of a 0-d tensor", also after the guard that replaced the methods had ended, for the whole process. Only
+# CPython's type layout can put them back: PyTypeObject's tp_as_sequence is the tenth pointer after its tp_name, which
+# follows the PyVarObject header; in PySequenceMethods, sq_item and sq_ass_item are the fourth and sixth pointers.
+_POINTER = ctypes.sizeof(ctypes.c_void_p)
+_TP_NAME = object.__basicsize__ + _POINTER
+_SEQUENCE_SLOTS = {"__getitem__": 3, "__setitem__": 5}
+
+
+def sequence_slots(cls: type):
+    """``cls``'s PySequenceMethods as a ctypes array of 6 pointers; None where the type's layout is not the one
+    expected (checked against its name and size) or the interpreter is not CPython."""
+    if sys.implementation.name != "cpython":
+        return None
+    address = id(cls)
+    name = ctypes.c_char_p.from_address(address + _TP_NAME).value
+    size = ctypes.c_ssize_t.from_address(address + _TP_NAME + _POINTER).value
+    if name is None or name.decode(errors="replace").rsplit(".", 1)[-1] != cls.__name__ or size != cls.__basicsize__:
+        return None
+    methods = ctypes.c_void_p.from_address(address + _TP_NAME + 10 * _POINTER).value
+    return (ctypes.c_void_p * 6).from_address(methods) if methods else None
+
+
+def tensor_types() -> list[type]:
+    """``torch.Tensor`` and every subclass of it now (Parameter, FakeTensor...)."""
+    found, todo = {}, [torch.Tensor]
+    while todo:
+        cls = todo.pop()
+        if id(cls) not in found:
+            found[id(cls)] = cls
+            todo.extend(type.__subclasses__(cls))
+    return list(found.values())
+
+
+def tensor_sequence_slots() -> dict:
+    """The sequence slots (``_SEQUENCE_SLOTS``) of each tensor type whose layout is known: {type: {name: pointer}}."""
+    out = {}
+    for cls in tensor_types():
+        methods = sequence_slots(cls)
+        if methods is not None:
+            out[cls] = {name: methods[index] for name, index in _SEQUENCE_SLOTS.items()}
+    return out
+
+
+def put_back_sequence_slots(found: dict) -> None:
+    """Gives each tensor type the sequence slots ``tensor_sequence_slots()`` found; a type made since, which indexes as
+    ``torch.Tensor`` does, gets ``torch.Tensor``'s (one that indexes otherwise keeps its own)."""
+    if torch.Tensor not in found:
+        return
+    for cls in tensor_types():
+        methods = sequence_slots(cls)
+        if methods is None:
+            continue
+        for name, index in _SEQUENCE_SLOTS.items():
+            if cls in found:
+                methods[index] = found[cls][name]
+            elif getattr(cls, name) is getattr(torch.Tensor, name):
+                methods[index] = found[torch.Tensor][name]
+
+
+def is_mask(index) -> bool:
+    """Whether an index is a boolean (or uint8, which torch reads as boolean) tensor mask."""
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def index_parts(index) -> tuple:
+    """The parts of a subscript as torch reads them: a tuple's items; a list's items where it holds a tensor and has
+    fewer than 32 (NumPy's old rule, which torch keeps: ``t[[i, j]]`` is ``t[i, j]``); otherwise the index itself (a
+    longer list becomes an index tensor, which reads any tensor in it through ``__index__``)."""
+    if isinstance(index, tuple):
+        return index
+    if isinstance(index, list) and len(index) < 32 and holds_a_tensor(index):
+        return tuple(index)
+    return (index,)
+
+
+def holds_a_tensor(values) -> bool:
+    """Whether ``values`` holds a tensor, itself or inside a list or tuple among them."""
+    return any(isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and holds_a_tensor(v)) for v in values)
+
+
+def is_scalar_index(index) -> bool:
+    """Whether an index is a 0-dim integer tensor: torch reads its value back to pick the element."""
+    return isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point() \
+        and not index.is_complex()
+
+
+def assignment_reads_back(index, value) -> bool:
+    """Whether ``tensor[index] = value`` reads a device value back: a 0-dim index tensor (its value), or a boolean mask
+    (its ``nonzero()`` size in ``index_put_``) unless the mask is the index's only advanced part and ``value`` a
+    number: torch then makes the value a host scalar and calls ``masked_fill_`` (``t[mask] = 1.0`` does not sync)."""
+    parts = index_parts(index)
+    if any(is_scalar_index(i) for i in parts):
+        return True
+    if not any(is_mask(i) for i in parts):
+        return False
+    return isinstance(value, torch.Tensor) or sum(not is_basic_index(i) for i in parts) > 1
+
+
+def is_basic_index(index) -> bool:
+    """Whether a part of a subscript selects without an index tensor: an int, a slice, ``None`` or ``...``."""
+    return index is None or index is Ellipsis or isinstance(index, slice) or \
+        (isinstance(index, numbers.Integral) and not isinstance(index, bool))
+
+
+def holds_a_mask(indices) -> bool:
+    """Whether ``index_put_``'s indices hold a boolean mask (expanded with ``nonzero()``)."""
+    return isinstance(indices, (tuple, list)) and any(is_mask(i) for i in indices)
+
+
+def repeats_read_back(repeats, kwargs: dict) -> bool:
+    """Whether ``repeat_interleave`` reads its output size back: tensor repeats and no ``output_size``."""
+    return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+
+
+def host_copy_target(args: tuple, kwargs: dict) -> tuple[torch.device | None, bool]:
+    """The device a ``Tensor.to(*args, **kwargs)`` call names and whether it is non-blocking; ``(None, False)`` for a
+    cast, a ``.to(other_tensor)`` (it follows a tensor, wherever that is), or arguments ``to`` itself will refuse."""
+    if args and isinstance(args[0], torch.Tensor):
+        return None, False
+    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # torch's parser of to()'s arguments lacks copy
+    for given in (args, args[:-1]):  # the second: a positional copy flag dropped
+        try:
+            device, _, non_blocking, _ = torch._C._nn._parse_to(*given, **kwargs)
+        except (TypeError, RuntimeError):
+            continue
+        return device, bool(non_blocking)
+    return None, False
