@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from hwgraph.budgets import is_int
+from hwgraph.graphs.torch_cuda import unmark_generator_capture
 from hwgraph.platform import device_runtime
 
 
@@ -120,17 +121,24 @@ def graphed_ms(fn: Callable[[], object], calls: int = 20, warmup: int = 10, samp
 
 def graphed_calls(fn: Callable[[], object], calls: int = 20) -> torch.cuda.CUDAGraph:
     """``calls`` calls of ``fn`` captured in one CUDA graph, after three warm-up calls, both on the current device's
-    ``side_stream``."""
+    ``side_stream``. A failed capture raises, leaving the current stream and the device's generator as they were
+    (``unmark_generator_capture``)."""
     stream = side_stream(torch.cuda.current_device())
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
+    graph, previous = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    except BaseException:  # ending an invalidated capture raises and leaves its stream current and the generator marked
+        torch.cuda.set_stream(previous)
+        device = torch.device("cuda", torch.cuda.current_device())
+        unmark_generator_capture(torch.cuda, device, torch.cuda.CUDAGraph(), torch.cuda.Stream(device=device))
+        raise
     return graph
 
 

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -117,6 +118,32 @@ def pool_id(pool):
     """The id the runtime's graph calls take for ``pool``: a ``MemPool``'s (``new_pool``), or a pool handle, which is
     one. (Every torch since 2.10 takes an id; only newer ones take a MemPool too.)"""
     return getattr(pool, "id", pool)
+
+
+def unmark_generator_capture(runtime, device: torch.device, graph: Any, stream: Any) -> None:
+    """End the capture that ``device``'s default generator still takes part in after a failed capture.
+
+    A capture marks the current device's default generator as capturing when it begins and unmarks it only after
+    ``cudaStreamEndCapture`` succeeded. Torch 2.11 (the device machines') keeps that mark in one flag per generator,
+    so after a capture invalidated by a host read every random op on the device outside a capture raised "Offset
+    increment outside graph capture encountered unexpectedly" for the rest of the process: the user's ``randn``,
+    dropout or sampling after the manager had fallen back to eager. A capture with nothing in it, ended well, clears
+    the mark; it moves no random offset and its graph is reset at once. Torch's current source keeps the mark per
+    capture and drops it in the failed graph's ``reset``; there this changes nothing. ``graph``: a new graph of
+    ``runtime``, for that empty capture.
+    """
+    try:
+        with runtime.device(device), runtime.stream(stream), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The .* Graph is empty")  # as it is meant to be
+            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_end()
+    except Exception as exc:  # its text, not the exception: a kept log record would keep, through its context, what
+        # the failed capture's function allocated (a budget's activations)
+        log.warning("could not end the default generator's capture on %s after a failed capture; random ops there "
+                    "may raise: %s: %s", device, type(exc).__name__, str(exc))
+    finally:
+        with contextlib.suppress(Exception):
+            graph.reset()
 
 
 def pool_uses(pool) -> int | None:
@@ -339,7 +366,9 @@ class TorchCudaGraphBackend(GraphBackend):
         """Undo what a failed capture leaves behind, so the device stays usable and its pool can be given back.
 
         ``torch.cuda.graph.__exit__`` skips restoring the current stream when ending the capture raises, and torch
-        before 2.12 also left the allocator routing into the pool (pytorch#180395): later syncs then assert.
+        before 2.12 also left the allocator routing into the pool (pytorch#180395): later syncs then assert. Torch
+        2.11 also left the device's default generator marked as capturing (``unmark_generator_capture``). Each log
+        record here keeps an exception's text, not the exception, whose context holds what the function allocated.
         ``uses``: the pool's use count before the capture began (``pool_uses``), for ``release_kept_uses``.
         """
         runtime = self.runtime()
@@ -353,17 +382,18 @@ class TorchCudaGraphBackend(GraphBackend):
         try:
             graph.reset()
         except Exception as exc:  # the graph may still hold its use of the pool: leave that to its destructor
-            log.debug("resetting a failed capture's graph raised: %s: %s", type(exc).__name__, exc)
+            log.debug("resetting a failed capture's graph raised: %s: %s", type(exc).__name__, str(exc))
         else:
             self.release_kept_uses(pool, uses)
         # Never capture on a stream a failed capture has touched again. Its replacement gets cuBLAS workspaces of its
         # own on first use (34 MiB on the H200), kept for the process; torch hands out pooled streams, 32 per device,
         # which bounds what repeated failures can leave behind.
         TorchCudaGraphBackend._capture_streams.get(runtime, {}).pop(self.device, None)
+        unmark_generator_capture(runtime, self.device, self.new_graph(), self.capture_stream())
         try:
             runtime.synchronize(self.device)
         except Exception as exc:
-            log.warning("the device did not synchronise after a failed capture: %s: %s", type(exc).__name__, exc)
+            log.warning("the device did not synchronise after a failed capture: %s: %s", type(exc).__name__, str(exc))
 
     def release_kept_uses(self, pool, uses: int | None) -> None:
         """Drop the uses of ``pool`` a failed capture still holds after its graph was reset. Torch without

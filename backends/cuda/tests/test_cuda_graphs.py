@@ -26,6 +26,7 @@ from hwgraph.graphs import CaptureError, HostSyncError
 from hwgraph.graphs.torch_cuda import TorchCudaCapturedGraph, TorchCudaGraphBackend
 from hwgraph.profiling import replay_activities
 from hwgraph.testing.simulate import FakeGraphRuntime
+from hwgraph.timing import graphed_calls
 
 
 @pytest.fixture
@@ -109,6 +110,26 @@ def test_a_capture_that_syncs_with_the_host_fails_and_leaves_the_device_usable(b
     graph.replay()
     backend.synchronize()
     torch.testing.assert_close(graph.outputs, forward(x, weight))
+
+
+@pytest.mark.cuda
+def test_random_numbers_after_a_failed_capture_go_on_as_without_it(backend):
+    """A capture invalidated by a host read left torch 2.11's default generator marked as capturing, and the next
+    ``randn`` on the device raised "Offset increment outside graph capture encountered unexpectedly"; so did the
+    same failure in ``graphed_calls`` (the products' timing), which also left its stream current."""
+    x = torch.ones(8, device=backend.device)
+    torch.cuda.manual_seed(5)
+    expected = [torch.randn(4, device=backend.device) for _ in range(3)]
+    torch.cuda.manual_seed(5)
+    drawn = [torch.randn(4, device=backend.device)]
+    with pytest.raises(CaptureError, match="capture failed"):
+        backend.capture(lambda: x * x.sum().item())
+    drawn.append(torch.randn(4, device=backend.device))
+    with pytest.raises(RuntimeError):
+        graphed_calls(lambda: x * x.sum().item(), calls=2)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    drawn.append(torch.randn(4, device=backend.device))
+    torch.testing.assert_close(drawn, expected, rtol=0, atol=0)
 
 
 @pytest.mark.cuda
@@ -211,16 +232,23 @@ def test_capture_takes_cublaslt_kernels_without_workspace_memsets(backend, monke
 
 
 class FakeGraph:
-    """Replays nothing: its outputs keep what the capture computed."""
+    """Replays nothing: its outputs keep what the capture computed. As in torch 2.11, beginning a capture marks the
+    default generator as capturing (``runtime.generator_marked``) and only an ending that succeeds unmarks it; the
+    next ``runtime.failing_ends`` captures fail to end, as one invalidated by a host read does."""
 
     def __init__(self, runtime: FakeRuntime):
         self.runtime, self.replays, self.was_reset = runtime, 0, False
 
-    def capture_begin(self, pool=None):
-        self.runtime.capturing = True
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        self.runtime.capturing = self.runtime.generator_marked = True
+        self.began_on, self.capture_error_mode = self.runtime.current, capture_error_mode
 
     def capture_end(self):
         self.runtime.capturing = False
+        if self.runtime.failing_ends:
+            self.runtime.failing_ends -= 1
+            raise RuntimeError("operation failed due to a previous error during capture")
+        self.runtime.generator_marked = False
 
     def replay(self):
         self.replays += 1
@@ -251,7 +279,7 @@ class FakeRuntime(FakeGraphRuntime):
     def __init__(self, count: int = 2):
         super().__init__(count)
         self.graphs, self.pools_captured_into, self.synchronized = [], [], []
-        self.debug_mode, self.pools_made = 0, 0
+        self.debug_mode, self.pools_made, self.failing_ends, self.generator_marked = 0, 0, 0, False
 
     def synchronize(self, device=None):
         self.synchronized.append(device)
@@ -351,20 +379,19 @@ class FakeMemPool:
 class GraphKeepingItsPool(FakeGraph):
     """As torch's graph without pytorch#190348: ``reset`` gives the pool's use back only after a capture that ended."""
 
-    def capture_begin(self, pool=None):
-        super().capture_begin(pool)
-        self.pool, self.ended = self.runtime.mem_pool_by_id[pool], False
-        self.pool.uses += 1
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        super().capture_begin(pool, capture_error_mode)
+        self.pool, self.ended = self.runtime.mem_pool_by_id.get(pool), False  # None: a private pool, not counted
+        if self.pool is not None:
+            self.pool.uses += 1
 
     def capture_end(self):
         super().capture_end()
-        if self.runtime.invalidated:
-            raise RuntimeError("operation failed due to a previous error during capture")
         self.ended = True
 
     def reset(self):
         super().reset()
-        if getattr(self, "ended", False):
+        if getattr(self, "ended", False) and self.pool is not None:
             self.pool.uses -= 1
             self.ended = False
 
@@ -372,7 +399,7 @@ class GraphKeepingItsPool(FakeGraph):
 class RuntimeWithMemPools(FakeRuntime):
     def __init__(self):
         super().__init__()
-        self.mem_pools, self.invalidated = [], False
+        self.mem_pools = []
 
     @property
     def mem_pool_by_id(self):
@@ -406,14 +433,13 @@ def test_a_failed_capture_gives_back_the_use_of_the_pool_its_graph_kept(monkeypa
 
     def invalidates():
         if runtime.capturing:
-            runtime.invalidated = True  # a host read while capturing: ending the capture fails
+            runtime.failing_ends = 1  # a host read while capturing: ending the capture fails
             raise RuntimeError("operation not permitted when stream is capturing")
         return x + 2
 
     with pytest.raises(CaptureError, match="operation not permitted"):
         backend.capture(invalidates, pool)
     assert pool.use_count() == 2 and released == [(1, ("mempool", 1))]
-    runtime.invalidated = False
 
     def raises():
         if runtime.capturing:
@@ -502,6 +528,29 @@ def test_a_failed_capture_ends_the_allocators_routing_into_the_pool_on_the_backe
         backend.capture(fails_in_capture, pool)
     assert ended == [(1, pool)]
     assert runtime.current is runtime.default and runtime.graphs[-1].was_reset
+
+
+def test_a_capture_that_fails_to_end_leaves_the_default_generator_unmarked(runtime, caplog):
+    """Torch 2.11 unmarks the generator only when a capture ends well: after one invalidated by a host read, every
+    random op outside a capture raised "Offset increment outside graph capture encountered unexpectedly" for the
+    rest of the process. The backend then captures nothing, on a new stream of its device in thread-local mode (so
+    no other thread's work is refused meanwhile), ends that capture and resets its graph."""
+    backend, x = on(runtime)("cuda:1"), torch.ones(2)
+    runtime.failing_ends = 1
+    with pytest.raises(CaptureError, match="capture failed: RuntimeError: operation failed due to a previous error"):
+        backend.capture(lambda: x + 1)
+    failed, empty = runtime.graphs
+    assert failed.was_reset and empty.was_reset and not runtime.generator_marked
+    assert empty.capture_error_mode == "thread_local" and empty.began_on is runtime.streams[-1]
+    assert runtime.streams[-1].device == torch.device("cuda", 1) and runtime.current is runtime.default
+
+    runtime.failing_ends = 2  # the empty capture fails to end as well: said, with the device and the reason
+    with caplog.at_level("WARNING", logger="hwgraph.graphs.torch_cuda"):
+        with pytest.raises(CaptureError):
+            backend.capture(lambda: x + 1)
+    assert runtime.generator_marked and runtime.graphs[-1].was_reset
+    assert ("could not end the default generator's capture on cuda:1 after a failed capture; random ops there may "
+            "raise: RuntimeError: operation failed") in caplog.text
 
 
 @contextlib.contextmanager
