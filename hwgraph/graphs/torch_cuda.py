@@ -129,8 +129,8 @@ def unmark_generator_capture(runtime, device: torch.device, graph: Any, stream: 
     increment outside graph capture encountered unexpectedly" for the rest of the process: the user's ``randn``,
     dropout or sampling after the manager had fallen back to eager. A capture with nothing in it, ended well, clears
     the mark; it moves no random offset and its graph is reset at once. Torch's current source keeps the mark per
-    capture and drops it in the failed graph's ``reset``; there this changes nothing. ``graph``: a new graph of
-    ``runtime``, for that empty capture.
+    capture and drops it in the failed graph's ``reset``; there this changes nothing. ``graph`` and ``stream``: a
+    new graph of ``runtime`` and a stream of ``device`` that no failed capture has touched, for that empty capture.
     """
     try:
         with runtime.device(device), runtime.stream(stream), warnings.catch_warnings():
