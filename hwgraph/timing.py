@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from hwgraph.budgets import is_int
-from hwgraph.graphs.torch_cuda import unmark_generator_capture
+from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend
 from hwgraph.platform import device_runtime
 
 
@@ -121,23 +121,25 @@ def graphed_ms(fn: Callable[[], object], calls: int = 20, warmup: int = 10, samp
 
 def graphed_calls(fn: Callable[[], object], calls: int = 20) -> torch.cuda.CUDAGraph:
     """``calls`` calls of ``fn`` captured in one CUDA graph, after three warm-up calls, both on the current device's
-    ``side_stream``. A failed capture raises, leaving the current stream and the device's generator as they were
-    (``unmark_generator_capture``)."""
+    ``side_stream``, into a pool of its own. A failed capture raises, after the backend's clean-up of one
+    (``TorchCudaGraphBackend.abandon_capture``, which also gives the device's manager captures a new stream): the
+    current stream, the allocator's routing and the device's generator are left as they were before it, which torch
+    2.11 does not do itself."""
     stream = side_stream(torch.cuda.current_device())
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph, previous = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+    graph, pool, previous = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle(), torch.cuda.current_stream()
     try:
-        with torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             for _ in range(calls):
                 fn()
-    except BaseException:  # ending an invalidated capture raises and leaves its stream current and the generator marked
-        torch.cuda.set_stream(previous)
-        device = torch.device("cuda", torch.cuda.current_device())
-        unmark_generator_capture(torch.cuda, device, torch.cuda.CUDAGraph(), torch.cuda.Stream(device=device))
+    except BaseException:
+        TorchCudaGraphBackend(torch.device("cuda", torch.cuda.current_device())).abandon_capture(graph, pool, stream,
+                                                                                                 previous)
+        side_stream.cache_clear()  # never capture on a stream a failed capture touched again
         raise
     return graph
 

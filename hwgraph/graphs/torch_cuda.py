@@ -363,7 +363,8 @@ class TorchCudaGraphBackend(GraphBackend):
         return captured
 
     def abandon_capture(self, graph, pool, stream, previous, uses: int | None = None) -> None:
-        """Undo what a failed capture leaves behind, so the device stays usable and its pool can be given back.
+        """Undo what a failed capture of ``graph`` into ``pool`` on ``stream`` leaves behind, so the device stays usable
+        and its pool can be given back; ``previous``: the stream current before it.
 
         ``torch.cuda.graph.__exit__`` skips restoring the current stream when ending the capture raises, and torch
         before 2.12 also left the allocator routing into the pool (pytorch#180395): later syncs then assert. Torch
@@ -387,7 +388,7 @@ class TorchCudaGraphBackend(GraphBackend):
             self.release_kept_uses(pool, uses)
         # Never capture on a stream a failed capture has touched again. Its replacement gets cuBLAS workspaces of its
         # own on first use (34 MiB on the H200), kept for the process; torch hands out pooled streams, 32 per device,
-        # which bounds what repeated failures can leave behind.
+        # which bounds what repeated failures can leave behind. The new one first ends the generator's capture.
         TorchCudaGraphBackend._capture_streams.get(runtime, {}).pop(self.device, None)
         unmark_generator_capture(runtime, self.device, self.new_graph(), self.capture_stream())
         try:
