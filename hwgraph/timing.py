@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from hwgraph.budgets import is_int
+from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend
 from hwgraph.platform import device_runtime
 
@@ -137,11 +138,21 @@ def graphed_calls(fn: Callable[[], object], calls: int = 20) -> torch.cuda.CUDAG
             for _ in range(calls):
                 fn()
     except BaseException:
-        TorchCudaGraphBackend(torch.device("cuda", torch.cuda.current_device())).abandon_capture(graph, pool, stream,
-                                                                                                 previous)
+        SideCaptures(torch.device("cuda", torch.cuda.current_device())).abandon_capture(graph, pool, stream, previous)
         side_stream.cache_clear()  # never capture on a stream a failed capture touched again
         raise
     return graph
+
+
+class SideCaptures(TorchCudaGraphBackend):
+    """The shared ``torch.cuda`` backend, for ``graphed_calls``' clean-up of a failed capture. It needs no gate of its
+    own: ``graphed_calls`` runs where CUDA already has."""
+
+    name = "cuda"
+
+    @classmethod
+    def capability(cls, device=None) -> Capability:
+        return Capability.available()
 
 
 @functools.cache

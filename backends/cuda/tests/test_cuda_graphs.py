@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from hwgraph_cuda.graphs import CudaGraphBackend
 from hwgraph_rocm.graphs import RocmGraphBackend
 
+from hwgraph import timing
 from hwgraph.capability import Capability
 from hwgraph.graphs import CaptureError, HostSyncError
 from hwgraph.graphs.torch_cuda import TorchCudaCapturedGraph, TorchCudaGraphBackend
@@ -554,6 +555,28 @@ def test_a_capture_that_fails_to_end_leaves_the_default_generator_unmarked(runti
     assert runtime.generator_marked and runtime.graphs[-1].was_reset
     assert ("could not end the default generator's capture on cuda:1 after a failed capture; random ops there may "
             "raise: RuntimeError: operation failed") in caplog.text
+
+
+def test_graphed_calls_cleans_up_a_failed_capture_as_the_backend_does(runtime, monkeypatch):
+    """``graphed_calls`` (the products' timing) captured with ``torch.cuda.graph`` and let a failure through as it
+    was: on torch 2.11 an invalidated capture left its stream current, the generator marked and the allocator routing
+    into its pool, after which deleting a ``MemPool`` aborted the process (the H100, session 63)."""
+    ended = []
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda index, pool: ended.append((index, pool)),
+                        raising=False)
+    monkeypatch.setattr(torch, "cuda", runtime)
+    timing.side_stream.cache_clear()
+    try:
+        runtime.failing_ends = 1
+        with pytest.raises(RuntimeError, match="operation failed due to a previous error"):
+            graphed_calls(lambda: torch.ones(2), calls=2)
+        failed, empty = runtime.graphs
+        assert ended == [(0, ("pool", 1))] and runtime.pools_captured_into == [("pool", 1)]
+        assert runtime.current is runtime.default and failed.was_reset and empty.was_reset
+        assert not runtime.generator_marked and empty.capture_error_mode == "thread_local"
+        assert timing.side_stream(0) is not failed.began_on  # the stream the failed capture touched is not reused
+    finally:
+        timing.side_stream.cache_clear()
 
 
 @contextlib.contextmanager
