@@ -120,32 +120,6 @@ def pool_id(pool):
     return getattr(pool, "id", pool)
 
 
-def unmark_generator_capture(runtime, device: torch.device, graph: Any, stream: Any) -> None:
-    """End the capture that ``device``'s default generator still takes part in after a failed capture.
-
-    A capture marks the current device's default generator as capturing when it begins and unmarks it only after
-    ``cudaStreamEndCapture`` succeeded. Torch 2.11 (the device machines') keeps that mark in one flag per generator,
-    so after a capture invalidated by a host read every random op on the device outside a capture raised "Offset
-    increment outside graph capture encountered unexpectedly" for the rest of the process: the user's ``randn``,
-    dropout or sampling after the manager had fallen back to eager. A capture with nothing in it, ended well, clears
-    the mark; it moves no random offset and its graph is reset at once. Torch's current source keeps the mark per
-    capture and drops it in the failed graph's ``reset``; there this changes nothing. ``graph`` and ``stream``: a
-    new graph of ``runtime`` and a stream of ``device`` that no failed capture has touched, for that empty capture.
-    """
-    try:
-        with runtime.device(device), runtime.stream(stream), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The .* Graph is empty")  # as it is meant to be
-            graph.capture_begin(capture_error_mode="thread_local")
-            graph.capture_end()
-    except Exception as exc:  # its text, not the exception: a kept log record would keep, through its context, what
-        # the failed capture's function allocated (a budget's activations)
-        log.warning("could not end the default generator's capture on %s after a failed capture; random ops there "
-                    "may raise: %s: %s", device, type(exc).__name__, str(exc))
-    finally:
-        with contextlib.suppress(Exception):
-            graph.reset()
-
-
 def pool_uses(pool) -> int | None:
     """How many users hold ``pool`` (the pool object and each graph captured into it), or None for a pool handle."""
     use_count = getattr(pool, "use_count", None)
@@ -390,11 +364,38 @@ class TorchCudaGraphBackend(GraphBackend):
         # own on first use (34 MiB on the H200), kept for the process; torch hands out pooled streams, 32 per device,
         # which bounds what repeated failures can leave behind. The new one first ends the generator's capture.
         TorchCudaGraphBackend._capture_streams.get(runtime, {}).pop(self.device, None)
-        unmark_generator_capture(runtime, self.device, self.new_graph(), self.capture_stream())
+        self.unmark_generator_capture()
         try:
             runtime.synchronize(self.device)
         except Exception as exc:
             log.warning("the device did not synchronise after a failed capture: %s: %s", type(exc).__name__, str(exc))
+
+    def unmark_generator_capture(self) -> None:
+        """End the capture that the device's default generator still takes part in after a failed capture.
+
+        A capture marks the current device's default generator as capturing when it begins and unmarks it only after
+        ``cudaStreamEndCapture`` succeeded. Torch 2.11 (the device machines') keeps that mark in one flag per
+        generator, so after a capture invalidated by a host read every random op on the device outside a capture
+        raised "Offset increment outside graph capture encountered unexpectedly" for the rest of the process: the
+        user's ``randn``, dropout or sampling after the manager had fallen back to eager. A capture with nothing in
+        it, ended well, clears the mark; it moves no random offset and its graph is reset at once. It runs on the
+        device's capture stream, which ``abandon_capture`` has just replaced, so no failed capture has touched it.
+        Torch's current source keeps the mark per capture and drops it in the failed graph's ``reset``; there this
+        changes nothing.
+        """
+        runtime, graph = self.runtime(), self.new_graph()
+        try:
+            with runtime.device(self.device), runtime.stream(self.capture_stream()), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The .* Graph is empty")  # as it is meant to be
+                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_end()
+        except Exception as exc:  # its text, not the exception: a kept log record would keep, through its context,
+            # what the failed capture's function allocated (a budget's activations)
+            log.warning("could not end the default generator's capture on %s after a failed capture; random ops "
+                        "there may raise: %s: %s", self.device, type(exc).__name__, str(exc))
+        finally:
+            with contextlib.suppress(Exception):
+                graph.reset()
 
     def release_kept_uses(self, pool, uses: int | None) -> None:
         """Drop the uses of ``pool`` a failed capture still holds after its graph was reset. Torch without
