@@ -15,6 +15,9 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . -e backends/cuda -
   > /tmp/hwgraph-install.log 2>&1 || { cat /tmp/hwgraph-install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+# The command line of the python3 that holds torch: a bare `hwgraph` is whichever script PATH finds first, and a
+# machine whose `pip` belongs to another Python has one there that cannot import torch (session 64).
+hwgraph() { python3 -m hwgraph.cli "$@"; }
 hwgraph info | tee "$OUTDIR/info.txt"
 status=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
