@@ -44,3 +44,19 @@ def test_rotary_lanes_are_the_ones_the_docstring_names():
     row_lanes = torch.tensor([i % (d // 2) < d // 4 for i in range(d)])
     assert (cos_row[0, ~row_lanes] == 1).all() and (cos_row[0, row_lanes] != 1).all()
     assert (cos_col[0, row_lanes] == 1).all() and (cos_col[0, ~row_lanes] != 1).all()
+
+
+def test_an_unloaded_meta_tower_refuses_to_run_naming_what_to_do():
+    """A tower built under ``torch.device("meta")`` and never loaded (``load_state_dict`` without ``assign=True`` is a
+    no-op into meta weights) failed in its first matmul with ``RuntimeError: Tensor on device meta is not on the
+    expected device cpu!``, which named neither the tower's weights nor the way to load them."""
+    with torch.device("meta"):
+        tower = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA")
+    pixels = torch.randn(16, tower.patch_row_width)
+    with pytest.raises(ValueError, match=r"the tower's weights are on the meta device \(no data: built under "
+                                         r"torch\.device\('meta'\) and not loaded\).*"
+                                         r"load_state_dict\(\.\.\., assign=True\)"):
+        tower(pixels, [(1, 4, 4)])
+    tower.load_state_dict(Qwen3OmniVisionTower.from_preset("tiny").state_dict(), assign=True)
+    with torch.no_grad():
+        assert tower(pixels, [(1, 4, 4)]).embeds.shape == (4, tower.out_hidden_size)

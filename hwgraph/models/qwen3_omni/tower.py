@@ -315,6 +315,11 @@ class Qwen3OmniVisionTower(nn.Module):
         default), e.g. that function compiled once and shared by every block (``EncoderGraphManager(compile=True)``).
         """
         self.check_pixels(pixel_values, metadata)
+        if self.patch_embed.proj.weight.is_meta:  # torch's error ("Tensor on device meta is not on the expected
+            # device cpu!") named neither the weights nor how to load them
+            raise ValueError("the tower's weights are on the meta device (no data: built under torch.device('meta') "
+                             "and not loaded): load them first (Qwen3OmniVisionTower.from_pretrained, or "
+                             "load_state_dict(..., assign=True))")
         spec, kernel = self._chosen_attention()
         # A kernel taking host boundaries (NPU) gets them from host metadata, instead of a read in every block.
         boundaries = (host_cu_seqlens(metadata.cu_seqlens.tolist())
