@@ -228,17 +228,31 @@ def cpu_fallback(why: str) -> Selected:
     return Selected(spec_named("cpu"), f"{FALLBACK} (eager-equivalent, no speed-up): {why}")
 
 
+def check_backend_name(name) -> None:
+    """``ValueError`` / ``TypeError`` naming ``name`` unless it is None (the automatic choice) or a non-empty str: an
+    empty one (a script's unset variable) or a falsy one silently became the automatic choice."""
+    if name is None or (isinstance(name, str) and name):
+        return
+    known = ", ".join(s.name for s in backend_specs())
+    if isinstance(name, str):
+        raise ValueError(f"graph_backend={name!r}: expected a graph backend name, one of {known} (None: "
+                         f"${GRAPH_BACKEND_ENV}, else the best available)")
+    raise TypeError(f"graph_backend={name!r}: expected a graph backend name (a str), one of {known}, or None")
+
+
 def choose_backend(name: str | None = None, platform: PlatformInfo | None = None, device=None) -> Selected:
-    """Pick a graph backend: ``name``, else ``$HWGRAPH_GRAPH_BACKEND``, else the best available for the platform
-    (by default the one serving ``device``, ``platform_for``; else the machine's, ``detect``).
+    """Pick a graph backend: ``name``, else (None) ``$HWGRAPH_GRAPH_BACKEND``, else the best available for the platform
+    (by default the one serving ``device``, ``platform_for``; else the machine's, ``detect``). A ``name`` that is
+    empty or not a str is refused (``check_backend_name``).
 
     An explicit choice that cannot capture on ``device`` (a CPU device for a GPU backend, on a machine it serves) or
     fails its gate raises ``SelectionError`` with its reasons. An automatic choice, among the backends of
     non-negative priority that serve the platform's kind, that finds nothing falls back to the CPU reference backend
     (eager-equivalent) and says why.
     """
+    check_backend_name(name)
     platform = platform or (detect() if device is None else platform_for(device))
-    name = name or os.environ.get(GRAPH_BACKEND_ENV) or None
+    name = name if name is not None else os.environ.get(GRAPH_BACKEND_ENV) or None  # set empty: unset
     if name:
         spec = spec_named(name)
         refusal = spec.device_refusal(device)

@@ -480,3 +480,23 @@ def test_a_probe_returning_a_spec_with_a_bare_string_of_modes_is_that_plugins_pr
     assert [s.name for s in specs] == ["cpu"]
     assert len(problems) == 1 and "'bare_modes'" in problems[0]
     assert "TypeError: BackendSpec 'bare': modes is a tuple of one or more non-empty strings, got 'full'" in problems[0]
+
+
+@pytest.mark.parametrize("name, error, match", [
+    # a script's unset variable (graph_backend=os.environ.get("X", "")): it silently became the automatic choice (or
+    # $HWGRAPH_GRAPH_BACKEND's), as an empty graph_mode once became the first mode
+    ("", ValueError, r"graph_backend='': expected a graph backend name, one of cpu, other \(None: "),
+    (0, TypeError, r"graph_backend=0: expected a graph backend name \(a str\), one of cpu, other"),
+    (False, TypeError, r"graph_backend=False: expected a graph backend name"),
+    (CpuGraphBackend, TypeError, r"graph_backend=<class '.*CpuGraphBackend'>: expected a graph backend name"),
+])
+def test_only_none_means_the_automatic_choice_and_an_empty_or_non_str_name_is_refused(monkeypatch, name, error, match):
+    install_probes(monkeypatch, other=lambda: spec("other", "cpu", priority=60))
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "cpu")  # the variable is not what an empty argument asks for either
+    with pytest.raises(error, match=match):
+        choose_backend(name, platform=platform_of("cpu"))
+    with pytest.raises(error, match=match):
+        create_backend(name, device=torch.device("cpu"))
+    assert choose_backend(None, platform=platform_of("cpu")).spec.name == "cpu"  # None: the variable's
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "")  # a variable set empty counts as unset
+    assert choose_backend(None, platform=platform_of("cpu")).spec.name == "other"
