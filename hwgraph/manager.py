@@ -19,7 +19,7 @@ import torch
 from hwgraph import budgets as budget_rules
 from hwgraph.attention.base import check_attention_request
 from hwgraph.budget_capture import VERIFY_TOLERANCE, BudgetGraph, capture_budget, relative_error
-from hwgraph.compile_mode import compile_block_forward, inductor_rounds_as_eager, pin_triton_cache_dir
+from hwgraph.compile_mode import compile_block_forward, dynamo_enabled, inductor_rounds_as_eager, pin_triton_cache_dir
 from hwgraph.dtypes import graph_dtype
 from hwgraph.graphs.base import CapturedGraph, CaptureError
 from hwgraph.hostmem import pinned_copy
@@ -111,7 +111,8 @@ class EncoderGraphManager:
     block shape, shared by the blocks) before capturing each budget (startup cost:
     ``stats()['capture_seconds_per_budget']``, of which ``compile_seconds_per_budget`` is the budget's first compiled
     forward, where dynamo traces and inductor compiles, less any measuring of products in it); where the backend
-    cannot compile (``compile_support()``, e.g. NPU), where inductor's code would not round the tower's bf16/fp16
+    cannot compile (``compile_support()``, e.g. NPU) or the process disables ``torch.compile``
+    (``TORCHDYNAMO_DISABLE=1``), where inductor's code would not round the tower's bf16/fp16
     intermediates as eager does (``compile_mode.inductor_rounds_as_eager``: the CPU's up to torch 2.11), or a budget's
     compiled capture fails, that capture is plain, and ``stats()`` says why (``compile_skipped``, ``compile_failures``).
 
@@ -321,9 +322,12 @@ class EncoderGraphManager:
         return self.graphs
 
     def _compile_supported(self) -> bool:
-        """compile=True on a backend where inductor cannot run, or where its code would not round this dtype's
-        intermediates as eager does (the CPU's up to torch 2.11): plain capture, with the reason logged and kept."""
+        """compile=True on a backend where inductor cannot run, in a process where torch.compile is disabled, or where
+        inductor's code would not round this dtype's intermediates as eager does (the CPU's up to torch 2.11): plain
+        capture, with the reason logged and kept."""
         support = self.backend.compile_support()
+        if support.ok:
+            support = dynamo_enabled()
         if support.ok:
             support = inductor_rounds_as_eager(self.backend.device, self.dtype)
         if not support.ok:
@@ -558,9 +562,23 @@ class EncoderGraphManager:
         with self._lock, caller_state_off(self.device):
             self._check_tower("calibrate()")
             if not self.graphs:
-                raise RuntimeError("calibrate() needs captured graphs: call capture() first (no budget is captured, "
-                                   "so there is no replay to time against eager)")
+                raise RuntimeError(f"calibrate() {self._no_graphs_reason()}")
             return self._calibrate(warmup, samples)
+
+    def _no_graphs_reason(self) -> str:
+        """Why there is no captured graph to calibrate, and what would make one: ``capture()`` only where it could."""
+        refusal = self.capture_refusal()
+        if refusal:
+            return f"has no captured graphs: nothing can be captured: {refusal}, so every call runs eagerly"
+        if not self.budgets:  # an earlier calibration released every budget, which capture() does not bring back
+            return ("has no captured graphs: an earlier calibration kept no budget (no replay beat eager: "
+                    "stats()['calibration']), so every call runs eagerly; build a new manager to capture budgets "
+                    "again")
+        failed = {b: why for b, why in sorted(self._stats.capture_failures.items()) if b in self.budgets}
+        if failed:
+            return f"needs captured graphs: every budget's capture failed ({failed}); call capture() again to retry"
+        return ("needs captured graphs: call capture() first (no budget is captured, so there is no replay to time "
+                "against eager)")
 
     def _calibrate(self, warmup: int, samples: int) -> dict:
         # its replays fill the buffers an encode() on another stream may still be reading, and leave them holding

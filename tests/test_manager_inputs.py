@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from hwgraph import manager as manager_module
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.registry import SelectionError
@@ -61,6 +62,9 @@ def manager(tower, **kwargs):
     ({"graph_mode": 0}, TypeError, r"graph backend 'cpu' takes a mode name \(one of \['emulated'\]\), got mode=0"),
     ({"graph_mode": False}, TypeError, r"takes a mode name \(one of \['emulated'\]\), got mode=False"),
     ({"graph_mode": ["emulated"]}, TypeError, r"takes a mode name .*got mode=\['emulated'\]"),
+    # only None means the automatic choice: an empty name (a script's unset variable) once became it silently
+    ({"graph_backend": "", "dtype": torch.float64}, ValueError, r"graph_backend='': expected a graph backend name"),
+    ({"graph_backend": False}, TypeError, r"graph_backend=False: expected a graph backend name \(a str\)"),
 ])
 def test_a_bad_argument_is_refused_by_name_and_leaves_the_tower_as_it_was(tower, kwargs, error, match):
     kernel, weights, dtype = tower.attention_kernel, tower.weights_key(), tower.dtype
@@ -169,4 +173,48 @@ def test_a_kernel_changed_under_the_manager_is_named_against_the_kernel_its_grap
     with pytest.raises(RuntimeError, match=r"attention kernel is now other_kernel, not the one this manager's graphs "
                                            r"run \(TORCH_SDPA\)"):
         m.encode(torch.randn(16, tower.patch_row_width), grid)
+    m.close()
+
+
+def not_graph_safe(q, k, v, cu_seqlens, max_seqlen, scale):
+    from hwgraph.attention.sdpa import sdpa_varlen
+
+    return sdpa_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+not_graph_safe.graph_safe = False
+
+
+def test_calibrate_without_graphs_says_why_there_are_none_when_capture_would_not_make_any(tower, monkeypatch):
+    """After a calibration that kept no budget, or with a kernel that is not graph-safe, calibrate() told the caller
+    to call capture() first, which captured nothing again (no budgets left; a refused kernel)."""
+    m = manager(tower)
+    m.capture()
+    monkeypatch.setattr(m, "time_ms", lambda fns, warmup, samples: {"eager": 1.0, "replay": 2.0})
+    assert not any(f["kept"] for f in m.calibrate().values())
+    assert m.capture() == {}  # capture() cannot help: calibration dropped every budget
+    with pytest.raises(RuntimeError, match=r"calibrate\(\) has no captured graphs: an earlier calibration kept no "
+                                           r"budget \(no replay beat eager: stats\(\)\['calibration'\]\), so every "
+                                           r"call runs eagerly; build a new manager to capture budgets again") as err:
+        m.calibrate()
+    assert "call capture() first" not in str(err.value)
+    m.close()
+
+    m = manager(tower)
+    monkeypatch.setattr(manager_module, "capture_budget", lambda *a, **k: (_ for _ in ()).throw(MemoryError("full")))
+    m.capture()
+    with pytest.raises(RuntimeError, match=r"calibrate\(\) needs captured graphs: every budget's capture failed "
+                                           r"\(\{16: 'MemoryError: full', 32: 'MemoryError: full'\}\); "
+                                           r"call capture\(\) again to retry$"):
+        m.calibrate()
+    monkeypatch.undo()
+    m.capture()  # and it does
+    assert sorted(m.graphs) == [16, 32] and m.calibrate().keys() == {16, 32}
+    m.close()
+
+    m = manager(tower, attention=not_graph_safe)
+    m.capture()
+    with pytest.raises(RuntimeError, match=r"calibrate\(\) has no captured graphs: nothing can be captured: "
+                                           r"attention kernel .* is not graph-safe"):
+        m.calibrate()
     m.close()
