@@ -279,7 +279,8 @@ class EncoderGraphManager:
             for b in self.budgets:
                 self._stats.capture_failures[b] = refusal
             return self.graphs
-        self.pool = self.pool or self.backend.new_pool()
+        if self.pool is None:  # a pool handle may be falsy (an int id)
+            self.pool = self.backend.new_pool()
         if self.compile:  # before anything compiles, the rounding probe included: one Triton cache folder for all
             pin_triton_cache_dir(self.backend.device)
         compiled = self.compile and self._compile_supported()

@@ -14,7 +14,7 @@ from hwgraph import budgets as budget_rules
 from hwgraph import manager as manager_module
 from hwgraph.attention.sdpa import sdpa_varlen
 from hwgraph.graphs.base import CaptureError
-from hwgraph.graphs.cpu import CpuGraphBackend
+from hwgraph.graphs.cpu import CpuGraphBackend, CpuPool
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.models.qwen3_omni.metadata import VisionMetadata
@@ -1037,7 +1037,7 @@ def test_a_device_named_without_index_is_the_one_the_backend_resolved(monkeypatc
     the bare name, so its copies, streams and eager calls would follow whatever GPU the caller made current later.
     (Simulated on the CPU: a backend that resolves "cpu" to index 0, as the CUDA backend resolves "cuda".)"""
     from hwgraph import manager as manager_module
-    from hwgraph.graphs.cpu import CpuGraphBackend
+    from hwgraph.graphs.cpu import CpuGraphBackend, CpuPool
 
     real = manager_module.create_backend
 
@@ -1243,3 +1243,26 @@ def test_close_waits_for_the_device_before_releasing_the_graphs_buffers(tower, m
     m.close()
     assert calls[0] == "synchronize" and sorted(calls[1:3]) == ["release 16", "release 32"], calls
     assert m.stats()["budgets"] == []
+
+
+def test_a_second_capture_reuses_the_shared_pool_even_where_its_handle_is_falsy(tower, monkeypatch):
+    """Every capture() goes into the manager's one pool. The pool was kept with ``self.pool or new_pool()``, so a
+    backend whose pool handle is falsy (an int id 0, a pool object with a length) got a new pool at every capture()."""
+
+    class EmptyPool(CpuPool):
+        def __len__(self):  # falsy, as an int id 0 or an empty pool-like container would be
+            return 0
+
+    m = EncoderGraphManager(tower, budgets=[16, 32], max_images_per_graph=2, graph_backend="cpu")
+    made = []
+
+    def new_pool():
+        made.append(EmptyPool())
+        return made[-1]
+
+    monkeypatch.setattr(m.backend, "new_pool", new_pool)
+    m.capture()
+    m.capture()
+    assert len(made) == 1 and m.pool is made[0]
+    captured = [g for entry in m.graphs.values() for g in entry.graphs.values()]
+    assert len(captured) >= 2 and all(g in made[0].graphs for g in captured), "every budget's graphs share the pool"
