@@ -102,6 +102,10 @@ def writable_path(option: str, spec: str) -> Path:
                          f"{exc.strerror or exc}") from None
     if path.is_dir():
         raise ValueError(f"{option} {spec!r} is a folder: expected a file path")
+    # a named pipe is opened only to write the results: its reader takes a check's close for their end (and with no
+    # reader yet, the open waits for one before the run)
+    if path.is_fifo():
+        return path
     existed = path.exists()
     try:  # opened, not asked: os.access answers yes for nearly any path to root, and /proc refuses files anyway
         with open(path, "a" if existed else "x"):
@@ -113,11 +117,27 @@ def writable_path(option: str, spec: str) -> Path:
     return path
 
 
+def is_stdout(path: Path) -> bool:
+    """Whether ``path`` is the file this process's standard output writes to (``/dev/stdout``, or the file a shell
+    redirected it to)."""
+    try:
+        found, stdout = os.stat(path), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no such path; a stdout with no file behind it (closed, captured)
+        return False
+    return (found.st_dev, found.st_ino) == (stdout.st_dev, stdout.st_ino)
+
+
 def write_json(path: Path, text: str) -> None:
     """``text`` into ``path`` through a temporary file beside it, renamed into place: a failure (a full disk) leaves
     neither a truncated file nor an earlier run's results half overwritten. A symlink (``/dev/stdout``, a
     ``latest.json``), a path that is no regular file (a pipe), or one in a folder that takes no new file, is written
-    in place: renaming would replace the link or the pipe by a file."""
+    in place: renaming would replace the link or the pipe by a file. The process's own standard output is written
+    through ``sys.stdout``: a file it is redirected to, opened again, was written from its start, and the tables
+    printed after the results wrote over them."""
+    if is_stdout(path):
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        return
     if path.is_symlink() or (path.exists() and not path.is_file()):
         path.write_text(text)
         return

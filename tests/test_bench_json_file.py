@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import pathlib
+import subprocess
+import sys
+import threading
 
 import pytest
 
@@ -68,3 +72,42 @@ def test_a_json_path_that_names_a_folder_is_refused_not_written_as_a_file(tmp_pa
         assert cli.main(["bench", "--groups", "1x4", "--json", spec]) == 2
         assert capsys.readouterr().err.strip() == f"hwgraph bench: --json {spec!r} is a folder: expected a file path"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_json_path_that_is_a_named_pipe_reaches_its_reader_whole(tmp_path):
+    """The check before the run opened the pipe and closed it: its reader took that for the end of the results and
+    left, and the results written after the run then waited for a reader forever (with no reader yet, the check
+    itself waited, before anything ran)."""
+    from hwgraph.bench_command import writable_path, write_json
+
+    fifo = tmp_path / "results"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()), daemon=True)
+    reader.start()
+    try:
+        assert writable_path("--json", str(fifo)) == fifo
+        reader.join(timeout=0.5)
+        assert reader.is_alive() and received == [], "the reader was given an end of file before the results"
+        write_json(fifo, '{"rows": []}')
+        reader.join(timeout=10)
+        assert received == ['{"rows": []}']
+    finally:
+        if reader.is_alive():  # release a reader still waiting for a writer
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_json_to_dev_stdout_redirected_to_a_file_is_followed_by_the_tables_not_overwritten_by_them(tmp_path):
+    """'--json /dev/stdout > out.txt' opened the file again, from its start, for the results: the tables printed
+    after them through the process's own standard output were written over the JSON, from the start too."""
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout:
+        code = subprocess.call([sys.executable, "-m", "hwgraph.cli", "bench", "--groups", "1x4", "--warmup", "0",
+                                "--samples", "1", "--budgets", "8", "--no-transformers", "--json", "/dev/stdout"],
+                               stdout=stdout, stderr=subprocess.DEVNULL)
+    assert code == 0
+    text = out.read_text()
+    results, end = json.JSONDecoder().raw_decode(text)
+    assert results["rows"][0]["group"] == "1x4"
+    assert text[end:].lstrip().startswith("## hwgraph bench: tiny")
+    assert text.rstrip().endswith("JSON report: /dev/stdout")
