@@ -234,8 +234,10 @@ def add_bench_arguments(parser) -> None:
 
 def register_cli(sub) -> None:
     p = sub.add_parser("bench", help="transformers eager vs hwgraph eager vs hwgraph replay, per image group",
-                       epilog="Exit status 2 for a bad option (checked before a tower is built) or a requested "
-                              "backend or kernel that cannot run here.")
+                       epilog="Exit status 0 when the benchmark ran and its reports were written; 1 when it ran "
+                              "but --json could not be written (the tables still print); 2 for a bad option "
+                              "(checked before a tower is built) or a requested backend or kernel that cannot run "
+                              "here.")
     add_bench_arguments(p)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--calibrate", action="store_true",
