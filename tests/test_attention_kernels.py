@@ -340,6 +340,17 @@ def test_interpreted_triton_op_passes_opcheck():
 
 
 @interpreted
+def test_interpreted_triton_eager_output_is_contiguous_for_a_transposed_q():
+    # A [H, T, D] q seen as [T, H, D] is dense, and the launcher allocated its output like it: in eager the public
+    # function returned that layout (``view(tokens, -1)`` raised), compiled the op's contiguous one.
+    batch = random_packed_batch([5, 7], heads=2, head_dim=72, zero_length=1, padding_rows=3)
+    q = batch.q.transpose(0, 1).contiguous().transpose(0, 1)
+    out = triton_varlen(q, *batch.args()[1:])
+    assert out.is_contiguous(), f"strides {out.stride()}"
+    assert_matches_reference(out, batch)
+
+
+@interpreted
 def test_interpreted_triton_op_output_has_its_fakes_strides_for_a_q_without_unit_stride_on_d():
     # The launcher copies such a q to unit stride on D and allocates its output like the copy.
     batch = random_packed_batch([5, 7], heads=2, head_dim=72, zero_length=1, padding_rows=3)
@@ -697,6 +708,23 @@ def test_flash_op_output_has_its_fakes_strides_for_a_padded_head(monkeypatch):
                                                                                                        scale))
     batch = random_packed_batch([9, 4], heads=2, head_dim=36, zero_length=1, padding_rows=6, dtype=torch.bfloat16)
     torch.library.opcheck(attention.flash_varlen_op, batch.args(), test_utils=("test_faketensor",))
+
+
+def test_flash_eager_output_of_a_padded_head_is_contiguous_as_the_ops(monkeypatch):
+    """A head of 36 lanes runs padded to 40: in eager the public function handed back the kernel's slice of the
+    padded output, so ``out.view(tokens, -1)`` raised ("view size is not compatible") where TORCH_SDPA's output and
+    the compiled op's (the fake's layout) take it."""
+    from hwgraph_cuda import attention
+
+    monkeypatch.setattr(attention, "flash_provider", lambda: ("aten", ()))
+    monkeypatch.setattr(attention, "aten_flash", lambda q, k, v, cu, max_seqlen, scale: reference_like(q, k, v, cu,
+                                                                                                       scale))
+    batch = random_packed_batch([9, 4], heads=2, head_dim=36, zero_length=1, padding_rows=6, dtype=torch.bfloat16)
+    for kernel in (attention.flash_varlen, attention.flash_varlen.padding_unspecified):
+        out = kernel(*batch.args())
+        assert out.is_contiguous(), f"{kernel.__name__}: strides {out.stride()}"
+        assert out.view(out.shape[0], -1).shape == (out.shape[0], 72)
+    assert_matches_reference(attention.flash_varlen(*batch.args()), batch)
 
 
 def test_flash_adapter_hands_the_kernel_unit_stride_on_d(monkeypatch):

@@ -91,7 +91,8 @@ def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool
     output is a new contiguous ``[tokens, heads, head_dim]`` tensor, as its fake says. Returns ``(public, op)``:
     ``public`` checks its inputs (``ValueError`` naming ``kernel``; q, k, v of one of ``dtypes``, a head dim in
     ``head_dims``, as its ``KernelSpec`` says), runs the op while
-    torch.compile traces and ``body`` itself in eager (``eager_or_op``), and returns padding rows (rows at or past
+    torch.compile traces and the op's function itself in eager (``eager_or_op``; its output is contiguous either
+    way), and returns padding rows (rows at or past
     ``cu_seqlens[-1]``) as zeros: ``body`` zeroes them itself when ``zeroes_padding``, otherwise ``public`` does
     (three small device kernels, about 50 µs of host time per call on the H200's host).
 
@@ -121,7 +122,9 @@ def register_varlen_kernel(kernel: str, op_name: str, body, zeroes_padding: bool
             if differentiable:
                 return body(q, k, v, cu_seqlens, int(max_seqlen), float(scale))
             return differentiable_attention(kernel, q, k, v, cu_seqlens, scale)
-        return eager_or_op(op, body)(q, k, v, cu_seqlens, int(max_seqlen), float(scale))
+        # impl, not body: eager calls hand back the op's contiguous layout too (a padded head's slice, a transposed
+        # q's layout were handed back as they came, so out.view(tokens, -1) raised only in eager)
+        return eager_or_op(op, impl)(q, k, v, cu_seqlens, int(max_seqlen), float(scale))
 
     if zeroes_padding:
         def public(q, k, v, cu_seqlens, max_seqlen, scale):
