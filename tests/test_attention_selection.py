@@ -467,6 +467,19 @@ def test_a_plugin_kernel_that_does_not_import_is_passed_over_automatically_and_n
         choose_attention("TOY_ATTN", platform=CPU, dtype=torch.float32, head_dim=72)
 
 
+def test_a_plugin_kernel_whose_impl_path_is_not_a_function_is_passed_over_and_named_when_chosen(monkeypatch):
+    """An impl_path naming the kernel's spec instead of its function (``...attention:TOY_ATTN``) was chosen: the
+    tower's first forward then raised "'KernelSpec' object is not callable", naming neither the kernel nor its
+    impl_path, instead of automatic choice passing it over with the reason."""
+    install_toy_kernel(monkeypatch, "TOY_ATTN", "hwgraph.attention.sdpa:TORCH_SDPA")
+    chosen = choose_attention(platform=CPU, dtype=torch.float32, head_dim=72)
+    assert chosen.spec.name == "TORCH_SDPA" and callable(chosen.fn)
+    assert ("TOY_ATTN: attention kernel 'TOY_ATTN' declares impl_path 'hwgraph.attention.sdpa:TORCH_SDPA', which "
+            "does not load: TypeError: it names a KernelSpec, not a function") in chosen.reason
+    with pytest.raises(ImportError, match=r"attention kernel 'TOY_ATTN' declares impl_path .* not a function"):
+        choose_attention("TOY_ATTN", platform=CPU, dtype=torch.float32, head_dim=72)
+
+
 @pytest.mark.parametrize("name", [torch.bfloat16, 72, print])
 def test_a_kernel_name_that_is_not_a_string_is_refused_naming_it(name):
     """choose_attention(torch.bfloat16) (name is the first argument) raised AttributeError: 'torch.dtype' object has

@@ -117,13 +117,17 @@ class KernelSpec:
         return Capability(tuple(reasons))
 
     def load(self) -> VarlenAttention:
-        """The kernel's function. An ``impl_path`` that does not import is named in an ``ImportError``, whatever the
-        import raised: a vendor runtime may raise RuntimeError or OSError as it initialises, and that took automatic
-        choice down instead of passing the kernel over (as ``BackendSpec.load`` does for a backend)."""
+        """The kernel's function. An ``impl_path`` that does not import, or names no callable, is named in an
+        ``ImportError``, whatever the import raised: a vendor runtime may raise RuntimeError or OSError as it
+        initialises, and that took automatic choice down instead of passing the kernel over (as ``BackendSpec.load``
+        does for a backend)."""
         from hwgraph.registry import load_object
 
         try:
-            return load_object(self.impl_path)
+            fn = load_object(self.impl_path)
+            if not callable(fn):  # the spec named instead of its function: chosen, it failed at the first forward
+                raise TypeError(f"it names a {type(fn).__name__}, not a function")
+            return fn
         except Exception as exc:
             raise ImportError(f"attention kernel {self.name!r} declares impl_path {self.impl_path!r}, which does not "
                               f"load: {type(exc).__name__}: {exc}") from exc
