@@ -101,7 +101,8 @@ class ChoiceCache:
                     # NFS emulates flock with a byte-range lock, which takes an exclusive lock only on a descriptor
                     # open for writing, and a folder cannot be opened so: every write was refused. A lock file
                     # beside the cache (left there, hidden) serves instead.
-                    os.close(fd)
+                    folder, fd = fd, None  # closed once: the clean-up below skips it if the lock file fails to open
+                    os.close(folder)
                     fd = os.open(self.path.with_name(f".{self.path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
                     fcntl.flock(fd, fcntl.LOCK_EX)
             except OSError as exc:
@@ -110,7 +111,8 @@ class ChoiceCache:
                 log.debug("writing the measured-products cache %s without a lock: %s", self.path, exc)
             yield
         finally:
-            os.close(fd)  # releases the lock
+            if fd is not None:
+                os.close(fd)  # releases the lock
 
     def get(self, label: str) -> dict | None:
         entry = self.entries().get(self.key(label))

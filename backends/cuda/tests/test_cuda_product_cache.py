@@ -239,3 +239,38 @@ def test_a_cache_file_nested_deeper_than_json_reads_is_ignored_and_replaced(tmp_
     assert f"ignoring the measured-products cache {path}" in caplog.text
     cache.put("a", entry)
     assert cache.entries() == {cache.key("a"): entry}
+
+
+def test_a_lock_file_that_cannot_be_opened_is_named_and_no_descriptor_is_closed_twice(tmp_path, caplog, monkeypatch):
+    """On NFS (the folder's lock refused with EBADF) the folder's descriptor was closed before the lock file was
+    opened; when that open failed (a folder others may write but not this user, a read-only mount) the clean-up
+    closed the folder's descriptor number again: the warning named "Bad file descriptor" instead of the lock file's
+    error, and a descriptor number another thread had been handed meanwhile would have been closed under it."""
+    import fcntl
+
+    real_open, real_close, opened, closed = os.open, os.close, [], []
+
+    def nfs_flock(fd, operation):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    def lock_file_denied(path, flags, *args, **kwargs):
+        if str(path).endswith(".lock"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        fd = real_open(path, flags, *args, **kwargs)
+        opened.append(fd)
+        return fd
+
+    def recorded_close(fd):
+        closed.append(fd)
+        return real_close(fd)
+
+    monkeypatch.setattr(fcntl, "flock", nfs_flock)
+    monkeypatch.setattr(product_cache.os, "open", lock_file_denied)
+    monkeypatch.setattr(product_cache.os, "close", recorded_close)
+    path = tmp_path / "cublaslt-products.json"
+    product_cache.ChoiceCache(path, "H200").put("a", products.Choice(None, None, 5.0, 5.0).entry())
+    monkeypatch.undo()
+    assert "could not write the measured-products cache" in caplog.text
+    assert "Permission denied" in caplog.text and "Bad file descriptor" not in caplog.text
+    assert sorted(closed) == sorted(opened)  # each descriptor closed once
+    assert not path.exists()
