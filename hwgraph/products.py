@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from hwgraph.attention.varlen_inputs import eager_or_op
+from hwgraph.attention.varlen_inputs import eager_or_op, records_grad
 
 
 class ProductChooser(Protocol):
@@ -57,8 +57,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def aten_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``gelu(F.linear(x, weight, bias), approximate="tanh")``; on CUDA the GELU runs as the matmul's epilogue
     (cuBLASLt's GELU epilogue is the tanh approximation; off CUDA ``_addmm_activation`` would use exact GELU, so it is
-    not used there)."""
-    if x.is_cuda and not torch.version.hip and x.dim() == 2 and bias is not None:
+    not used there). The unfused pair while autograd records (``records_grad``): ``_addmm_activation`` has no
+    backward, so a call that records gradients gave a forward whose backward raised."""
+    if x.is_cuda and not torch.version.hip and x.dim() == 2 and bias is not None \
+            and not records_grad(x, weight, bias):
         return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")
 

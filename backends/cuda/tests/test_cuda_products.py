@@ -1082,3 +1082,22 @@ def test_a_graph_replays_right_after_its_products_descriptors_were_evicted_and_d
         static.copy_(operands(rows, k, n, seed)[0])
         graph.replay()
         torch.testing.assert_close(out, aten(static, w, b, True), rtol=2**-7, atol=2e-3)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_atens_fused_gelu_product_trains_as_the_unfused_pair_does():
+    """On CUDA the product runs the GELU as cuBLASLt's epilogue (``torch._addmm_activation``), which has no backward:
+    a direct caller whose tensors record gradients got a forward whose backward raised "derivative for
+    aten::_addmm_activation is not implemented"."""
+    x, w, b = (t.float().requires_grad_() for t in operands(64, 96, 80))
+    aten_linear_gelu_tanh(x, w, b).square().sum().backward()
+    got = [t.grad for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    F.gelu(F.linear(x, w, b), approximate="tanh").square().sum().backward()
+    for g, t in zip(got, (x, w, b), strict=True):
+        torch.testing.assert_close(g, t.grad)
+    with torch.no_grad():  # without autograd the epilogue runs still: equal to the pair within its rounding
+        torch.testing.assert_close(aten_linear_gelu_tanh(x, w, b), F.gelu(F.linear(x, w, b), approximate="tanh"),
+                                   rtol=1e-4, atol=1e-4)
