@@ -1037,7 +1037,7 @@ def test_a_device_named_without_index_is_the_one_the_backend_resolved(monkeypatc
     the bare name, so its copies, streams and eager calls would follow whatever GPU the caller made current later.
     (Simulated on the CPU: a backend that resolves "cpu" to index 0, as the CUDA backend resolves "cuda".)"""
     from hwgraph import manager as manager_module
-    from hwgraph.graphs.cpu import CpuGraphBackend, CpuPool
+    from hwgraph.graphs.cpu import CpuGraphBackend
 
     real = manager_module.create_backend
 
