@@ -250,6 +250,38 @@ def test_sm75_refuses_flash_attn_with_the_compute_capability():
         choose_attention("FLASH_ATTN", platform=T4)
 
 
+@pytest.mark.parametrize("arch", ["sm_75", "sm_70"])
+def test_below_sm80_triton_attn_is_refused_bfloat16_only_and_the_automatic_choice_takes_sdpa(arch):
+    """Triton builds no bf16 tensor-core products below sm_80 ("Feature '.bf16' requires .target sm_80"): automatic
+    choice took TRITON_ATTN for a bf16 tower on a T4 (FLASH_ATTN refused there), which failed at its first launch."""
+    gpu = platform("cuda", arch)
+    cc = f"{arch[3]}.{arch[4]}"
+    assert reasons("TRITON_ATTN", gpu, dtype=torch.bfloat16) == (
+        f"TRITON_ATTN runs bfloat16 on compute capability >= 8.0, found {cc} (float16 runs there)",)
+    assert reasons("TRITON_ATTN", gpu, dtype=torch.float16) == reasons("TRITON_ATTN", gpu) == ()
+    assert choose_attention(platform=gpu, dtype=torch.bfloat16, head_dim=72).spec.name == "TORCH_SDPA"
+    assert choose_attention(platform=gpu, dtype=torch.float16, head_dim=72).spec.name == "TRITON_ATTN"
+    with pytest.raises(SelectionError, match=rf"'TRITON_ATTN' is unavailable: .*bfloat16 on compute capability "
+                                             rf">= 8\.0, found {re.escape(cc)}"):
+        choose_attention("TRITON_ATTN", platform=gpu, dtype=torch.bfloat16)
+    for ok in ("sm_80", "sm_90"):  # Ampere and Hopper run it
+        assert reasons("TRITON_ATTN", platform("cuda", ok), dtype=torch.bfloat16) == ()
+    assert reasons("TRITON_ATTN", MI300X, dtype=torch.bfloat16) == ()  # no sm_ architecture: not judged
+
+
+def test_a_dtype_gate_that_raises_is_a_reason_naming_the_kernel():
+    def broken(platform, dtype):
+        raise RuntimeError("boom")
+
+    spec = KernelSpec(name="TOY", impl_path="x:y", kinds=("cpu",), dtypes=(torch.float32,), head_dims=(1, 8),
+                      graph_safe=True, gate=lambda p: Capability.available(), dtype_gate=broken)
+    assert spec.capability(CPU).ok  # judged only for a dtype
+    assert spec.capability(CPU, torch.float32).reasons == ("the TOY gate failed: RuntimeError: boom",)
+    with pytest.raises(TypeError, match=r"KernelSpec 'TOY': dtype_gate is a function or None, got 'no'"):
+        KernelSpec(name="TOY", impl_path="x:y", kinds=("cpu",), dtypes=(torch.float32,), head_dims=(1, 8),
+                   graph_safe=True, gate=lambda p: Capability.available(), dtype_gate="no")
+
+
 def test_flash_attn_is_for_nvidia_only():
     assert reasons("FLASH_ATTN", MI300X) == ("FLASH_ATTN runs on NVIDIA CUDA, this platform is rocm",)
 

@@ -60,6 +60,9 @@ class KernelSpec:
     # ``given_host_cu_seqlens()``, which the tower sets from its host metadata, and only without it reads
     # ``cu_seqlens`` back from the device.
     reads_host_boundaries: bool = False
+    # A gate that also depends on the dtype, for a dtype in ``dtypes`` that some of the kernel's platforms cannot run
+    # (TRITON_ATTN's bf16 products below sm_80), or None. Judged, as ``gate`` is, only once the platform passes.
+    dtype_gate: Callable[[PlatformInfo, torch.dtype], Capability] | None = None
 
     def __post_init__(self):
         name = f"KernelSpec {self.name!r}"
@@ -79,6 +82,7 @@ class KernelSpec:
         spec_fields.integer(name, "priority", self.priority)
         spec_fields.text(name, "description", self.description, empty=True)
         spec_fields.function(name, "priority_on", self.priority_on, optional=True)
+        spec_fields.function(name, "dtype_gate", self.dtype_gate, optional=True)
 
     def rank(self, platform: PlatformInfo) -> int:
         """The kernel's priority on ``platform``: ``priority_on(platform)`` where given, else ``priority``, which a
@@ -111,6 +115,9 @@ class KernelSpec:
         if dtype is not None and dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             reasons.append(f"{self.name} supports dtypes {names}, got {str(dtype).removeprefix('torch.')}")
+        elif dtype is not None and self.dtype_gate is not None and not reasons:
+            dtype_gate = self.dtype_gate
+            reasons.extend(gate_capability(self.name, lambda p: dtype_gate(p, dtype), platform).reasons)
         lo, hi = self.head_dims
         if head_dim is not None and not lo <= head_dim <= hi:
             reasons.append(f"{self.name} supports head_dim {lo}..{hi}, got {head_dim}")

@@ -48,6 +48,17 @@ def triton_gate(platform: PlatformInfo) -> Capability:
     return Capability.available()
 
 
+def triton_dtype_gate(platform: PlatformInfo, dtype: torch.dtype) -> Capability:
+    """bf16 below compute capability 8.0 is refused: Triton builds no bf16 tensor-core products there (ptxas:
+    "Feature '.bf16' requires .target sm_80"), so a T4 or V100 would fail at the first launch instead of choosing
+    TORCH_SDPA. fp16 and float32 stay."""
+    cc = sm_tuple(platform.arch) if platform.kind == "cuda" else None
+    if dtype == torch.bfloat16 and cc is not None and cc < (8, 0):
+        return Capability.unavailable(f"TRITON_ATTN runs bfloat16 on compute capability >= 8.0, found "
+                                      f"{cc[0]}.{cc[1]} (float16 runs there)")
+    return Capability.available()
+
+
 def imported_interpreted() -> bool:
     """Whether what is already imported was built for the interpreter: triton's own ``@jit`` helpers (decorated
     when triton is imported) and, once imported, TRITON_ATTN's kernels. True for what is not imported yet."""
@@ -107,6 +118,7 @@ TRITON_ATTN = KernelSpec(
     gate=triton_gate,
     priority=20,
     priority_on=triton_priority,
+    dtype_gate=triton_dtype_gate,
     slot_bound=True,
     description="hwgraph's Triton varlen flash attention (online softmax; a Gluon kernel on Hopper); CPU only under "
                 "TRITON_INTERPRET=1",
