@@ -41,6 +41,7 @@ from vllm.v1.worker.encoder_cudagraph_defs import (  # noqa: E402
 )
 
 from hwgraph import budgets as budget_rules  # noqa: E402
+from hwgraph.manager import check_tower  # noqa: E402
 from hwgraph.models.qwen3_omni.metadata import TENSOR_FIELDS, VisionMetadata, normalize_grid  # noqa: E402
 from hwgraph.models.qwen3_omni.output import VisionOutput  # noqa: E402
 
@@ -106,6 +107,8 @@ class Qwen3OmniEncoderCudaGraphAdapter:
 
     def __init__(self, tower, min_token_budget: int = budget_rules.MIN_AUTO_BUDGET,
                  max_token_budget: int | None = None):
+        # transformers' encoder or vLLM's own ``visual`` failed later, inside vLLM's manager, as an AttributeError
+        check_tower(tower)
         for name, value in (("min_token_budget", min_token_budget), ("max_token_budget", max_token_budget)):
             if name == "max_token_budget" and value is None:
                 continue  # the default: hwgraph's uncalibrated cap

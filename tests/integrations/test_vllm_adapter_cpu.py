@@ -202,3 +202,15 @@ def test_replay_buffers_name_a_group_with_more_frames_than_the_graphs_slots(towe
     with pytest.raises(ValueError, match=r"grids \[\(5, 2, 4\)\] have 5 frames .*more than the 4 sequence slots"):
         adapter.prepare_encoder_cudagraph_replay_buffers(kwargs, 4, 4)
     assert adapter.prepare_encoder_cudagraph_replay_buffers(kwargs, 4, 5).values["cu_seqlens"].shape == (6,)
+
+
+def test_the_adapter_refuses_a_tower_that_is_not_an_hwgraph_tower_naming_it(hv, tower):
+    """transformers' encoder (or vLLM's own ``self.visual``) was taken as the tower: the error came later, from inside
+    vLLM's manager, as "AttributeError: 'Qwen3OmniMoeVisionEncoder' object has no attribute 'out_hidden_size'"."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
+
+    with pytest.raises(TypeError, match=r"tower must be an hwgraph vision tower \(e.g. Qwen3OmniVisionTower\), got "
+                                        r"Qwen3OmniMoeVisionEncoder without "):
+        hv.Qwen3OmniEncoderCudaGraphAdapter(Qwen3OmniMoeVisionEncoder(tower.config))
+    with pytest.raises(TypeError, match=r"got NoneType without "):
+        hv.Qwen3OmniEncoderCudaGraphAdapter(None)

@@ -195,3 +195,78 @@ def test_vllms_own_manager_under_encoder_dp_gathers_image_embeds_in_the_towers_d
         torch.testing.assert_close(got, embeds.float(), rtol=0, atol=0)
     finally:
         graphs.clear()
+
+
+# ------------------------------------------------------------------------------------------------ vLLM's own tower
+VLLMS_TOWER = r'''
+import copy, sys, torch
+from types import SimpleNamespace
+from vllm.config import CompilationConfig, MultiModalConfig, ParallelConfig, SchedulerConfig, VllmConfig
+from vllm.config import set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.v1.worker import encoder_cudagraph as upstream
+from hwgraph.integrations import vllm as hv
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+
+config = SimpleNamespace(
+    compilation_config=CompilationConfig(cudagraph_mm_encoder=True, encoder_cudagraph_token_budgets=[64, 128, 256],
+                                         encoder_cudagraph_max_vision_items_per_batch=4),
+    model_config=SimpleNamespace(multimodal_config=MultiModalConfig(limit_per_prompt={"image": 8, "video": 0})),
+    parallel_config=ParallelConfig(),
+    scheduler_config=SchedulerConfig(max_model_len=8192, is_encoder_decoder=False, max_num_batched_tokens=8192))
+GRIDS = [[(1, 8, 8), (1, 4, 12), (1, 2, 2)], [(1, 40, 40)], [(1, 16, 32), (1, 16, 36), (1, 4, 4), (1, 40, 40)]]
+with set_current_vllm_config(VllmConfig()):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method="file://" + sys.argv[1])
+    initialize_model_parallel(1)
+    from vllm.model_executor.models.qwen3_omni_moe_thinker import Qwen3Omni_VisionTransformer
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        tower = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval().to(dtype)
+        vision = copy.deepcopy(tower.config)  # the fields vLLM's tower reads that transformers' config lacks
+        vision.image_size, vision.apply_vit_abs_pos_embed = tower.num_grid_per_side * vision.patch_size, True
+        visual = Qwen3Omni_VisionTransformer(vision, norm_eps=1e-6, prefix="visual")
+        assert visual.load_weights(tower.state_dict().items()) == {n for n, _ in visual.named_parameters()}
+        visual = visual.to(dtype).eval()
+        for module in visual.modules():  # vLLM's CPU GEMM dispatch needs vllm._C, which its CUDA build lacks
+            if hasattr(module, "quant_method"):
+                module.cpu_linear = torch.nn.functional.linear
+        adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
+        m = hv.SingleReplayEncoderCudaGraphManager(config, torch.device("cpu"), torch.bfloat16, adapter,
+                                                   graph_backend="cpu")
+        m.capture()
+        for seed, grid in enumerate(GRIDS):
+            pixels = torch.randn(sum(t * h * w for t, h, w in grid), tower.patch_row_width,
+                                 generator=torch.Generator().manual_seed(seed))
+            kwargs = {"pixel_values": pixels, "image_grid_thw": torch.tensor(grid)}
+            with torch.inference_mode():  # as the thinker's _process_image_input calls it
+                want = visual(pixels.type(visual.dtype), grid_thw=torch.tensor(grid))
+                sizes = [t * h * w // 4 for t, h, w in grid]
+                runs = {"eager": [adapter.encoder_eager_forward(kwargs)], "single-replay": m.execute(kwargs),
+                        "vllm's packing": upstream.EncoderCudaGraphManager._execute_local(m, kwargs)}
+            for name, got in runs.items():
+                assert [t.shape[0] for t in got] in ([sum(sizes)], sizes), (name, grid)
+                got = torch.cat(got)
+                assert got.dtype == want.dtype == dtype and got.shape == want.shape, (name, got.shape, want.shape)
+                tolerance = {} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+                for part, (a, b) in enumerate(zip(adapter.split(got).tensors(), adapter.split(want).tensors())):
+                    torch.testing.assert_close(a, b, **tolerance, msg=lambda s: f"{name} {grid} part {part}: {s}")
+        assert m.replays > 0 and m.eager_groups > 0
+        m.clear()
+print("ok")
+'''
+
+
+def test_every_path_returns_what_vllms_own_qwen3_omni_tower_returns(tmp_path):
+    """vLLM 0.33's own Qwen3-Omni image tower (Qwen3Omni_VisionTransformer, as the thinker's _process_image_input
+    calls it), loaded with the hwgraph tower's weights, against the adapter's eager forward, the single-replay manager
+    and vLLM's packing: the same [tokens, out_hidden * 4] rows (embeddings, then DeepStack after each index in order),
+    in the tower's dtype. A subprocess: vLLM's CPU platform and distributed state stay out of this process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    result = subprocess.run([sys.executable, "-c", VLLMS_TOWER, str(tmp_path / "dist")], capture_output=True,
+                            text=True, timeout=600, env=env)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
