@@ -322,7 +322,9 @@ class Qwen3OmniEncoderCudaGraphAdapter:
             return self.embeds_features(mm_kwargs)
         # Checked as given, before the cast, as the replay buffers check them: cast first, integer pixels (raw uint8
         # values, say) passed here while the same group in a graph was refused.
-        pixels = self.pixels(mm_kwargs)
+        # On the tower's device, as vLLM's own tower moves them and the replay path copies them: host pixels given to
+        # a GPU tower replayed, and failed with a device mismatch once their group ran eagerly.
+        pixels = self.pixels(mm_kwargs).to(self.tower.device)
         metadata = self.tower.prepare_metadata(self.host_grid(mm_kwargs), pixels)
         return self.concat(self.tower.forward_with_metadata(pixels.to(self.tower.dtype), metadata))
 

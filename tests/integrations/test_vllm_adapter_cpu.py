@@ -214,3 +214,20 @@ def test_the_adapter_refuses_a_tower_that_is_not_an_hwgraph_tower_naming_it(hv, 
         hv.Qwen3OmniEncoderCudaGraphAdapter(Qwen3OmniMoeVisionEncoder(tower.config))
     with pytest.raises(TypeError, match=r"got NoneType without "):
         hv.Qwen3OmniEncoderCudaGraphAdapter(None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_eager_takes_host_pixels_for_a_gpu_tower_as_the_replay_path_does(hv, tower):
+    """The replay path copies host pixels into the graph's device buffer; the eager forward handed them to the GPU
+    tower as they came, which failed with a device mismatch once a group ran eagerly (vLLM's own tower moves them)."""
+    gpu = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval()
+    gpu.load_state_dict(tower.state_dict())
+    gpu = gpu.to("cuda")
+    adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(gpu)
+    pixels = torch.randn(80, tower.patch_row_width, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = adapter.encoder_eager_forward({"pixel_values": pixels, "image_grid_thw": GRID})
+        want = adapter.encoder_eager_forward({"pixel_values": pixels.cuda(), "image_grid_thw": GRID})
+    assert got.device == want.device == gpu.device
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
