@@ -41,6 +41,12 @@ import hwgraph.attention.sdpa as sdpa
 real = sdpa.masked_sdpa
 sdpa.masked_sdpa = lambda q, k, v, cu, scale: real(q, k, v, torch.stack([cu[0], cu[-1]]), scale)
 ''',
+    # the scale it is given is ignored for the usual default, 1/sqrt(head_dim): the tower passes that same value
+    "ignores scale": '''
+import hwgraph.attention.sdpa as sdpa
+real = sdpa.masked_sdpa
+sdpa.masked_sdpa = lambda q, k, v, cu, scale: real(q, k, v, cu, q.shape[-1] ** -0.5)
+''',
 }
 
 
@@ -132,6 +138,9 @@ def test_checks_pass_the_reference_backend_whose_graphs_take_fewer_images(monkey
 @pytest.mark.parametrize(("cls", "check"), [
     (suite.TestMultiImageGroups, "test_several_images_share_one_replay_in_caller_order"),
     (suite.TestMultiImageGroups, "test_each_slot_count_graph_of_a_budget_replays_its_own_groups"),
+    # their groups of 16 and 12 tokens fit no budget of (4, 8): eager, and "must replay" failed a correct backend
+    (suite.TestDeepStack, "test_every_deepstack_slice_of_every_image_equals_eager"),
+    (suite.TestNoHostSync, "test_replay_and_fallback_read_nothing_back_from_the_device"),
 ])
 def test_checks_pass_the_reference_backend_with_a_vendors_small_budgets(monkeypatch, cls, check):
     """With budgets of (4, 8) and four images a graph, the first crashed (its 23-token group fit no budget: TypeError)
@@ -146,9 +155,78 @@ def test_checks_pass_the_reference_backend_with_a_vendors_small_budgets(monkeypa
         manager.close()
 
 
+@pytest.mark.parametrize(("cls", "check", "fill"), [
+    (suite.TestReplayEqualsEager, "test_single_image_replays_at_each_budget_and_equals_eager", "padded"),
+    (suite.TestReplayEqualsEager, "test_single_image_replays_at_each_budget_and_equals_eager", "full"),
+    (suite.TestBudgetChanges, "test_a_non_finite_request_leaves_later_requests_in_its_graph_unharmed", None),
+])
+def test_checks_pass_the_reference_backend_with_budgets_that_do_not_double(monkeypatch, cls, check, fill):
+    """With budgets of (16, 24, 32), a padded image of 32 - 32 // 4 = 24 tokens, and a later call of 32 // 2 + 1 = 17
+    tokens, fit the 24-token budget: the checks, expecting budget 32, failed a correct backend."""
+    instance, tower, manager = make(cls, monkeypatch, budgets=(16, 24, 32))
+    try:
+        getattr(instance, check)(manager, tower, *([fill] if fill else []))
+    finally:
+        manager.close()
+
+
 def test_uneven_sizes_fit_the_tokens_they_are_given():
     assert suite.ConformanceSuite.uneven((4, 1, 16, 2), 23) == (4, 1, 16, 2)
     fitted = suite.ConformanceSuite.uneven((4, 1, 16, 2), 8)
     assert sum(fitted) <= 8 and min(fitted) >= 1 and len(set(fitted)) > 1
     with pytest.raises(ValueError, match="4 images of at least 1 token cannot share 3 tokens"):
         suite.ConformanceSuite.uneven((1, 1, 1, 1), 3)
+
+
+def test_the_suite_checks_a_kernel_that_is_not_graph_safe_against_the_reference(tmp_path):
+    """The manager runs such a kernel eagerly (NPU attention, given as ``attention="NPU"``), yet every case of it was
+    one skip: a wrong one passed a vendor's run on its own hardware with nothing checked."""
+    patch = BROKEN_KERNELS["zeros"] + '''
+import dataclasses
+from hwgraph.attention import registry
+real_kernel_specs = registry.kernel_specs
+registry.kernel_specs = lambda: (*real_kernel_specs(), dataclasses.replace(sdpa.TORCH_SDPA, name="EAGER_ONLY",
+                                                                          graph_safe=False))
+'''
+    module = VENDOR_MODULE.format(patch=patch).replace('("TORCH_SDPA",)', '("EAGER_ONLY",)')
+    (tmp_path / "test_vendor_conformance.py").write_text(module)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-4000:] + run.stderr
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    assert [line.split(" - ")[0] for line in failed] == [
+        "FAILED test_vendor_conformance.py::TestAttentionMatchesReference::"
+        "test_the_kernel_equals_the_float64_reference[cpu-EAGER_ONLY-float32]"], run.stdout[-4000:]
+    # the graph checks still skip it, saying why
+    assert "attention kernel EAGER_ONLY is not graph-safe: the manager runs it eagerly" in run.stdout
+
+
+def test_the_pool_release_check_closes_its_manager_when_it_fails(monkeypatch):
+    """A failure before its own close() left the manager's graphs and pool held for the rest of the vendor's run."""
+    from hwgraph.manager import EncoderGraphManager
+
+    open_managers = set()
+    make_manager, close = suite.ConformanceSuite.make_manager, EncoderGraphManager.close
+
+    def tracked(self, tower, case):
+        manager = make_manager(self, tower, case)
+        open_managers.add(manager)
+        return manager
+
+    def closing(self):
+        open_managers.discard(self)
+        close(self)
+
+    monkeypatch.setattr(suite.ConformanceSuite, "make_manager", tracked)
+    monkeypatch.setattr(EncoderGraphManager, "close", closing)
+    check = suite.TestPoolRelease()
+
+    def wrong(*args, **kwargs):
+        raise AssertionError("a wrong replay")
+
+    monkeypatch.setattr(check, "encode_and_check", wrong)
+    with pytest.raises(AssertionError, match="a wrong replay"):
+        check.test_close_returns_the_graph_memory(suite_tower(CASE.preset, CASE.device, CASE.dtype), CASE)
+    assert not open_managers

@@ -102,8 +102,10 @@ def skipped(case_id: str, reason: str):
     return pytest.param(None, id=case_id, marks=pytest.mark.skip(reason=reason))
 
 
-def conformance_params(settings: SuiteSettings) -> list:
+def conformance_params(settings: SuiteSettings, graph_safe_only: bool = True) -> list:
     """``pytest.param`` per case: runnable ones carry a ``ConformanceCase``; the others are skips with reasons.
+    A kernel that is not graph-safe is a skip only for checks that capture it (``graph_safe_only``): the manager
+    still runs it eagerly, so a check of the kernel itself runs it.
 
     Raises ValueError for a graph backend (``HWGRAPH_BACKEND``, or a name in ``$HWGRAPH_TEST_BACKENDS``) that is not
     installed or failed to load, for a selected kernel name no installed kernel has (case ignored), for an unknown
@@ -180,7 +182,7 @@ def conformance_params(settings: SuiteSettings) -> list:
         kcap = kernel.capability(kernel_platform, dtype, head_dim)
         if not kcap.ok:
             params.append(skipped(case.id, f"attention kernel {kernel.name} is unavailable: {kcap.describe()}"))
-        elif not kernel.graph_safe:
+        elif graph_safe_only and not kernel.graph_safe:
             params.append(skipped(case.id, f"attention kernel {kernel.name} is not graph-safe: "
                                            f"the manager runs it eagerly"))
         else:

@@ -18,6 +18,7 @@ replay and an unpadded eager call run different GEMM tilings, so near-zero outpu
 and a relative L2 error bound (a stale or misplaced row gives errors of order 1). Override ``tolerances`` and
 ``relative_l2``. Eager runs the case's attention kernel too, so ``TestAttentionMatchesReference`` compares the kernel
 itself with the float64 reference (``hwgraph.testing.reference``): a wrong kernel is wrong in eager and replay alike.
+A kernel that is not graph-safe (the manager runs it only eagerly) is checked there alone.
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ class ConformanceSuite:
     tolerances: dict = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 2e-2}, torch.float16: {"rtol": 1e-3, "atol": 2e-3}}
     #: dtype -> bound on ||got - want|| / ||want|| per tensor; absent: no extra bound.
     relative_l2: dict = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
+    #: The checks capture graphs with the case's kernel: a kernel that is not graph-safe has no runnable case.
+    captures_graphs: bool = True
 
     def pytest_generate_tests(self, metafunc):
         if "case" in metafunc.fixturenames:
-            params = conformance_params(settings_for(metafunc.cls, metafunc.module))
+            params = conformance_params(settings_for(metafunc.cls, metafunc.module),
+                                        graph_safe_only=getattr(metafunc.cls, "captures_graphs", True))
             metafunc.parametrize("case", params)
 
     @pytest.fixture(autouse=True)
@@ -111,6 +115,10 @@ class ConformanceSuite:
     def budget_for(self, tokens: int) -> int | None:
         """The budget the single-replay policy must pick for a group of ``tokens``, or None (eager)."""
         return min((b for b in self.budgets if b >= tokens), default=None)
+
+    def budget_below(self, budget: int) -> int:
+        """The largest budget below ``budget`` (0 for the smallest): a group of more tokens needs ``budget``."""
+        return max((b for b in self.budgets if b < budget), default=0)
 
     @staticmethod
     def uneven(sizes: tuple[int, ...], total: int) -> tuple[int, ...]:
@@ -203,7 +211,8 @@ class TestReplayEqualsEager(ConformanceSuite):
     @pytest.mark.parametrize("fill", ["full", "padded"])
     def test_single_image_replays_at_each_budget_and_equals_eager(self, manager, tower, fill):
         for i, budget in enumerate(sorted(self.budgets)):
-            tokens = budget if fill == "full" else budget - budget // 4
+            # padded, yet more than the budget below holds (budgets of (16, 24, 32): 24 tokens replayed budget 24)
+            tokens = budget if fill == "full" else max(budget - budget // 4, self.budget_below(budget) + 1)
             grid = self.grid(tower, tokens)
             before = dict(manager.stats()["replays_per_budget"])
             self.encode_and_check(manager, tower, grid, seed=100 + i, what=f"budget {budget} ({fill})")
@@ -266,6 +275,10 @@ class TestAttentionMatchesReference(ConformanceSuite):
     #: Lengths of the packed batch's sequences: several, so that a kernel attending across them shows; short, so
     #: that each output row is a mean of few value rows, far from zero.
     attention_seqlens: tuple[int, ...] = (7, 1, 23, 12)
+    #: The scale the kernel is given, in units of the usual 1/sqrt(head_dim): not 1, so that a kernel ignoring its
+    #: ``scale`` for that default (what the tower passes, so no other check shows it) fails.
+    attention_scale_factor: float = 2.0
+    captures_graphs = False  # a kernel that is not graph-safe runs in eager calls (attention="NPU"): checked too
 
     def test_the_kernel_equals_the_float64_reference(self, case):
         """Every other check compares the manager with the tower's eager answer, which runs the same kernel: one
@@ -280,8 +293,10 @@ class TestAttentionMatchesReference(ConformanceSuite):
         spec = kernel_named(case.kernel)
         kernel = spec.load()
         config = preset_config(case.preset)
-        batch = random_packed_batch(self.attention_seqlens, config.num_heads, config.hidden_size // config.num_heads,
-                                    zero_length=2, padding_rows=9, dtype=case.dtype, device=case.device, seed=900)
+        head_dim = config.hidden_size // config.num_heads
+        batch = random_packed_batch(self.attention_seqlens, config.num_heads, head_dim, zero_length=2, padding_rows=9,
+                                    dtype=case.dtype, device=case.device, seed=900,
+                                    scale=self.attention_scale_factor * head_dim ** -0.5)
         variants = {kernel.__name__: kernel}
         if hasattr(kernel, "padding_unspecified"):
             variants["padding_unspecified"] = kernel.padding_unspecified
@@ -297,7 +312,8 @@ class TestAttentionMatchesReference(ConformanceSuite):
                 assert_matches_reference(out, batch)
             except AssertionError as exc:
                 raise AssertionError(f"attention kernel {case.kernel} ({name}) on sequences {batch.seqlens}, "
-                                     f"{batch.zero_length} empty slots and {batch.padding_rows} padding rows differs "
+                                     f"{batch.zero_length} empty slots and {batch.padding_rows} padding rows, scale "
+                                     f"{batch.scale:.4g}, differs "
                                      f"from the float64 reference: {exc}") from None
 
 
@@ -351,7 +367,7 @@ class TestBudgetChanges(ConformanceSuite):
         pixels = pixels_for(tower, grid, 420)
         pixels[-4 * tower.spatial_merge_size**2:] = float("nan")  # the last four tokens' patches
         manager.encode(pixels, grid)
-        later = self.grid(tower, large // 2 + 1)
+        later = self.grid(tower, max(large // 2, self.budget_below(large)) + 1)  # in the largest graph too
         out = self.encode_and_check(manager, tower, later, seed=421, what="the call after a NaN request")
         assert all(bool(torch.isfinite(o.embeds).all()) for o in out)
         assert manager.stats()["replays_per_budget"] == {large: 2}, "both calls must replay the largest graph"
@@ -359,8 +375,9 @@ class TestBudgetChanges(ConformanceSuite):
 
 class TestDeepStack(ConformanceSuite):
     def test_every_deepstack_slice_of_every_image_equals_eager(self, manager, tower):
-        # as many images as a graph takes: with max_images = 2 the group of three ran eagerly, checking no replay
-        grid = self.grid(tower, *(6, 9, 1)[: self.max_images])
+        # as many images and tokens as a graph takes: with max_images = 2 the group of three ran eagerly, checking no
+        # replay, as did its 16 tokens with budgets of (4, 8)
+        grid = self.grid(tower, *self.uneven((6, 9, 1)[: self.max_images], max(self.budgets)))
         out = self.encode_and_check(manager, tower, grid, seed=500, what="DeepStack group")
         assert manager.stats()["replays"] == 1, f"the DeepStack group {grid} must replay: {manager.stats()}"
         for o, n in zip(out, image_tokens(grid, tower.spatial_merge_size), strict=True):
@@ -407,8 +424,10 @@ class TestNoHostSync(ConformanceSuite):
                 pytest.fail(f"{what} still raises after the sync_guard() block ended: {exc}", pytrace=False)
 
     def test_replay_and_fallback_read_nothing_back_from_the_device(self, manager, tower):
-        # as many images as a graph takes (max_images = 1: two images ran eagerly, and the hits check failed)
-        grid, video = self.grid(tower, *(8, 4)[: self.max_images]), self.grid(tower, 4, frames=2)
+        # as many images and tokens as a graph takes (max_images = 1, or budgets of (4, 8): the group ran eagerly, and
+        # the hits check failed)
+        grid = self.grid(tower, *self.uneven((8, 4)[: self.max_images], max(self.budgets)))
+        video = self.grid(tower, 4, frames=2)
         pixels, video_pixels = pixels_for(tower, grid, 700), pixels_for(tower, video, 701)
         with manager.backend.sync_guard():
             out = manager.encode(pixels, grid)
@@ -429,13 +448,15 @@ class TestPoolRelease(ConformanceSuite):
         # outlive every manager (freeing them could break other live graphs): measure from after one.
         self.captured(self.make_manager(tower, case)).close()
         m = self.make_manager(tower, case)
-        m.backend.synchronize()
-        before = m.backend.memory_in_use()
-        self.captured(m)
-        held = m.backend.memory_in_use()
-        assert held > before, f"capture held no memory: memory_in_use {before} -> {held} bytes"
-        self.encode_and_check(m, tower, self.grid(tower, 8), seed=800, what="before close")
-        m.close()
+        try:  # a failure before its close() would leave its graphs held for the rest of the run
+            m.backend.synchronize()
+            before = m.backend.memory_in_use()
+            self.captured(m)
+            held = m.backend.memory_in_use()
+            assert held > before, f"capture held no memory: memory_in_use {before} -> {held} bytes"
+            self.encode_and_check(m, tower, self.grid(tower, 8), seed=800, what="before close")
+        finally:
+            m.close()
         after = m.backend.memory_in_use()
         assert after <= before + self.pool_release_slack_bytes, \
             f"close() left {after - before} bytes of {held - before} held (memory_in_use {before} -> {held} -> {after})"
