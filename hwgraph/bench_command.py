@@ -46,7 +46,7 @@ def check_backend(name: str | None, device: torch.device) -> None:
     try:
         choose_backend(name, device=device)  # the platform serving device
     except SelectionError as exc:
-        raise ValueError(f"{'--backend' if name else '$' + GRAPH_BACKEND_ENV}: {exc}") from None
+        raise ValueError(f"--backend: {exc}" if name else str(exc)) from None  # the variable's error names it
 
 
 def check_graph_mode(backend: str | None, mode: str | None, device: torch.device) -> None:
@@ -75,12 +75,13 @@ def check_backend_builds(name: str | None, mode: str | None, device: torch.devic
     def silent(record: logging.LogRecord) -> bool:
         return False
 
-    option = "--backend" if name else ("$" + GRAPH_BACKEND_ENV if os.environ.get(GRAPH_BACKEND_ENV) else None)
+    # the variable's errors name it (hwgraph.registry.named_by_variable)
+    prefix = "--backend: " if name else ("" if os.environ.get(GRAPH_BACKEND_ENV) else f"--graph-mode {mode!r}: ")
     registry.log.addFilter(silent)
     try:
         create_backend(name, device=device, mode=mode)
     except (SelectionError, ImportError) as exc:
-        raise ValueError(f"{option or '--graph-mode ' + repr(mode)}: {exc}") from None
+        raise ValueError(f"{prefix}{exc}") from None
     except ValueError as exc:  # a mode meant for the backend the automatic choice could not use
         raise ValueError(f"--graph-mode {mode!r}: {exc}") from None
     finally:

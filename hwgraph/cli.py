@@ -33,7 +33,6 @@ def info_data() -> dict:
     from hwgraph.attention.registry import list_kernels
     from hwgraph.platform import detect
     from hwgraph.registry import (
-        GRAPH_BACKEND_ENV,
         SelectionError,
         choose_backend,
         constructed,
@@ -53,7 +52,7 @@ def info_data() -> dict:
             log.debug("graph backend %r: constructing it failed", selected.spec.name, exc_info=True)
         selected_name, selection_reason = selected.spec.name, selected.reason
     except (SelectionError, ImportError) as exc:  # info exists to say why: the tables below say it for every one
-        selected_name, selection_reason = None, f"${GRAPH_BACKEND_ENV}: {exc}"  # only a forced choice raises
+        selected_name, selection_reason = None, str(exc)  # only a forced choice raises: the variable's, named
     backends = [
         {"name": spec.name, "available": cap.ok, "reasons": list(cap.reasons), "kinds": list(spec.kinds),
          "modes": list(spec.modes), "priority": spec.priority, "class": spec.class_path,

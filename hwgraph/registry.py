@@ -7,6 +7,7 @@ and the attention kernels the plugin brings.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
@@ -251,6 +252,27 @@ def choose_backend(name: str | None = None, platform: PlatformInfo | None = None
     (eager-equivalent) and says why.
     """
     check_backend_name(name)
+    with named_by_variable(name):
+        return chosen_backend(name, platform, device)
+
+
+@contextlib.contextmanager
+def named_by_variable(name: str | None):
+    """Where ``name`` is None and ``$HWGRAPH_GRAPH_BACKEND`` names the backend, a ``SelectionError`` or
+    ``ImportError`` raised inside begins with the variable, as the command line's errors do: a manager's refusal of
+    "graph backend 'cuda'" did not say that the name came from the environment."""
+    from_variable = name is None and bool(os.environ.get(GRAPH_BACKEND_ENV))
+    prefix = f"${GRAPH_BACKEND_ENV}: "
+    try:
+        yield
+    except (SelectionError, ImportError) as exc:
+        if not from_variable or str(exc).startswith(prefix):
+            raise
+        raise type(exc)(f"{prefix}{exc}") from exc
+
+
+def chosen_backend(name: str | None, platform: PlatformInfo | None, device) -> Selected:
+    """``choose_backend``'s choice, its name checked."""
     platform = platform or (detect() if device is None else platform_for(device))
     name = name if name is not None else os.environ.get(GRAPH_BACKEND_ENV) or None  # set empty: unset
     if name:
@@ -297,6 +319,13 @@ def create_backend(name: str | None = None, device=None, mode: str | None = None
     construction refuses its graph mode with ``SelectionError`` (npu's ``aclgraph`` on a torch_npu without its graph
     API). A ``mode`` meant for the backend an automatic choice could not use raises ``ValueError`` with the
     reason."""
+    check_backend_name(name)
+    with named_by_variable(name):
+        return created_backend(name, device, mode, platform)
+
+
+def created_backend(name: str | None, device, mode: str | None, platform):
+    """``create_backend``'s backend, its name checked."""
     # the platform serving device: its architecture (a host may mix GPUs), not device 0's; the CPU's for a CPU device
     chosen = choose_backend(name, platform, device)
     selected, cls = loaded_class(chosen)

@@ -65,7 +65,7 @@ def choose_backend_name(name: str | None) -> tuple[str, str]:
     """(backend to validate, why): ``name`` as given, so that the report says why it is unavailable here, else the
     one hwgraph chooses (``$HWGRAPH_GRAPH_BACKEND`` included). ``SelectionError`` naming the option or variable for
     a name no installed package brings, and for an unusable ``$HWGRAPH_GRAPH_BACKEND``."""
-    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, backend_specs, choose_backend, spec_named
+    from hwgraph.registry import SelectionError, backend_specs, choose_backend, spec_named
 
     if name == "":  # a script's unset variable (--backend "$BACKEND"): not a request for the automatic choice
         raise SelectionError(f"--backend '': expected a graph backend name, one of "
@@ -77,10 +77,7 @@ def choose_backend_name(name: str | None) -> tuple[str, str]:
         except SelectionError as exc:
             raise SelectionError(f"--backend: {exc}") from None
         return name, "explicit (--backend)"
-    try:
-        selected = choose_backend()  # an automatic choice never raises: only a forced one can
-    except SelectionError as exc:
-        raise SelectionError(f"${GRAPH_BACKEND_ENV}: {exc}") from None
+    selected = choose_backend()  # an automatic choice never raises: only the variable's, which its error names
     return selected.spec.name, selected.reason
 
 

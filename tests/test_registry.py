@@ -500,3 +500,21 @@ def test_only_none_means_the_automatic_choice_and_an_empty_or_non_str_name_is_re
     assert choose_backend(None, platform=platform_of("cpu")).spec.name == "cpu"  # None: the variable's
     monkeypatch.setenv(GRAPH_BACKEND_ENV, "")  # a variable set empty counts as unset
     assert choose_backend(None, platform=platform_of("cpu")).spec.name == "other"
+
+
+def test_an_error_about_the_backend_the_variable_names_says_the_variable_named_it(monkeypatch):
+    """``EncoderGraphManager(tower)`` with ``$HWGRAPH_GRAPH_BACKEND`` naming an unknown or unavailable backend said
+    "graph backend 'x' is unavailable" without saying that the name came from the environment (the command line's
+    errors added it themselves)."""
+    install_probes(monkeypatch, other=lambda: spec("other", "cuda", reasons=("needs a GPU",), priority=60))
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "other")
+    with pytest.raises(SelectionError, match=rf"^\${GRAPH_BACKEND_ENV}: graph backend 'other' is unavailable: needs "
+                                             rf"a GPU$"):
+        choose_backend(platform=platform_of("cpu"))
+    with pytest.raises(SelectionError, match=rf"^\${GRAPH_BACKEND_ENV}: graph backend 'other' is unavailable"):
+        create_backend(device=torch.device("cpu"))  # once, not again by create_backend around choose_backend
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, "bogus")
+    with pytest.raises(SelectionError, match=rf"^\${GRAPH_BACKEND_ENV}: unknown graph backend 'bogus'; known: "):
+        create_backend(device=torch.device("cpu"))
+    with pytest.raises(SelectionError, match=r"^graph backend 'other' is unavailable: needs a GPU$"):
+        choose_backend("other", platform=platform_of("cpu"))  # named as an argument: the variable is not the source
