@@ -124,12 +124,16 @@ def compile_limits(num_budgets: int):
 
 
 def dynamo_enabled() -> Capability:
-    """Whether ``torch.compile`` compiles in this process now: with ``torch._dynamo.config.disable`` on (which
-    ``TORCHDYNAMO_DISABLE=1`` sets) it hands back the function itself, and a "compiled" capture would be a plain one
-    counted as compiled (and the rounding probe would compare eager with eager)."""
+    """Whether ``torch.compile`` compiles in this process now. With ``torch._dynamo.config.disable`` on (which
+    ``TORCH_COMPILE_DISABLE=1`` sets) or ``TORCHDYNAMO_DISABLE=1`` in the environment (read at each
+    ``torch.compile``) it hands back the function itself, and a "compiled" capture would be a plain one counted as
+    compiled (and the rounding probe would compare eager with eager)."""
     if getattr(torch._dynamo.config, "disable", False):
         return Capability.unavailable("torch.compile is disabled in this process (torch._dynamo.config.disable, "
-                                      "which TORCHDYNAMO_DISABLE=1 sets): it would run the forward uncompiled")
+                                      "which TORCH_COMPILE_DISABLE=1 sets): it would run the forward uncompiled")
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":
+        return Capability.unavailable("torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1): it would "
+                                      "run the forward uncompiled")
     return Capability.available()
 
 

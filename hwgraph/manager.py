@@ -112,7 +112,7 @@ class EncoderGraphManager:
     ``stats()['capture_seconds_per_budget']``, of which ``compile_seconds_per_budget`` is the budget's first compiled
     forward, where dynamo traces and inductor compiles, less any measuring of products in it); where the backend
     cannot compile (``compile_support()``, e.g. NPU) or the process disables ``torch.compile``
-    (``TORCHDYNAMO_DISABLE=1``), where inductor's code would not round the tower's bf16/fp16
+    (``TORCH_COMPILE_DISABLE=1``), where inductor's code would not round the tower's bf16/fp16
     intermediates as eager does (``compile_mode.inductor_rounds_as_eager``: the CPU's up to torch 2.11), or a budget's
     compiled capture fails, that capture is plain, and ``stats()`` says why (``compile_skipped``, ``compile_failures``).
 

@@ -569,18 +569,23 @@ def test_the_code_copy_keeps_keyword_only_defaults_and_refuses_what_it_cannot_co
         compile_mode.own_code_copy(functools.partial(block, scale=3.0))  # was AttributeError: no __code__
 
 
-def test_compiled_mode_where_dynamo_is_disabled_captures_plain_and_says_why(monkeypatch, caplog):
-    """TORCHDYNAMO_DISABLE=1 (torch._dynamo.config.disable) makes torch.compile hand back the function itself: the
-    manager 'compiled' every budget, stats() gave each a compile time and no reason, and the bench's compiled column
-    was plain replay."""
+@pytest.mark.parametrize("how", ["TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE"])
+def test_compiled_mode_where_dynamo_is_disabled_captures_plain_and_says_why(monkeypatch, caplog, how):
+    """torch._dynamo.config.disable (TORCH_COMPILE_DISABLE=1) or TORCHDYNAMO_DISABLE=1 (read at each torch.compile)
+    makes torch.compile hand back the function itself: the manager 'compiled' every budget, stats() gave each a
+    compile time and no reason, and the bench's compiled column was plain replay."""
     tower = Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[0]).eval()
     m = EncoderGraphManager(tower, budgets=[8], max_images_per_graph=2, graph_backend="cpu", compile=True)
     monkeypatch.setattr(m.backend, "compile_support", Capability.available)  # wherever inductor would run
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    with caplog.at_level(logging.WARNING, logger="hwgraph.manager"):
+    if how == "TORCHDYNAMO_DISABLE":
+        monkeypatch.setenv(how, "1")
+    # config.patch, not monkeypatch: monkeypatch's undo deleted the entry, which hid it from dynamo for the process
+    with torch._dynamo.config.patch(disable=how == "TORCH_COMPILE_DISABLE"), \
+            caplog.at_level(logging.WARNING, logger="hwgraph.manager"):
         m.capture()
     s = m.stats()
     assert sorted(m.graphs) == [8] and s["capture_failures"] == {} and s["compile_seconds_per_budget"] == {}
-    assert "torch._dynamo.config.disable" in (s["compile_skipped"] or ""), s["compile_skipped"]
-    assert "TORCHDYNAMO_DISABLE" in s["compile_skipped"] and "capturing without torch.compile" in caplog.text
+    assert how in (s["compile_skipped"] or ""), s["compile_skipped"]
+    assert "torch.compile is disabled in this process" in s["compile_skipped"]
+    assert "capturing without torch.compile" in caplog.text
     check_against_eager(tower, m, [[(1, 4, 8)]])
