@@ -113,3 +113,13 @@ def test_padded_refuses_sizes_that_are_not_ints_naming_them(kwargs, named):
 def test_filling_grid_refuses_tokens_or_merge_that_are_not_positive_ints(tokens, merge, named):
     with pytest.raises(ValueError, match=f"filling_grid: {named}"):
         filling_grid(tokens, merge)
+
+
+def test_padded_names_the_empty_slots_among_the_sequences_that_do_not_fit():
+    """Padding metadata that already had empty sequence slots said "5 sequences (frames) do not fit", counting its
+    empty slots as frames."""
+    meta = Qwen3OmniVisionTower.from_preset("tiny").prepare_metadata([(1, 4, 4), (2, 4, 4)])
+    with pytest.raises(ValueError, match=r"3 sequences \(frames\) do not fit in num_seqs=2"):
+        meta.padded(64, 2)
+    with pytest.raises(ValueError, match=r"5 sequences \(3 frames and 2 empty slots\) do not fit in num_seqs=4"):
+        meta.padded(64, 5).padded(64, 4)

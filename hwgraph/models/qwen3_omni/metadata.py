@@ -149,7 +149,9 @@ class VisionMetadata:
         if num_patches % merge_area:
             problems.append(f"num_patches={num_patches} is not a multiple of spatial_merge_size**2={merge_area}")
         if num_seqs < self.num_seqs:
-            problems.append(f"{self.num_seqs} sequences (frames) do not fit in num_seqs={num_seqs}")
+            empty = self.num_seqs - self.num_frames  # an already padded metadata's empty slots count too
+            what = f"{self.num_frames} frames and {empty} empty slots" if empty else "frames"
+            problems.append(f"{self.num_seqs} sequences ({what}) do not fit in num_seqs={num_seqs}")
         if max_seqlen < self.max_seqlen:
             problems.append(f"the longest sequence ({self.max_seqlen} patches) exceeds max_seqlen={max_seqlen}")
         if problems:
