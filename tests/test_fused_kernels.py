@@ -14,8 +14,9 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from hwgraph.models.qwen3_omni import fused
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower, fused
 
 CHILD = textwrap.dedent("""
     import torch
@@ -315,3 +316,99 @@ def test_fused_kernels_on_the_gpu_equal_the_unfused_computation(dtype):
         weights = torch.rand(4, tokens, device="cuda")
         torch.testing.assert_close(fused.add_position_embedding(x, table, indices, weights),
                                    fused.add_position_embedding_reference(x, table, indices, weights), rtol=0, atol=0)
+
+
+def test_rotary_tables_of_another_shape_than_tokens_by_head_dim_take_the_reference(monkeypatch):
+    """The kernel reads ``cos``/``sin`` as ``[T, D]`` rows: a contiguous ``[1, D]`` table (one angle row for every
+    token, which the reference broadcasts) or a ``[T, 1]`` one went to it, and it read past the table (under the
+    interpreter: values up to 2.5e38 where the reference gave the rotation)."""
+    launched = []
+    monkeypatch.setattr(fused, "use_triton", lambda t: True)
+    monkeypatch.setattr(fused, "rotary_qk_launch",
+                        lambda qkv, *a: launched.append(qkv.shape) or qkv[:, :2].movedim(1, 0))
+    torch.manual_seed(0)
+    qkv = torch.randn(4, 3, 2, 8)
+    angles = torch.randn(4, 4)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1)
+    fused.rotary_qk(qkv, cos, sin)
+    assert len(launched) == 1  # [T, D]: the kernel
+    for c, s in ((cos[:1], sin[:1]), (cos[:, :1].contiguous(), sin[:, :1].contiguous()), (cos, sin[:1])):
+        for g, w in zip(fused.rotary_qk(qkv, c, s), fused.rotary_qk_reference(qkv, c, s), strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert len(launched) == 1
+
+
+def test_position_indices_of_other_than_two_dimensions_take_the_reference(monkeypatch):
+    """``[4, R, 1]`` indices went to the kernel, which returned ``[R, hidden]`` where the reference broadcasts to
+    ``[R, R, hidden]``; 1-D ones failed in the test for the kernel's layout ("tuple index out of range")."""
+    launched = []
+    monkeypatch.setattr(fused, "use_triton", lambda t: True)
+    monkeypatch.setattr(fused, "add_position_embedding_launch", lambda x, *a: launched.append(x.shape) or x)
+    torch.manual_seed(0)
+    x, table = torch.randn(3, 8), torch.randn(5, 8)
+    indices, weights = torch.randint(0, 5, (4, 3, 1)), torch.rand(4, 3, 1)
+    got = fused.add_position_embedding(x, table, indices, weights)
+    torch.testing.assert_close(got, fused.add_position_embedding_reference(x, table, indices, weights), rtol=0, atol=0)
+    with pytest.raises(IndexError, match="too many indices"):  # the reference's own: weights[:, :, None] of 1-D weights
+        fused.add_position_embedding(x, table, indices[0, :, 0], weights[0, :, 0])
+    assert not launched
+
+
+def test_add_layer_norm_with_a_wider_delta_takes_the_reference(monkeypatch):
+    """The kernel rounds ``x + delta`` to ``x``'s dtype: with fp16 ``x`` and a float32 ``delta`` it returned a float16
+    sum and LayerNorm where the unfused computation promotes both to float32."""
+    launched = []
+    monkeypatch.setattr(fused, "use_triton", lambda t: True)
+    monkeypatch.setattr(fused, "add_layer_norm_launch",
+                        lambda x, *a: launched.append(x.dtype) or torch.stack((x, x)))
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(8)
+    with torch.no_grad():
+        x, delta = torch.randn(3, 8).half(), torch.randn(3, 8)
+        got = fused.add_layer_norm(x, delta, norm)
+        for g, w in zip(got, fused.add_layer_norm_reference(x, delta, norm), strict=True):
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert not launched
+        fused.add_layer_norm(x, delta.half(), norm.half())
+    assert launched == [torch.float16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_towers_own_forward_takes_every_fused_kernel(monkeypatch, dtype):
+    """The conditions that send an input to a kernel's reference must let the tower's own inputs through: each block
+    runs the rotary kernel once and add + LayerNorm twice (the last block's second as its merger's input, or the
+    next block's first norm), and the position embedding runs its kernel once. Launches are recorded, and answer as
+    the references do, so this runs on the CPU."""
+    calls = {"rotary": 0, "add_layer_norm": 0, "position": 0}
+
+    def counted(name, reference):
+        def launch(*args, **kwargs):
+            calls[name] += 1
+            return reference(*args)
+        return launch
+
+    def rotary(qkv, cos, sin, *rest):
+        return torch.stack(fused.rotary_qk_reference(qkv, cos, sin))
+
+    def add_norm(x, delta, weight, bias, eps, *rest):
+        total = x + delta
+        return torch.stack((total, F.layer_norm(total, total.shape[-1:], weight, bias, eps)))
+
+    monkeypatch.setattr(fused, "use_triton", lambda t: True)
+    monkeypatch.setattr(fused, "rotary_qk_launch", counted("rotary", rotary))
+    monkeypatch.setattr(fused, "add_layer_norm_launch", counted("add_layer_norm", add_norm))
+    monkeypatch.setattr(fused, "add_position_embedding_launch",
+                        counted("position", lambda x, t, i, w: fused.add_position_embedding_reference(x, t, i, w)))
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval().to(dtype)
+    grid = [(1, 8, 8), (1, 4, 4)]
+    pixels = torch.randn(80, tower.patch_row_width, dtype=dtype)
+    with torch.inference_mode():
+        got = tower(pixels, grid)
+    depth = len(tower.blocks)
+    assert calls["rotary"] == depth and calls["position"] == 1, calls
+    assert calls["add_layer_norm"] >= 2 * depth - 1, calls
+    monkeypatch.setattr(fused, "use_triton", lambda t: False)
+    with torch.inference_mode():
+        want = tower(pixels, grid)
+    torch.testing.assert_close(got.embeds, want.embeds)

@@ -102,7 +102,9 @@ def _(qkv, cos, sin):
 
 def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated ``q``, ``k`` ``[T, H, D]`` from the ``[T, 3, H, D]`` qkv view (see ``rotary_qk_reference``)."""
-    if not use_triton(qkv) or qkv.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous() \
+    # The kernel reads cos and sin as contiguous [T, D] rows: a table the reference broadcasts ([1, D]) takes it.
+    if not use_triton(qkv) or qkv.dim() != 4 or qkv.stride(-1) != 1 or cos.shape != (qkv.shape[0], qkv.shape[-1]) \
+            or sin.shape != cos.shape or not cos.is_contiguous() or not sin.is_contiguous() \
             or records_grad(qkv, cos, sin):
         return rotary_qk_reference(qkv, cos, sin)
     out = eager_or_op(rotary_qk_op, rotary_qk_launch)(qkv, cos, sin)
@@ -151,11 +153,12 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNor
     """``(x + delta, norm(x + delta))`` for ``[rows, N]`` activations, in one kernel on GPUs."""
     # The kernel reads weight and bias as contiguous [N] rows: other layouts (a parameter assigned a strided view)
     # take the reference, which gave other values than the kernel's.
+    # The kernel's sum is rounded to x's dtype: a delta of another dtype (x + delta promotes) takes the reference.
     fusable = (use_triton(x) and x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.stride(-1) == 1
-               and delta.stride(-1) == 1 and delta.shape == x.shape and norm.weight is not None
-               and norm.bias is not None and norm.weight.shape == norm.bias.shape == x.shape[1:]
-               and norm.weight.is_contiguous() and norm.bias.is_contiguous()
-               and not records_grad(x, delta, norm.weight, norm.bias))
+               and delta.stride(-1) == 1 and delta.shape == x.shape and delta.dtype == x.dtype
+               and norm.weight is not None and norm.bias is not None
+               and norm.weight.shape == norm.bias.shape == x.shape[1:] and norm.weight.is_contiguous()
+               and norm.bias.is_contiguous() and not records_grad(x, delta, norm.weight, norm.bias))
     if not fusable:
         return add_layer_norm_reference(x, delta, norm)
     args = (x, delta, norm.weight, norm.bias, float(norm.eps))
@@ -207,7 +210,7 @@ def add_position_embedding(x: torch.Tensor, table: torch.Tensor, indices: torch.
     fusable = (use_triton(x) and x.dtype in KERNEL_DTYPES and table.dtype in KERNEL_DTYPES and x.dim() == 2
                and table.dim() == 2 and x.stride(-1) == 1 and table.stride(-1) == 1
                and table.shape[1] == x.shape[1] and indices.dtype == torch.int64 and weights.dtype == torch.float32
-               and indices.shape == weights.shape and indices.shape[1] == x.shape[0]
+               and indices.dim() == 2 and indices.shape == weights.shape and indices.shape[1] == x.shape[0]
                and indices.stride(-1) == 1 and weights.stride(-1) == 1 and not records_grad(x, table, weights))
     if not fusable:
         return add_position_embedding_reference(x, table, indices, weights)
