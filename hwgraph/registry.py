@@ -137,6 +137,13 @@ def plugin_attention(module: str, *names: str) -> tuple:
     return kernels
 
 
+def plugin_install_hint(kind: str | None = None) -> str:
+    """How a user installs a vendor plugin. They are not on a package index, so ``pip install 'hwgraph[cuda]'``
+    fails (no hwgraph-backend-cuda to be found); they install from hwgraph's checkout (README, Install)."""
+    folder = f"backends/{kind}" if kind in ("cuda", "rocm", "npu") else "backends/cuda (or rocm, npu)"
+    return f"the plugins are not on a package index; from hwgraph's checkout: pip install -e {folder}"
+
+
 def failed_plugins(problems) -> str:
     """What an unknown name's error adds: the installed plugins (or their modules) that failed to load, whose names
     may be the one asked for; empty without any."""
@@ -195,8 +202,7 @@ def spec_named(name: str) -> BackendSpec:
             return spec
     known = ", ".join(s.name for s in backend_specs())
     failed = failed_plugins(discovered()[1])
-    raise SelectionError(f"unknown graph backend {name!r}; known: {known} "
-                         f"(plugins install with pip install 'hwgraph[cuda|rocm|npu]'){failed}")
+    raise SelectionError(f"unknown graph backend {name!r}; known: {known} ({plugin_install_hint()}){failed}")
 
 
 def list_backends(platform: PlatformInfo | None = None) -> list[tuple[BackendSpec, Capability]]:
@@ -299,7 +305,7 @@ def chosen_backend(name: str | None, platform: PlatformInfo | None, device) -> S
         why = (f"no loaded backend serves {platform.kind}; installed plugins that failed to load: "
                f"{'; '.join(problems)}")
     else:
-        why = f"no installed backend serves {platform.kind} (pip install 'hwgraph[{platform.kind}]')"
+        why = f"no installed backend serves {platform.kind} ({plugin_install_hint(platform.kind)})"
     fallback = cpu_fallback(why)
     if platform.kind != "cpu":
         log.warning(fallback.reason)

@@ -110,7 +110,18 @@ def test_automatic_choice_on_cuda_without_any_plugin_falls_back_to_cpu_and_says_
     assert selected.spec.name == "cpu"
     assert "falling back to the cpu reference backend" in selected.reason
     assert "no installed backend serves cuda" in selected.reason
-    assert "pip install 'hwgraph[cuda]'" in selected.reason
+    assert "pip install -e backends/cuda" in selected.reason, selected.reason
+
+
+def test_the_install_hints_name_a_command_that_works_without_a_package_index(monkeypatch):
+    """The plugins are not on a package index: the hints said pip install 'hwgraph[cuda]', which fails with 'No
+    matching distribution found for hwgraph-backend-cuda==0.1.0'. They name the checkout's folder instead."""
+    install_probes(monkeypatch)
+    reason = choose_backend(platform=platform_of("rocm")).reason
+    assert "pip install -e backends/rocm" in reason and "hwgraph[" not in reason, reason
+    with pytest.raises(SelectionError) as info:
+        choose_backend("cuda", platform=platform_of("cpu"))
+    assert "pip install -e backends/cuda" in str(info.value) and "hwgraph[" not in str(info.value), info.value
 
 
 def test_automatic_choice_on_cuda_with_a_refused_plugin_falls_back_naming_its_reasons(monkeypatch, caplog):
@@ -379,7 +390,7 @@ def test_the_fallback_names_the_installed_plugin_that_failed_to_load(monkeypatch
     selected = choose_backend(platform=ROCM_MI300X)
     assert selected.spec.name == "cpu"
     assert "cannot import name 'torch_build'" in selected.reason, selected.reason
-    assert "pip install 'hwgraph[rocm]'" not in selected.reason, selected.reason
+    assert "pip install -e backends/rocm" not in selected.reason, selected.reason
 
 
 def test_an_unknown_kernel_names_the_plugin_attention_module_that_failed_to_import(monkeypatch):
