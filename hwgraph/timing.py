@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,8 +138,9 @@ def graphed_calls(fn: Callable[[], object], calls: int = 20) -> torch.cuda.CUDAG
             for _ in range(calls):
                 fn()
     except BaseException:
-        SideCaptures(torch.device("cuda", torch.cuda.current_device())).abandon_capture(graph, pool, stream, previous)
-        side_stream.cache_clear()  # never capture on a stream a failed capture touched again
+        device = torch.cuda.current_device()
+        SideCaptures(torch.device("cuda", device)).abandon_capture(graph, pool, stream, previous)
+        retire_side_stream(device)  # never capture on a stream a failed capture touched again
         raise
     return graph
 
@@ -155,13 +156,30 @@ class SideCaptures(TorchCudaGraphBackend):
         return Capability.available()
 
 
-@functools.cache
+SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> its side stream, made at first use
+SIDE_STREAMS_LOCK = threading.Lock()
+
+
 def side_stream(device: int) -> torch.cuda.Stream:
     """One stream per device for ``graphed_calls``' warm-ups and captures. cuBLAS keeps a workspace per stream for
     the process (32 MiB on Hopper). With a new warm-up stream per graph and a capture stream apart from it, measured
     products left about 100 MiB allocated per product shape they measured on the H200, as 32 MiB blocks with no
     tensor behind them (``docs/benchmarks.md``, session 27)."""
-    return torch.cuda.Stream(device=device)
+    with SIDE_STREAMS_LOCK:
+        if device not in SIDE_STREAMS:
+            SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+        return SIDE_STREAMS[device]
+
+
+def retire_side_stream(device: int | None = None) -> None:
+    """``side_stream(device)`` makes a new stream from now on (every device's, for None): after a failed capture on
+    it. Only that device's: retiring them all (the cache cleared) gave every other device a new stream, and cuBLAS a
+    new workspace there."""
+    with SIDE_STREAMS_LOCK:
+        if device is None:
+            SIDE_STREAMS.clear()
+        else:
+            SIDE_STREAMS.pop(device, None)
 
 
 def ready_side_stream(device: int, fn: Callable[[], object]) -> torch.cuda.Stream:

@@ -565,8 +565,9 @@ def test_graphed_calls_cleans_up_a_failed_capture_as_the_backend_does(runtime, m
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda index, pool: ended.append((index, pool)),
                         raising=False)
     monkeypatch.setattr(torch, "cuda", runtime)
-    timing.side_stream.cache_clear()
+    timing.retire_side_stream()
     try:
+        other = timing.side_stream(1)
         runtime.failing_ends = 1
         with pytest.raises(RuntimeError, match="operation failed due to a previous error"):
             graphed_calls(lambda: torch.ones(2), calls=2)
@@ -575,8 +576,9 @@ def test_graphed_calls_cleans_up_a_failed_capture_as_the_backend_does(runtime, m
         assert runtime.current is runtime.default and failed.was_reset and empty.was_reset
         assert not runtime.generator_marked and empty.capture_error_mode == "thread_local"
         assert timing.side_stream(0) is not failed.began_on  # the stream the failed capture touched is not reused
+        assert timing.side_stream(1) is other  # another device's stream (and its cuBLAS workspace) stays
     finally:
-        timing.side_stream.cache_clear()
+        timing.retire_side_stream()
 
 
 @contextlib.contextmanager
