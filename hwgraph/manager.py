@@ -653,6 +653,9 @@ class EncoderGraphManager:
             self.graphs.clear()
             self._padded.clear()
             self.pool = None
+            # compile=True: the compiled code and dynamo's cache of it (the tower's guards) go too; a capture() after
+            # close() compiles again
+            self._block_forward = None
             self._forget_costs()  # as calibrate() does for the budgets it releases
             self.backend.empty_cache()  # cuBLAS's per-stream workspaces stay: other live graphs may use them
             self._closed = True

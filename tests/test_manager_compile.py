@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -45,7 +47,10 @@ def test_compiled_replay_equals_eager_with_the_same_stats_and_fallback_rules():
     assert s["replays_per_budget"] == {16: 3}
     assert s["eager_reasons"] == {"over budget": 1, "video": 1}
     assert s["hits"] == 4 and s["misses"] == 2
+    compiled = weakref.ref(m._block_forward)
     m.close()
+    gc.collect()
+    assert compiled() is None, "close() kept the compiled block forward (and dynamo's cache of it)"
 
 
 def my_sdpa(q, k, v, cu_seqlens, max_seqlen, scale):
