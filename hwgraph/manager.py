@@ -23,7 +23,7 @@ from hwgraph.compile_mode import compile_block_forward, dynamo_enabled, inductor
 from hwgraph.dtypes import graph_dtype
 from hwgraph.graphs.base import CapturedGraph, CaptureError
 from hwgraph.hostmem import pinned_copy
-from hwgraph.platform import checked_device, device_runtime, platform_for
+from hwgraph.platform import check_materialised, checked_device, device_runtime, platform_for
 from hwgraph.registry import create_backend
 from hwgraph.timing import measure_interleaved
 
@@ -43,17 +43,6 @@ def caller_state_off(device: torch.device):
     if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
         stack.enter_context(torch.autocast(device.type, enabled=False))
     return stack
-
-
-def check_materialised(tower) -> None:
-    """``ValueError`` naming the tower's tensors on the meta device (built under ``torch.device("meta")`` and not
-    loaded): they hold no data, and a manager on them failed later on whatever touched them first."""
-    on_meta = [name for name, t in (*tower.named_parameters(), *tower.named_buffers()) if t.is_meta]
-    if on_meta:
-        more = f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else ""
-        raise ValueError(f"the tower's {', '.join(on_meta[:3])}{more} are on the meta device (no data: built under "
-                         f"torch.device('meta') or set_default_device('meta') and not loaded): load its weights first "
-                         f"(Qwen3OmniVisionTower.from_pretrained, or load_state_dict(..., assign=True))")
 
 
 @dataclass

@@ -202,6 +202,17 @@ def checked_device(spec: str | torch.device, name: str = "device", purpose: str 
     return device
 
 
+def check_materialised(tower: torch.nn.Module) -> None:
+    """``ValueError`` naming the tower's tensors on the meta device (built under ``torch.device("meta")`` and not
+    loaded): they hold no data, and a manager on them failed later on whatever touched them first."""
+    on_meta = [name for name, t in (*tower.named_parameters(), *tower.named_buffers()) if t.is_meta]
+    if on_meta:
+        more = f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else ""
+        raise ValueError(f"the tower's {', '.join(on_meta[:3])}{more} are on the meta device (no data: built under "
+                         f"torch.device('meta') or set_default_device('meta') and not loaded): load its weights first "
+                         f"(Qwen3OmniVisionTower.from_pretrained, or load_state_dict(..., assign=True))")
+
+
 def platform_for(device: torch.device | str) -> PlatformInfo:
     """The platform that serves ``device``: a CPU (or meta) tensor on a GPU machine is a CPU job, and a GPU named by
     index is described by its own name and architecture (``detect()`` describes device 0; a host may mix GPUs, and

@@ -53,8 +53,9 @@ def test_an_unloaded_meta_tower_refuses_to_run_naming_what_to_do():
     with torch.device("meta"):
         tower = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA")
     pixels = torch.randn(16, tower.patch_row_width)
-    with pytest.raises(ValueError, match=r"the tower's weights are on the meta device \(no data: built under "
-                                         r"torch\.device\('meta'\) and not loaded\).*"
+    with pytest.raises(ValueError, match=r"the tower's \S+, \S+, \S+ and \d+ more are on the meta device \(no "
+                                         r"data: built under torch\.device\('meta'\) or set_default_device\('meta'\) "
+                                         r"and not loaded\): load its weights first .*"
                                          r"load_state_dict\(\.\.\., assign=True\)"):
         tower(pixels, [(1, 4, 4)])
     tower.load_state_dict(Qwen3OmniVisionTower.from_preset("tiny").state_dict(), assign=True)

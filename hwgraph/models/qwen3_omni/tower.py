@@ -21,7 +21,7 @@ from hwgraph.models.qwen3_omni.fused import add_position_embedding
 from hwgraph.models.qwen3_omni.layers import AxialRotary, PatchEmbed, PatchMerger, VisionBlock
 from hwgraph.models.qwen3_omni.metadata import VisionMetadata, grid_metadata, normalize_grid
 from hwgraph.models.qwen3_omni.output import VisionOutput
-from hwgraph.platform import KINDS, PlatformInfo, platform_for
+from hwgraph.platform import KINDS, PlatformInfo, check_materialised, platform_for
 
 log = logging.getLogger(__name__)
 
@@ -316,10 +316,8 @@ class Qwen3OmniVisionTower(nn.Module):
         """
         self.check_pixels(pixel_values, metadata)
         if self.patch_embed.proj.weight.is_meta:  # torch's error ("Tensor on device meta is not on the expected
-            # device cpu!") named neither the weights nor how to load them
-            raise ValueError("the tower's weights are on the meta device (no data: built under torch.device('meta') "
-                             "and not loaded): load them first (Qwen3OmniVisionTower.from_pretrained, or "
-                             "load_state_dict(..., assign=True))")
+            # device cpu!") named neither the weights nor how to load them; one read a call, the check on failure
+            check_materialised(self)
         spec, kernel = self._chosen_attention()
         # A kernel taking host boundaries (NPU) gets them from host metadata, instead of a read in every block.
         boundaries = (host_cu_seqlens(metadata.cu_seqlens.tolist())
