@@ -268,13 +268,12 @@ def named_by_variable(name: str | None):
     ``ImportError`` raised inside begins with the variable, as the command line's errors do: a manager's refusal of
     "graph backend 'cuda'" did not say that the name came from the environment."""
     from_variable = name is None and bool(os.environ.get(GRAPH_BACKEND_ENV))
-    prefix = f"${GRAPH_BACKEND_ENV}: "
     try:
         yield
     except (SelectionError, ImportError) as exc:
-        if not from_variable or str(exc).startswith(prefix):
+        if not from_variable:
             raise
-        raise type(exc)(f"{prefix}{exc}") from exc
+        raise type(exc)(f"${GRAPH_BACKEND_ENV}: {exc}") from exc
 
 
 def chosen_backend(name: str | None, platform: PlatformInfo | None, device) -> Selected:
@@ -333,7 +332,7 @@ def create_backend(name: str | None = None, device=None, mode: str | None = None
 def created_backend(name: str | None, device, mode: str | None, platform):
     """``create_backend``'s backend, its name checked."""
     # the platform serving device: its architecture (a host may mix GPUs), not device 0's; the CPU's for a CPU device
-    chosen = choose_backend(name, platform, device)
+    chosen = chosen_backend(name, platform, device)
     selected, cls = loaded_class(chosen)
     refusal = device_refusal(selected.spec.name, cls, device)
     if refusal:
