@@ -129,12 +129,13 @@ def dynamo_enabled() -> Capability:
     ``torch.compile``) it hands back the function itself, and a "compiled" capture would be a plain one counted as
     compiled (and the rounding probe would compare eager with eager)."""
     if getattr(torch._dynamo.config, "disable", False):
-        return Capability.unavailable("torch.compile is disabled in this process (torch._dynamo.config.disable, "
-                                      "which TORCH_COMPILE_DISABLE=1 sets): it would run the forward uncompiled")
-    if os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":
-        return Capability.unavailable("torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1): it would "
-                                      "run the forward uncompiled")
-    return Capability.available()
+        why = "torch._dynamo.config.disable, which TORCH_COMPILE_DISABLE=1 sets"
+    elif os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":
+        why = "TORCHDYNAMO_DISABLE=1"
+    else:
+        return Capability.available()
+    return Capability.unavailable(f"torch.compile is disabled in this process ({why}): it would run the forward "
+                                  f"uncompiled")
 
 
 _ROUNDING_PROBES: dict = {}

@@ -71,7 +71,7 @@ class ConformanceSuite:
     def pytest_generate_tests(self, metafunc):
         if "case" in metafunc.fixturenames:
             params = conformance_params(settings_for(metafunc.cls, metafunc.module),
-                                        graph_safe_only=getattr(metafunc.cls, "captures_graphs", True))
+                                        graph_safe_only=metafunc.cls.captures_graphs)
             metafunc.parametrize("case", params)
 
     @pytest.fixture(autouse=True)
