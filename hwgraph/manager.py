@@ -466,11 +466,15 @@ class EncoderGraphManager:
     def _replay(self, entry: BudgetGraph, pixel_values, host, tokens: int, count: int) -> list:
         slots, graph = entry.graph_for(host.num_seqs)
         stream = self._after_last_replay()
-        self._fill(entry, pixel_values, host)
-        graph.replay()
-        # One copy out of the graph's buffer: the next replay overwrites it, and rows past `tokens` are padding.
-        group = graph.outputs[:, :tokens].clone()
-        self._buffers_read_on(stream)
+        try:
+            self._fill(entry, pixel_values, host)
+            graph.replay()
+            # One copy out of the graph's buffer: the next replay overwrites it, and rows past `tokens` are padding.
+            group = graph.outputs[:, :tokens].clone()
+        finally:
+            # also when a step raised (the copy out of the graph ran out of memory): what it queued still writes or
+            # reads the buffers, and the metadata it filled is skipped by the next call as already there
+            self._buffers_read_on(stream)
         self._stats.hits += count
         self._stats.replays += 1
         self._stats.padding_tokens += entry.budget - tokens
@@ -589,8 +593,10 @@ class EncoderGraphManager:
                 self._fill(entry, pixels, host)
                 entry.graph_for(host.num_seqs)[1].replay()
 
-            timed = self.time_ms({"eager": eager, "replay": replay}, warmup, samples)
-            self._buffers_read_on(stream)
+            try:
+                timed = self.time_ms({"eager": eager, "replay": replay}, warmup, samples)
+            finally:  # a timing that raised may have filled and replayed too (see _replay)
+                self._buffers_read_on(stream)
             eager_ms, replay_ms = timed["eager"], timed["replay"]
             findings[budget] = {"eager_ms": eager_ms, "replay_ms": replay_ms}
         cap = max((b for b, f in findings.items() if f["replay_ms"] < f["eager_ms"]), default=None)
@@ -642,8 +648,8 @@ class EncoderGraphManager:
             self.graphs.clear()
             self._padded.clear()
             self.pool = None
-            # compile=True: the compiled code and dynamo's cache of it (the tower's guards) go too; a capture() after
-            # close() compiles again
+            # compile=True: the compiled code and dynamo's cache of it (the tower's guards) go too (a closed manager
+            # captures nothing again: capture() after close() raises)
             self._block_forward = None
             self._forget_costs()  # as calibrate() does for the budgets it releases
             self.backend.empty_cache()  # cuBLAS's per-stream workspaces stay: other live graphs may use them

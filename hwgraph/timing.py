@@ -126,6 +126,8 @@ def graphed_calls(fn: Callable[[], object], calls: int = 20) -> torch.cuda.CUDAG
     (``TorchCudaGraphBackend.abandon_capture``, which also gives the device's manager captures a new stream): the
     current stream, the allocator's routing and the device's generator are left as they were before it, which torch
     2.11 does not do itself."""
+    if not is_int(calls) or calls < 1:  # 0 captured an empty graph, and graphed_ms divided by it
+        raise ValueError(f"calls must be a positive int (calls of fn captured in one graph), got {calls!r}")
     stream = side_stream(torch.cuda.current_device())
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
