@@ -124,7 +124,13 @@ def choose_attention(name: str | None = None, platform: PlatformInfo | None = No
         cap = spec.capability(platform, dtype, head_dim)
         if not cap.ok:
             raise SelectionError(f"{origin}attention kernel {spec.name!r} is unavailable: " + "; ".join(cap.reasons))
-        return SelectedKernel(spec, spec.load(), "explicit")
+        try:
+            fn = spec.load()
+        except ImportError as exc:  # from the variable: say so, as its SelectionErrors do
+            if not origin:
+                raise
+            raise ImportError(f"{origin}{exc}") from exc
+        return SelectedKernel(spec, fn, "explicit")
     refused = []
     for spec in sorted(kernel_specs(), key=lambda k: -k.rank(platform)):
         if platform.kind not in spec.kinds:
