@@ -187,6 +187,9 @@ class VisionMetadata:
         size and the position table side must match, since a captured graph keeps the first two and the tower's
         table lookups assume the last two. ``ValueError`` naming every field that differs, with both values, and
         nothing copied. Host fields follow ``src``. Returns self."""
+        if not isinstance(src, VisionMetadata):  # a grid raised AttributeError "'list' ... no 'spatial_merge_size'"
+            raise ValueError(f"copy_from() takes a VisionMetadata (prepare_metadata(grid_thw), padded like these "
+                             f"buffers), got {type(src).__name__}")
         mismatched = [f"{name} {getattr(self, name)} vs {getattr(src, name)}"
                       for name in ("spatial_merge_size", "num_grid_per_side", "max_seqlen")
                       if getattr(self, name) != getattr(src, name)]

@@ -273,7 +273,8 @@ class Qwen3OmniVisionTower(nn.Module):
         if not isinstance(metadata, VisionMetadata):  # e.g. a grid: AttributeError "'list' ... no attribute 'grid_thw'"
             raise ValueError(f"metadata must be a VisionMetadata (this tower's prepare_metadata(grid_thw)), got "
                              f"{type(metadata).__name__}: for a grid, call forward(pixel_values, grid_thw)")
-        self.check_pixel_rows(pixel_values, metadata.grid_thw, metadata.num_rows)
+        # padded metadata's rows are more than its grids need: the message names both
+        self.check_pixel_rows(pixel_values, metadata.grid_thw, metadata.num_rows, patches=metadata.num_patches)
         built_for = (metadata.spatial_merge_size, metadata.num_grid_per_side)
         if built_for != (self.spatial_merge_size, self.num_grid_per_side):
             raise ValueError(f"metadata was built for spatial_merge_size {built_for[0]} and a position table of side "
@@ -287,9 +288,10 @@ class Qwen3OmniVisionTower(nn.Module):
                              f"got {type(pixel_values).__name__}"
                              + (f" of {pixel_values.dtype}" if isinstance(pixel_values, torch.Tensor) else ""))
 
-    def check_pixel_rows(self, pixel_values: torch.Tensor, grid, rows: int) -> None:
+    def check_pixel_rows(self, pixel_values: torch.Tensor, grid, rows: int, patches: int | None = None) -> None:
         """``ValueError`` unless ``pixel_values`` is a dense ``[rows, patch_row_width]`` floating-point tensor with
-        data, ``rows`` being what ``grid`` (normalised (t, h, w) triples, named in the message) needs."""
+        data, ``rows`` being what ``grid`` (normalised (t, h, w) triples, named in the message) needs, or, when
+        ``patches`` (the grid's own patch rows) is fewer, what metadata padded to ``rows`` needs."""
         self.check_pixel_tensor(pixel_values)
         if pixel_values.is_meta:  # shapes without data: the copy into a graph's buffer (or the eager call) fails
             raise ValueError(f"pixel_values is on the meta device (shape {tuple(pixel_values.shape)}, no data): pass "
@@ -303,6 +305,10 @@ class Qwen3OmniVisionTower(nn.Module):
                              f"{c.in_channels} * temporal_patch_size {c.temporal_patch_size} * patch_size "
                              f"{c.patch_size}**2), got shape {tuple(pixel_values.shape)}")
         if pixel_values.shape[0] != rows:
+            if patches is not None and patches != rows:  # it said the grids need the padded count
+                raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows but the metadata of grids "
+                                 f"{list(grid)} ({patches} patch rows) is padded to {rows} rows: pass {rows} rows, "
+                                 f"the images' own followed by padding")
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows but grids {list(grid)} "
                              f"need {rows} patch rows")
 
