@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -412,3 +413,20 @@ def test_the_towers_own_forward_takes_every_fused_kernel(monkeypatch, dtype):
     with torch.inference_mode():
         want = tower(pixels, grid)
     torch.testing.assert_close(got.embeds, want.embeds)
+
+
+@pytest.mark.parametrize("capability, hip, runs", [((6, 1), None, False), ((6, 0), None, False),
+                                                   ((7, 0), None, True), ((9, 0), None, True), ((6, 1), "6.4", True)])
+def test_fused_kernels_run_only_on_gpus_triton_compiles_for(monkeypatch, capability, hip, runs):
+    """Below compute capability 7.0 (a P100, a GTX 1080) Triton builds no kernels: the tower takes the unfused path
+    there instead of failing at the first launch. Every ROCm GPU torch runs on is one Triton builds for."""
+    monkeypatch.setattr(fused, "TRITON_FOUND", True)
+    monkeypatch.delenv("HWGRAPH_FUSED", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    fused.triton_compiles_for.cache_clear()
+    try:
+        gpu_tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # what use_triton reads
+        assert fused.use_triton(gpu_tensor) is runs
+    finally:
+        fused.triton_compiles_for.cache_clear()  # the patched answers must not outlive the test

@@ -21,6 +21,7 @@ dispatcher's overhead.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -41,11 +42,27 @@ TRITON_FOUND = importlib.util.find_spec("triton") is not None
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+#: The oldest NVIDIA compute capability Triton compiles for (as TRITON_ATTN's gate, ``triton_attn``)
+MIN_COMPUTE_CAPABILITY = (7, 0)
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """Triton kernels on CUDA/ROCm tensors (or CPU tensors under the Triton interpreter, for tests)."""
+    """Triton kernels on CUDA/ROCm tensors of a GPU Triton compiles for (or CPU tensors under the Triton interpreter,
+    for tests)."""
     if os.environ.get(FUSED_ENV, "1") == "0" or not TRITON_FOUND:
         return False
-    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    if t.is_cuda:
+        # While torch.compile traces, inductor itself needs such a GPU (it generates Triton), and the cached call
+        # is left out of the traced forward.
+        return torch.compiler.is_compiling() or triton_compiles_for(t.device)
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def triton_compiles_for(device: torch.device) -> bool:
+    """Whether Triton builds kernels for ``device``'s GPU: every ROCm GPU torch runs on, NVIDIA from compute
+    capability 7.0 (below it, on a P100 or GTX 10xx, the fused kernels' first launch failed; the unfused path runs)."""
+    return torch.version.hip is not None or torch.cuda.get_device_capability(device) >= MIN_COMPUTE_CAPABILITY
 
 
 def next_pow2(n: int) -> int:
