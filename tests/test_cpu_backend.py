@@ -17,10 +17,10 @@ from hwgraph.graphs.cpu import CpuGraphBackend, RejectHostReads
 # every tensor method a sync guard may replace while it is active
 GUARDED_METHODS = ("item", "tolist", "cpu", "numpy", "to", "__bool__", "__int__", "__float__", "__index__",
                    "__getitem__", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "equal",
-                   "allclose", "is_nonzero", "repeat_interleave")
+                   "allclose", "is_nonzero", "repeat_interleave", "type", "bincount", "histc")
 # and every torch function
 GUARDED_FUNCTIONS = ("nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose",
-                     "is_nonzero", "where", "repeat_interleave")
+                     "is_nonzero", "where", "repeat_interleave", "bincount", "histc")
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ import torch
 
 from hwgraph.graphs import HostSyncError
 from hwgraph.graphs.cpu import CpuGraphBackend
-from hwgraph.graphs.host_reads import RejectHostReads, put_back_sequence_slots, tensor_sequence_slots
+from hwgraph.graphs.host_reads import RejectHostReads
+from hwgraph.graphs.sequence_slots import put_back_sequence_slots, tensor_sequence_slots
 from hwgraph.testing.threads import first_leaves_while_second_is_inside
 
 # the tensor methods the guard replaces for these reads, on top of those tests/test_cpu_backend.py lists
@@ -300,6 +301,7 @@ def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
     x, host = torch.zeros(4, 3, device="cuda"), torch.ones(4, 3)
     mask, value = torch.tensor([True, False, True, False], device="cuda"), torch.tensor(5.0, device="cuda")
     one, four, twelve, rows = (torch.tensor(v, device="cuda") for v in (1, 4, 12, [0, 2]))
+    classes = torch.tensor([0, 2, 1], device="cuda")
     syncs = {"x[mask] = value": lambda: assign(x, mask, value),
              "x[0-dim index]": lambda: x[one],
              "index_put_ with a mask": lambda: x.index_put_((mask,), value),
@@ -315,6 +317,12 @@ def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
              "x.add(tensor, y), a deprecated order": lambda: x.add(one, x),
              "torch.arange(tensor)": lambda: torch.arange(four, device="cuda"),
              "torch.full(size, tensor)": lambda: torch.full((2,), value, device="cuda"),
+             "x.numpy(force=True)": lambda: x.numpy(force=True),
+             "x.type('torch.FloatTensor')": lambda: x.type("torch.FloatTensor"),
+             "bincount()": lambda: classes.bincount(),
+             "one_hot() without num_classes": lambda: torch.nn.functional.one_hot(classes),
+             "histc() with its default range": lambda: x.histc(),
+             "x.new_tensor([tensor, tensor])": lambda: x.new_tensor([value, value]),
              "blocking copy_ from the host": lambda: x.copy_(host),
              "blocking copy_ to the host": lambda: host.copy_(x)}
     no_sync = {"x[mask] = 1.0": lambda: assign(x, mask, 1.0),
@@ -324,7 +332,10 @@ def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
                "x.add(0-dim tensor)": lambda: x.add(value),
                "x.clamp(min=0-dim tensor)": lambda: x.clamp(min=value),
                "x[[index tensor]]": lambda: x[[rows]],
-               "x[[mask]] = 1.0": lambda: assign(x, [mask], 1.0)}
+               "x[[mask]] = 1.0": lambda: assign(x, [mask], 1.0),
+               "x.type(torch.float64)": lambda: x.type(torch.float64),
+               "one_hot(classes, 3)": lambda: torch.nn.functional.one_hot(classes, 3),
+               "histc() with a range": lambda: x.histc(bins=4, min=0, max=4)}
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")

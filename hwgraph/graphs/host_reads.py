@@ -7,16 +7,15 @@ reference backend's ``sync_guard()`` is one; a device backend whose runtime has 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import numbers
-import sys
 from typing import ClassVar
 
 import torch
 
 from hwgraph.graphs.base import CountedSwitch, HostSyncError
 from hwgraph.graphs.number_args import NumberSlots, number_argument_methods, one_element_tensor_in, value_kind
+from hwgraph.graphs.sequence_slots import put_back_sequence_slots, tensor_sequence_slots
 
 
 class RejectHostReads:
@@ -31,16 +30,21 @@ class RejectHostReads:
     types' sequence slots back as it found them, on entering and on leaving (``put_back_sequence_slots``).
 
     On the emulated device every tensor is on the CPU, so ``.cpu()`` and a blocking ``.to("cpu")`` stand for the
-    device-to-host copies they are on a device. ``.numpy()`` is not rejected: torch refuses it for a device tensor
-    (``TypeError``, no synchronisation), so it only ever reads host memory, such as a ``grid_thw`` the caller made.
+    device-to-host copies they are on a device, and so do ``.numpy(force=True)`` and a blocking ``.type()`` naming a
+    host tensor type (``t.type("torch.FloatTensor")``), which copy to the host in C++. A plain ``.numpy()`` is not
+    rejected: torch refuses it for a device tensor (``TypeError``, no synchronisation), so it only ever reads host
+    memory, such as a ``grid_thw`` the caller made.
 
     Ops whose result has a size or a Python value that the device computes (``nonzero``, a boolean-mask index,
     ``torch.equal``...) read it back before they return, and CUDA's sync debug mode rejects them too (capturing one
     fails): they are replaced on ``torch.Tensor`` and in ``torch`` alike (``DATA_DEPENDENT``; ``torch.where`` with only
-    a condition, a boolean-mask index and ``repeat_interleave`` without ``output_size`` by wrappers that reject
-    only those calls). So are the tensor methods that read a tensor's value back in C++, where no replaced method
-    sees it: a 0-dim index tensor (``t[i]``: its value picks the element), a tensor ``value`` of ``masked_fill``, and a
-    boolean mask in ``index_put_`` or in an assignment ``t[mask] = v`` (its ``nonzero()`` size). Not ``t[mask] = 1.0``
+    a condition, a boolean-mask index, ``repeat_interleave`` without ``output_size``, ``bincount`` (its size is the
+    largest value) and ``histc`` with ``min == max`` (its defaults: the input's range is read) by wrappers that reject
+    only those calls), and ``torch.nn.functional.one_hot`` without ``num_classes`` (its size is the largest value) in
+    its module. So are the tensor methods that read a tensor's value back in C++, where no replaced method
+    sees it: a 0-dim index tensor (``t[i]``: its value picks the element), a tensor ``value`` of ``masked_fill``, a
+    boolean mask in ``index_put_`` or in an assignment ``t[mask] = v`` (its ``nonzero()`` size), and a tensor in the
+    list given to ``new_tensor`` (``x.new_tensor([a.sum(), b.sum()])``: each value). Not ``t[mask] = 1.0``
     with one mask and a Python number: torch makes that a ``masked_fill_`` of a host scalar, with no read.
 
     A tensor where a method wants a size, a dimension or a number (``x.view(n)``, ``x.flip(n)``, ``x.sum(dim=n)``,
@@ -64,8 +68,9 @@ class RejectHostReads:
     ``copy_``, although a blocking copy between host and device synchronises on CUDA: it names no device, and the
     emulated device's static buffers are filled (and replay's outputs written) by blocking ``copy_`` between CPU
     tensors, which no guard can tell from a copy to the host. The replacements in ``torch`` (``DATA_DEPENDENT``,
-    ``torch.where``, ``torch.repeat_interleave``) have the cost avoided for ``torch.arange``: a compiled forward that
-    calls one of them, even ``torch.where(c, a, b)`` which reads nothing back, is recompiled inside the guard.
+    ``torch.where``, ``torch.repeat_interleave``, ``torch.bincount``, ``torch.histc``) and ``F.one_hot`` have the cost
+    avoided for ``torch.arange``: a compiled forward that calls one of them, even ``torch.where(c, a, b)`` which reads
+    nothing back, is recompiled inside the guard.
     """
 
     FORBIDDEN = {
@@ -153,6 +158,13 @@ class RejectHostReads:
         return reject_number_tensors
 
     @classmethod
+    def _with_number_slots(cls, name: str, fn):
+        """``fn``, a wrapper of tensor method ``name``, that also rejects a one-element tensor given as one of its
+        sizes, dimensions or numbers, as every other method does (a new wrapper each time: it wraps a new one)."""
+        slots = dict(number_argument_methods()).get(name)
+        return fn if slots is None else cls._rejecting_number_tensors_of(fn, name, slots)
+
+    @classmethod
     def _replacements(cls) -> list:
         """(owner, name, replacement) for every attribute the guard replaces, made from the attributes of now."""
         tensor = torch.Tensor
@@ -180,9 +192,35 @@ class RejectHostReads:
             lambda self, *args, **kwargs: isinstance(args[1] if len(args) > 1 else kwargs.get("value"),
                                                      torch.Tensor)))
             for name in ("masked_fill", "masked_fill_")]
-        replaced = {name for owner, name, _ in out if owner is tensor} | {"repeat_interleave"}
+        # copies to the host that torch makes in C++ (t.numpy(force=True), t.type("torch.FloatTensor"))
+        out.append((tensor, "numpy", cls._rejecting_calls(
+            tensor.numpy, "numpy(force=True) (a copy to the host)",
+            lambda self, *args, **kwargs: forced(kwargs.get("force", False)))))
+        out.append((tensor, "type", cls._rejecting_calls(
+            tensor.type, "type() naming a host tensor type (a blocking copy to the host)",
+            lambda self, *args, **kwargs: host_type_copy(args, kwargs))))
+        # each tensor in a list of data is read back in C++ (Tensor::item()), as torch.tensor([a, b]) reads them
+        out.append((tensor, "new_tensor", cls._rejecting_calls(
+            tensor.new_tensor, "new_tensor() with a list holding a tensor (its value is read back)",
+            lambda self, *args, **kwargs: isinstance(data := args[0] if args else kwargs.get("data"), (list, tuple))
+            and holds_a_tensor(data))))
+        # ops that size their result, or pick its range, by a value they read back with item() in C++ (CUDA's kernels)
+        out.append((torch, "bincount", cls._rejecting_calls(
+            torch.bincount, BINCOUNT_READ, lambda *args, **kwargs: nonempty(args[0] if args else kwargs.get("input")))))
+        out.append((torch, "histc", cls._rejecting_calls(
+            torch.histc, HISTC_READ, lambda *args, **kwargs: histc_reads_range(
+                args[0] if args else kwargs.get("input"), args[1:], kwargs))))
+        out.append((torch.nn.functional, "one_hot", cls._rejecting_calls(
+            torch.nn.functional.one_hot, "one_hot() without num_classes (its size, the largest value, is read back)",
+            lambda *args, **kwargs: one_hot_reads_size(args[0] if args else kwargs.get("input"), args[1:], kwargs))))
+        # repeat_interleave, bincount and histc below, with their number arguments too
+        replaced = {name for owner, name, _ in out if owner is tensor} | {"repeat_interleave", "histc", "bincount"}
         out += [(tensor, name, cls._rejecting_number_tensors(getattr(tensor, name), name, slots))
                 for name, slots in number_argument_methods() if name not in replaced]
+        out.append((tensor, "bincount", cls._with_number_slots("bincount", cls._rejecting_calls(
+            tensor.bincount, BINCOUNT_READ, lambda self, *args, **kwargs: nonempty(self)))))
+        out.append((tensor, "histc", cls._with_number_slots("histc", cls._rejecting_calls(
+            tensor.histc, HISTC_READ, lambda self, *args, **kwargs: histc_reads_range(self, args, kwargs)))))
         out.append((torch, "where", cls._rejecting_calls(
             torch.where, "torch.where(condition) (its size is read back)",
             lambda *args, **kwargs: len(args) + len(kwargs) == 1)))
@@ -190,10 +228,7 @@ class RejectHostReads:
             tensor.repeat_interleave, "repeat_interleave() with tensor repeats and no output_size (its size is read "
             "back)", lambda self, *args, **kwargs: repeats_read_back(args[0] if args else kwargs.get("repeats"),
                                                                      kwargs))
-        # and its dim and output_size as any method's sizes (a new wrapper each time: it wraps a new one)
-        slots = dict(number_argument_methods()).get("repeat_interleave")
-        out.append((tensor, "repeat_interleave", repeats if slots is None else cls._rejecting_number_tensors_of(
-            repeats, "repeat_interleave", slots)))
+        out.append((tensor, "repeat_interleave", cls._with_number_slots("repeat_interleave", repeats)))
         out.append((torch, "repeat_interleave", cls._rejecting_calls(
             torch.repeat_interleave, "repeat_interleave() with tensor repeats and no output_size (its size is read "
             "back)", lambda *args, **kwargs: repeats_read_back(
@@ -235,68 +270,6 @@ class RejectHostReads:
 
 
 RejectHostReads.switch = CountedSwitch(RejectHostReads._replace, RejectHostReads._put_back)
-
-
-# A Python-level __getitem__ (or __setitem__) on a class fills its sequence slots, sq_item (sq_ass_item) as well as the
-# mapping one, and CPython keeps them filled once the attribute is deleted again; torch.Tensor's own indexing fills only
-# the mapping slots. While filled, torch takes a tensor inside a list for a sequence: torch.tensor([a.sum(), b.sum()])
-# raised "len() of a 0-d tensor", also after the guard that replaced the methods had ended, for the whole process. Only
-# CPython's type layout can put them back: PyTypeObject's tp_as_sequence is the tenth pointer after its tp_name, which
-# follows the PyVarObject header; in PySequenceMethods, sq_item and sq_ass_item are the fourth and sixth pointers.
-_POINTER = ctypes.sizeof(ctypes.c_void_p)
-_TP_NAME = object.__basicsize__ + _POINTER
-_SEQUENCE_SLOTS = {"__getitem__": 3, "__setitem__": 5}
-
-
-def sequence_slots(cls: type):
-    """``cls``'s PySequenceMethods as a ctypes array of 6 pointers; None where the type's layout is not the one
-    expected (checked against its name and size) or the interpreter is not CPython."""
-    if sys.implementation.name != "cpython":
-        return None
-    address = id(cls)
-    name = ctypes.c_char_p.from_address(address + _TP_NAME).value
-    size = ctypes.c_ssize_t.from_address(address + _TP_NAME + _POINTER).value
-    if name is None or name.decode(errors="replace").rsplit(".", 1)[-1] != cls.__name__ or size != cls.__basicsize__:
-        return None
-    methods = ctypes.c_void_p.from_address(address + _TP_NAME + 10 * _POINTER).value
-    return (ctypes.c_void_p * 6).from_address(methods) if methods else None
-
-
-def tensor_types() -> list[type]:
-    """``torch.Tensor`` and every subclass of it now (Parameter, FakeTensor...)."""
-    found, todo = {}, [torch.Tensor]
-    while todo:
-        cls = todo.pop()
-        if id(cls) not in found:
-            found[id(cls)] = cls
-            todo.extend(type.__subclasses__(cls))
-    return list(found.values())
-
-
-def tensor_sequence_slots() -> dict:
-    """The sequence slots (``_SEQUENCE_SLOTS``) of each tensor type whose layout is known: {type: {name: pointer}}."""
-    out = {}
-    for cls in tensor_types():
-        methods = sequence_slots(cls)
-        if methods is not None:
-            out[cls] = {name: methods[index] for name, index in _SEQUENCE_SLOTS.items()}
-    return out
-
-
-def put_back_sequence_slots(found: dict) -> None:
-    """Gives each tensor type the sequence slots ``tensor_sequence_slots()`` found; a type made since, which indexes as
-    ``torch.Tensor`` does, gets ``torch.Tensor``'s (one that indexes otherwise keeps its own)."""
-    if torch.Tensor not in found:
-        return
-    for cls in tensor_types():
-        methods = sequence_slots(cls)
-        if methods is None:
-            continue
-        for name, index in _SEQUENCE_SLOTS.items():
-            if cls in found:
-                methods[index] = found[cls][name]
-            elif getattr(cls, name) is getattr(torch.Tensor, name):
-                methods[index] = found[torch.Tensor][name]
 
 
 def is_mask(index) -> bool:
@@ -352,6 +325,50 @@ def holds_a_mask(indices) -> bool:
 def repeats_read_back(repeats, kwargs: dict) -> bool:
     """Whether ``repeat_interleave`` reads its output size back: tensor repeats and no ``output_size``."""
     return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+
+
+BINCOUNT_READ = "bincount() (its size, the largest value, is read back)"
+HISTC_READ = "histc() with min equal to max (the input's range is read back)"
+
+
+def nonempty(tensor) -> bool:
+    """Whether ``tensor`` is a tensor with elements (an empty one reads nothing back: its result's size is known)."""
+    return isinstance(tensor, torch.Tensor) and tensor.numel() > 0
+
+
+def histc_reads_range(tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether ``histc(tensor, *args, **kwargs)`` (``bins, min, max``, defaults 100, 0, 0) reads the input's range back:
+    ``min == max`` (its defaults included) on a non-empty input. Numbers only: a tensor there is a number's read."""
+    low = args[1] if len(args) > 1 else kwargs.get("min", 0)
+    high = args[2] if len(args) > 2 else kwargs.get("max", 0)
+    return nonempty(tensor) and isinstance(low, numbers.Number) and isinstance(high, numbers.Number) and low == high
+
+
+def one_hot_reads_size(tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether ``one_hot(tensor, *args, **kwargs)`` reads its class count back: ``num_classes`` -1 (the default) on a
+    non-empty input."""
+    classes = args[0] if args else kwargs.get("num_classes", -1)
+    return nonempty(tensor) and isinstance(classes, numbers.Integral) and classes == -1
+
+
+def forced(force) -> bool:
+    """Whether ``numpy(force=...)`` was forced: then it copies a device tensor to the host instead of refusing it."""
+    return not isinstance(force, torch.Tensor) and bool(force)
+
+
+def host_type_copy(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.type(*args, **kwargs)`` makes a blocking copy to the host: it names a host tensor type
+    (``torch.FloatTensor``, ``"torch.sparse.FloatTensor"``; not a dtype, nor ``"torch.cuda.FloatTensor"``) and is not
+    ``non_blocking``."""
+    target = args[0] if args else kwargs.get("dtype")
+    non_blocking = args[1] if len(args) > 1 else kwargs.get("non_blocking", False)
+    if isinstance(target, str):
+        path = target.split(".")
+        target = torch if path[0] == "torch" else None
+        for part in path[1:]:
+            target = getattr(target, part, None)
+    return isinstance(target, type(torch.FloatTensor)) and target.__module__ in ("torch", "torch.sparse") and \
+        not forced(non_blocking)
 
 
 def host_copy_target(args: tuple, kwargs: dict) -> tuple[torch.device | None, bool]:
