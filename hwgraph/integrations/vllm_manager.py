@@ -59,8 +59,8 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
     (``capture_refusal``; every group runs eagerly: through this manager's eager path under vLLM's v1 runner, which
     calls ``execute`` regardless, and as the model's own ``embed_multimodal`` under its gpu/ runner, which asks
     ``is_captured()`` first and so leaves those groups out of the stats), and a replay after the tower's weights moved
-    since capture
-    (``tower.to``, another dtype or device) raises ``RuntimeError`` instead of reading freed memory.
+    since capture (``tower.to``, another dtype or device) raises ``RuntimeError`` instead of reading freed memory, as
+    does one after the tower's attention kernel changed (``tower.set_attention``).
     """
 
     def __init__(self, vllm_config, device: torch.device, dtype: torch.dtype, model, graph_backend: str | None = None,
@@ -73,7 +73,8 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
         device = torch.device(device)
         self.backend = create_backend(graph_backend, device=device, mode=graph_mode, platform=platform_for(device))
         self.capture_failures: dict[int, str] = {}  # budget -> why the last capture() left it eager
-        self._captured_tower: tuple | None = None  # (weights_key, dtype, device) of the tower at capture
+        # (weights_key, dtype, device, attention_fn, attention_kernel) of the tower at capture
+        self._captured_tower: tuple | None = None
         self._captured_numerics: tuple | None = None  # the backend's numerics_settings() at capture
         self._numerics_warned = False
         tower = self._tower()
@@ -106,7 +107,8 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
             return
         tower = self._tower()
         # The graphs read the weights where they live now; replay checks that they did not move (_check_tower).
-        self._captured_tower = None if tower is None else (tower.weights_key(), tower.dtype, tower.device)
+        self._captured_tower = None if tower is None else (tower.weights_key(), tower.dtype, tower.device,
+                                                           tower.attention_fn, tower.attention_kernel)
         # ... and keep the numerics settings of now (decide() replays only under them)
         self._captured_numerics, self._numerics_warned = self._numerics(), False
         if graph_pool is None or not self.backend.accelerates:
@@ -117,6 +119,11 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
                 self.captured_budgets(), self.capture_failures or "none")
 
     def _capture_budget_graph(self, token_budget: int, path: str = "default", axis_keys: tuple = ()):
+        if token_budget in self._get_graph_set(path) or token_budget in self.capture_failures:
+            # vLLM keeps a budget its config lists twice ([64, 64, 128]) and its loop visits each entry; capture() began
+            # with clear(), so this capture already tried it: a second graph replaced the first unreleased, and a
+            # second attempt that failed reported a budget failed whose first graph replayed
+            return
         model = self.model
         try:  # the buffers too: allocating them on the device may fail (out of memory) as the capture may
             values = model.prepare_encoder_cudagraph_capture_inputs(
@@ -156,7 +163,11 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
 
     def _numerics(self) -> tuple:
         """The backend's numerics settings for the dtype the graphs compute in: the tower's where there is one (vLLM
-        gives the manager its model's dtype, which the tower need not share)."""
+        gives the manager its model's dtype, which the tower need not share), as it was at capture once captured. Read
+        for the tower's dtype of now, a tower moved to another dtype since (CUDA's settings differ per dtype) looked
+        like changed settings: its groups ran eagerly, logged as such, instead of ``_check_tower`` naming the move."""
+        if self._captured_tower is not None:
+            return self.backend.numerics_settings(self._captured_tower[1])
         tower = self._tower()
         return self.backend.numerics_settings(self.dtype if tower is None else tower.dtype)
 
@@ -169,17 +180,25 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
 
     def _check_tower(self) -> None:
         """``RuntimeError`` when the tower's weights were moved (``to``, ``half``, another manager's dtype or device)
-        since capture: the graphs would read freed memory. Host reads only (``tower.weights_key()``), no device sync."""
+        since capture, where the graphs would read freed memory, or its attention kernel changed since. Host reads only
+        (``tower.weights_key()``, ``tower.attention_fn``), no device sync."""
         tower = self._tower()
         if tower is None or self._captured_tower is None:
             return
-        key, dtype, device = self._captured_tower
+        key, dtype, device, kernel, kernel_name = self._captured_tower
         if tower.weights_key() != key:
             raise RuntimeError(
                 f"replay: the tower's weights were moved since its encoder graphs were captured for {dtype} on "
                 f"{device} (the tower is now {tower.dtype} on {tower.device}; tower.to() or a manager with another "
                 f"dtype or device moves it), so the graphs would read freed memory. clear() this manager and "
                 f"capture() again on the tower as it is now")
+        if tower.attention_fn is not kernel:
+            # as EncoderGraphManager: the graphs would go on running the captured kernel while eager groups ran the
+            # tower's new one (and the CPU backend's replays, which run the forward again, the new one too)
+            raise RuntimeError(
+                f"replay: the tower's attention kernel is now {tower.attention_kernel}, not the one its encoder graphs "
+                f"were captured with ({kernel_name}): tower.set_attention() or another manager on the same tower "
+                f"chose another kernel. clear() this manager and capture() again with the tower's kernel of now")
 
     def captured_budgets(self) -> list[int]:
         return sorted(b for b in self._get_graph_set("default") if isinstance(b, int) and b > 0)
