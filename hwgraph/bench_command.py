@@ -108,36 +108,48 @@ def writable_path(option: str, spec: str) -> Path:
     if path.is_fifo():
         return path
     existed = path.exists()
+    # a link to a file not made yet (latest.json -> runs/bench-2.json): its target is tried and removed, the link kept
+    # (O_EXCL refuses any link, and unlinking the path would remove the link itself)
+    target = Path(os.path.realpath(path)) if not existed and path.is_symlink() else path
     try:  # opened, not asked: os.access answers yes for nearly any path to root, and /proc refuses files anyway
-        with open(path, "a" if existed else "x"):
+        with open(target, "a" if existed else "x"):
             pass
     except OSError as exc:
         raise ValueError(f"{option} {spec!r}: cannot write there: {exc.strerror or exc}") from None
     if not existed:
-        path.unlink()
+        target.unlink()
     return path
 
 
-def is_stdout(path: Path) -> bool:
-    """Whether ``path`` is the file this process's standard output writes to (``/dev/stdout``, or the file a shell
-    redirected it to)."""
+def standard_stream(path: Path):
+    """``sys.stdout`` or ``sys.stderr`` where ``path`` is the file it writes to (``/dev/stdout``, ``/dev/stderr``, or
+    the file a shell redirected it to); else None."""
     try:
-        found, stdout = os.stat(path), os.fstat(sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # no such path; a stdout with no file behind it (closed, captured)
-        return False
-    return (found.st_dev, found.st_ino) == (stdout.st_dev, stdout.st_ino)
+        found = os.stat(path)
+    except (OSError, ValueError):  # no such path
+        return None
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            own = os.fstat(stream.fileno())
+        except (OSError, ValueError, AttributeError):  # a stream with no file behind it (closed, captured)
+            continue
+        if (found.st_dev, found.st_ino) == (own.st_dev, own.st_ino):
+            return stream
+    return None
 
 
 def write_json(path: Path, text: str) -> None:
     """``text`` into ``path`` through a temporary file beside it, renamed into place: a failure (a full disk) leaves
     neither a truncated file nor an earlier run's results half overwritten. A symlink (``/dev/stdout``, a
     ``latest.json``), a path that is no regular file (a pipe), or one in a folder that takes no new file, is written
-    in place: renaming would replace the link or the pipe by a file. The process's own standard output is written
-    through ``sys.stdout``: a file it is redirected to, opened again, was written from its start, and the tables
-    printed after the results wrote over them."""
-    if is_stdout(path):
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
+    in place: renaming would replace the link or the pipe by a file. The process's own standard output or error is
+    written through ``sys.stdout`` or ``sys.stderr``: a file it is redirected to, opened again, was truncated and
+    written from its start (the lines logged before the results lost), and what was printed after the results wrote
+    over them."""
+    stream = standard_stream(path)
+    if stream is not None:
+        stream.write(text + "\n")
+        stream.flush()
         return
     if path.is_symlink() or (path.exists() and not path.is_file()):
         path.write_text(text)
