@@ -170,6 +170,17 @@ def test_checks_pass_the_reference_backend_with_budgets_that_do_not_double(monke
         manager.close()
 
 
+def test_the_static_outputs_check_passes_the_reference_backend_with_a_smallest_budget_of_three_or_less(monkeypatch):
+    """A vendor whose graphs take one image may capture budgets (2, 4): the check's second image of budget - 3 tokens
+    had -1 tokens, and its grid was refused, failing a correct backend."""
+    instance, tower, manager = make(suite.TestReplayEqualsEager, monkeypatch, budgets=(2, 4), max_images=1)
+    try:
+        instance.test_replays_overwrite_the_output_tensors_capture_returned(manager, tower)
+        assert manager.stats()["replays_per_budget"] == {2: 2}
+    finally:
+        manager.close()
+
+
 def test_uneven_sizes_fit_the_tokens_they_are_given():
     assert suite.ConformanceSuite.uneven((4, 1, 16, 2), 23) == (4, 1, 16, 2)
     fitted = suite.ConformanceSuite.uneven((4, 1, 16, 2), 8)

@@ -226,7 +226,7 @@ class TestReplayEqualsEager(ConformanceSuite):
         (vLLM's integration keeps them as its output buffers and reads them after every replay)."""
         budget = min(self.budgets)
         kept = {slots: graph.outputs for slots, graph in manager.graphs[budget].graphs.items()}
-        for i, tokens in enumerate((budget, budget - 3)):
+        for i, tokens in enumerate((budget, max(1, budget - 3))):  # a vendor's smallest budget may be 3 or less
             out = self.encode_and_check(manager, tower, self.grid(tower, tokens), seed=150 + i, what=f"call {i + 1}")
             slots, _ = manager.graphs[budget].graph_for(1)
             torch.testing.assert_close(
