@@ -3,9 +3,10 @@
 The tower calls ``linear`` and ``linear_gelu_tanh`` here instead of ``F.linear``. With no chooser active they are
 ATen's calls. ``EncoderGraphManager(measure_products=True)`` activates its backend's ``product_chooser()`` around
 each capture (``chosen_by``): the CUDA plugin's picks, per shape, the cuBLASLt algorithm that measured fastest
-(``hwgraph_cuda.products``). Eager calls keep ATen's. While ``torch.compile`` traces with a chooser active, each
-product becomes one opaque custom op (``hwgraph::chosen_linear``, ``hwgraph::chosen_linear_gelu_tanh``) that calls
-the chooser active when the compiled code runs, so compiled captures take the chooser's kernels too.
+(``hwgraph_cuda.products``). Eager calls keep ATen's, and so do products that autograd records (a chooser's kernels
+have no backward). While ``torch.compile`` traces with a chooser active, each product becomes one opaque custom op
+(``hwgraph::chosen_linear``, ``hwgraph::chosen_linear_gelu_tanh``) that calls the chooser active when the compiled
+code runs, so compiled captures take the chooser's kernels too.
 
 A chooser has ``linear(x, weight, bias)`` and ``linear_gelu_tanh(x, weight, bias)`` with ``F.linear``'s shapes, hands
 back ATen's result for any input it does not take, counts the ``seconds`` it has spent measuring, and
@@ -48,8 +49,9 @@ def active_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the active chooser if there is one (``chosen_linear`` while
-    torch.compile traces)."""
-    if ACTIVE is None:
+    torch.compile traces) and autograd does not record the call (``records_grad``: neither a chooser's kernels nor
+    the custom ops have a backward)."""
+    if ACTIVE is None or records_grad(x, weight, bias):
         return F.linear(x, weight, bias)
     return eager_or_op(chosen_linear, ACTIVE.linear)(x, weight, bias)
 
@@ -72,8 +74,8 @@ def active_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``aten_linear_gelu_tanh``, through the active chooser if there is one (``chosen_linear_gelu_tanh`` while
-    torch.compile traces)."""
-    if ACTIVE is None:
+    torch.compile traces) and autograd does not record the call, as ``linear``."""
+    if ACTIVE is None or records_grad(x, weight, bias):
         return aten_linear_gelu_tanh(x, weight, bias)
     return eager_or_op(chosen_linear_gelu_tanh, ACTIVE.linear_gelu_tanh)(x, weight, bias)
 

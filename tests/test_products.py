@@ -224,3 +224,28 @@ def test_compiled_captures_take_the_backends_chooser_and_time_compiling_apart_fr
     check_equal_to_eager(m, tower, [(1, 4, 8)])
     assert chooser.calls == 3 * products_per_forward(tower)  # replays and eager calls keep ATen's
     m.close()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_products_that_autograd_records_are_atens_with_a_chooser_active(compiled):
+    """A chooser's kernels have no backward (the CUDA plugin's cuBLASLt call, the compiled custom ops): with one active,
+    a compiled forward whose weights record gradients failed ("no autograd formula was registered"), and an eager
+    one handed the chooser products whose gradients it dropped. Products that autograd records are ATen's; the
+    chooser is asked for the others only."""
+    def f(x, w, b):
+        return products.linear_gelu_tanh(products.linear(x, w, b).relu(), w, b) * 2
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
+    run = torch.compile(f, backend="aot_eager", dynamic=False, fullgraph=True) if compiled else f
+    chooser = RecordingChooser()
+    with products.chosen_by(chooser):
+        got = run(x, w.requires_grad_(), b)
+        got.square().sum().backward()
+        grad, w.grad = w.grad, None
+        assert chooser.calls == 0
+        with torch.no_grad():  # nothing records: the chooser's
+            run(x, w, b)
+        assert chooser.calls == 2
+    f(x, w, b).square().sum().backward()
+    torch.testing.assert_close(grad, w.grad)

@@ -22,14 +22,16 @@ UNLOCKABLE = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK})
 
 def cache_path() -> Path | None:
     """Where choices persist between processes: ``$HWGRAPH_CACHE_DIR`` (set empty: nowhere), else
-    ``$XDG_CACHE_HOME/hwgraph``, else ``~/.cache/hwgraph``; the file is ``cublaslt-products.json``."""
+    ``$XDG_CACHE_HOME/hwgraph`` (if absolute: the XDG specification has a relative one ignored, as it would differ
+    with each process's working directory), else ``~/.cache/hwgraph``; the file is ``cublaslt-products.json``."""
     named = os.environ.get("HWGRAPH_CACHE_DIR")
     if named == "":
         return None
     try:
         folder = named
         if folder is None:
-            folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hwgraph"
+            xdg = os.environ.get("XDG_CACHE_HOME")
+            folder = Path(xdg if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "hwgraph"
         # "~" is the shell's to expand (not done in Docker's ENV, systemd units or .env files), and a relative
         # folder would move with the working directory between reads and writes
         return Path(folder).expanduser().absolute() / "cublaslt-products.json"
@@ -60,11 +62,14 @@ class ChoiceCache:
 
     def read(self) -> tuple[dict, bool]:
         """``entries()``, and whether a write may replace the file: not one that exists but cannot be read (another
-        user's file, an I/O error), whose entries replacing it would drop. A damaged file is replaced."""
-        if self.path is None or not self.path.exists():
+        user's file, an I/O error), whose entries replacing it would drop. A damaged file is replaced. (Read without a
+        check for its existence first: a file removed in between, by a user clearing the cache, is none.)"""
+        if self.path is None:
             return {}, True
         try:
             entries = json.loads(self.path.read_text())
+        except (FileNotFoundError, NotADirectoryError):  # no file (or a file where a folder on its path should be)
+            return {}, True
         except OSError as exc:
             log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
             return {}, False

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hwgraph.attention.varlen_inputs import records_grad
 from hwgraph.budget_capture import relative_error
 from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import environment_defaults
@@ -147,8 +148,8 @@ class MeasuredProducts:
     """The product chooser of CUDA graphs (``hwgraph.products.ProductChooser``) on one GPU: per shape (rows, K, N,
     dtype, epilogue), the measured fastest of cuBLASLt's candidates, or one an earlier process measured on the same
     GPU with the same libraries (``ChoiceCache``; checked for accuracy again). It takes 2-D products with a bias, all
-    in bf16 or fp16, contiguous and 256-byte aligned; anything else, and a shape first met inside a capture
-    (measuring needs synchronisation), runs ATen's call."""
+    in bf16 or fp16, contiguous and 256-byte aligned, that autograd does not record (``takes``); anything else, and a
+    shape first met inside a capture (measuring needs synchronisation), runs ATen's call."""
 
     def __init__(self, lib, device: torch.device, path: Path | None = None):
         self.lib, self.device = lib, device
@@ -175,8 +176,10 @@ class MeasuredProducts:
         return self.product(x, weight, bias, gelu=True)
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether its cuBLASLt call can run this product. Not while autograd records through it (``records_grad``):
+        that call has no backward, so its result would come back without a history and the gradients go missing."""
         if (bias is None or x.dim() != 2 or x.device != self.device or x.dtype not in cublaslt.DATA_TYPES
-                or x.shape[0] == 0):
+                or x.shape[0] == 0 or records_grad(x, weight, bias)):
             return False
         tensors = (x, weight, bias)
         return (weight.dim() == 2 and x.shape[1] == weight.shape[1] and bias.shape == (weight.shape[0],)
@@ -225,10 +228,17 @@ class MeasuredProducts:
 
     @staticmethod
     def accuracy(x, weight, bias, gelu: bool) -> tuple[torch.Tensor, float]:
-        """The float64 product, and the relative error a candidate may have: ATen's, 1.5 times, plus 1e-4."""
+        """The float64 product, and the relative error a candidate may have: ATen's, 1.5 times, plus 1e-4.
+        ``ValueError`` where ATen's error is not finite (a NaN among the operands, a product past the dtype's range):
+        no configuration can be graded on such operands (every one would be outside a NaN bound, within an inf one)."""
         exact = x.double() @ weight.double().t() + bias.double()
         exact = F.gelu(exact, approximate="tanh") if gelu else exact
-        return exact, 1.5 * relative_error(MeasuredProducts.aten(x, weight, bias, gelu), exact) + 1e-4
+        error = relative_error(MeasuredProducts.aten(x, weight, bias, gelu), exact)
+        if not math.isfinite(error):
+            raise ValueError(f"ATen's relative error against the float64 product is {error} on these operands, not "
+                             f"finite (a NaN or inf among them, or a product past {x.dtype}'s range): they grade no "
+                             f"configuration")
+        return exact, 1.5 * error + 1e-4
 
     def recall(self, x, weight, bias, gelu: bool) -> Choice | None:
         """The cached choice for this shape, if there is one, cuBLASLt still accepts its algorithm and it is still as
@@ -259,8 +269,8 @@ class MeasuredProducts:
     def measure(self, x, weight, bias, gelu: bool) -> Choice:
         """Rank the heuristic's candidates and the other configurations as accurate as ATen's call (``RANKING``), then
         time the ``SHORTLIST`` fastest and ATen's call interleaved; keep the fastest (see ``MARGIN``). A failure of the
-        measurement, or a shape none of whose configurations ran, leaves the shape on ATen's call, logged and not
-        cached. Runs on the chooser's device (``product``)."""
+        measurement, a shape none of whose configurations ran, or operands that grade none (``accuracy``) leave the
+        shape on ATen's call, logged and not cached. Runs on the chooser's device (``product``)."""
         label, clock = self.label(x, weight, gelu), PhaseClock(self.phases)
         try:
             descriptor = self.descriptor(weight, bias, x.shape[0], gelu)

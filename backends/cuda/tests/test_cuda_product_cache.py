@@ -274,3 +274,59 @@ def test_a_lock_file_that_cannot_be_opened_is_named_and_no_descriptor_is_closed_
     assert "Permission denied" in caplog.text and "Bad file descriptor" not in caplog.text
     assert sorted(closed) == sorted(opened)  # each descriptor closed once
     assert not path.exists()
+
+
+def test_a_cache_file_removed_between_lookups_is_written_anew(tmp_path, caplog, monkeypatch):
+    """The file was checked for existence, then read: removed in between (a user clearing the cache while another
+    process writes), the read's FileNotFoundError counted as a file that exists but cannot be read, and the write was
+    refused as if it would drop entries."""
+    path = tmp_path / "cublaslt-products.json"
+    cache, entry = product_cache.ChoiceCache(path, "H200"), products.Choice(None, None, 5.0, 5.0).entry()
+    cache.put("a", entry)
+    read_text = type(path).read_text
+
+    def removed_meanwhile(self, *args, **kwargs):
+        if self == path and self.exists():
+            self.unlink()  # after any existence check the cache made
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(path), "read_text", removed_meanwhile)
+    cache.put("b", entry)
+    monkeypatch.undo()
+    assert "could not write the measured-products cache" not in caplog.text
+    assert cache.entries() == {cache.key("b"): entry}
+
+
+def test_a_cache_folder_that_cannot_be_searched_is_logged_not_raised(tmp_path, caplog, monkeypatch):
+    """``Path.exists`` raises PermissionError where the folder cannot be searched (EACCES from stat): ``entries()`` and
+    ``get()`` raised, against the cache's promise that reading failures are logged, never raised."""
+    path = tmp_path / "cublaslt-products.json"
+    path.write_text("{}")
+
+    def denied(real):
+        def call(self, *args, **kwargs):
+            if self == path:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+            return real(self, *args, **kwargs)
+        return call
+
+    for name in ("exists", "stat", "read_text", "read_bytes", "is_file", "open"):
+        monkeypatch.setattr(type(path), name, denied(getattr(type(path), name)))
+    cache = product_cache.ChoiceCache(path, "H200")
+    try:
+        assert cache.entries() == {} and cache.get("a") is None
+    finally:
+        monkeypatch.undo()
+    assert f"ignoring the measured-products cache {path}" in caplog.text and "Permission denied" in caplog.text
+
+
+def test_a_relative_xdg_cache_home_is_ignored_as_the_xdg_specification_says(monkeypatch, tmp_path):
+    """A relative $XDG_CACHE_HOME was taken against the working directory: each process started elsewhere kept its own
+    cache (and made a folder there). The XDG Base Directory specification: such a path is invalid and ignored."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HWGRAPH_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert product_cache.cache_path() == tmp_path / "home" / ".cache" / "hwgraph" / "cublaslt-products.json"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert product_cache.cache_path() == tmp_path / "xdg" / "hwgraph" / "cublaslt-products.json"

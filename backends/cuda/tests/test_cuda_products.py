@@ -485,6 +485,71 @@ def test_the_chooser_takes_aligned_operands_on_its_own_device_only(tmp_path, fak
     assert not other.takes(x, w, b)  # cpu operands, a chooser of cuda:1
 
 
+@pytest.mark.parametrize("gelu", [False, True])
+def test_while_autograd_records_the_chooser_hands_back_atens_differentiable_products(tmp_path, fake_gpu, gelu):
+    """The chooser's cuBLASLt call has no backward: a product whose operands record gradients (a forward under
+    ``products.chosen_by`` outside ``inference_mode``) came back without a history, so the weights' gradients were
+    silently missing. Such a product now runs ATen's differentiable call, as ``aten_linear_gelu_tanh`` does."""
+    chooser = chooser_on(tmp_path / "c.json")
+    x, w, b = aligned_operands()
+    chooser.choices[(8, 16, 4, torch.bfloat16, gelu)] = products.Choice(cublaslt.Algo(), "algorithm 66", 5.0, 4.0)
+    ran = []
+
+    def run(algo, x, weight, out):  # as cuBLASLt writes: into out, with no autograd history
+        ran.append(algo)
+        with torch.no_grad():
+            return out.copy_(aten(x, weight, b, gelu))
+
+    chooser.descriptor = lambda weight, bias, rows, gelu: SimpleNamespace(run=run)
+    product = chooser.linear_gelu_tanh if gelu else chooser.linear
+    product(x, w, b)
+    assert len(ran) == 1  # without autograd the chosen configuration runs
+    w.requires_grad_()
+    got = product(x, w, b)
+    assert len(ran) == 1 and got.grad_fn is not None
+    got.float().sum().backward()
+    want_grad, w.grad = w.grad, None
+    aten(x, w, b, gelu).float().sum().backward()
+    torch.testing.assert_close(want_grad, w.grad, rtol=0, atol=0)
+    with torch.no_grad():  # the same tensors without recording: the chosen configuration again
+        product(x, w, b)
+    assert len(ran) == 2
+
+
+def test_operands_whose_product_is_not_finite_grade_nothing_and_leave_no_choice_in_the_cache(ranked, caplog):
+    """With a NaN among the operands (an uninitialised tower's), ATen's own error against the float64 product was NaN:
+    no configuration was within that bound, and the verdict, ATen's call for good, was cached, so every later process
+    recalled it unchecked. Such operands grade nothing: the shape keeps ATen's call in this process only, and a
+    cached configuration is not recalled on them."""
+    x, w, b = ranked.setup([1, 2], {}, {1: 1.0, 2: 2.0}, {"aten": 10.0, 1: 8.0, 2: 9.0})
+    x[0, 0] = math.nan
+    choice = ranked.measure(x, w, b, gelu=False)
+    assert choice.algo is None and math.isnan(choice.aten_us)
+    assert "failed, it keeps ATen's" in caplog.text and "not finite" in caplog.text
+    assert ranked.cache.get(ranked.label(x, w, False)) is None  # a later process measures it again
+    assert ranked.timed == []
+    algo = cublaslt.Algo()
+    algo.data[0] = 1
+    ranked.cache.put(ranked.label(x, w, False), products.Choice(algo, "x", 10.0, 8.0).entry())
+    ranked.lib = SimpleNamespace(cublasLtMatmulAlgoConfigGetAttribute=lambda *args: 7)
+    ranked.descriptor(w, b, 8, False).accepts = lambda algo: True
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=products.__name__):
+        assert ranked.recall(x, w, b, gelu=False) is None
+    assert "does not hold" in caplog.text and "not finite" in caplog.text
+
+
+def test_a_product_that_overflows_gives_no_accuracy_bound():
+    """fp16 operands whose product overflows: ATen's error was inf, so every configuration that ran, whatever it
+    wrote, was within the bound."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(8, 16, generator=g).half(), (torch.randn(4, 16, generator=g) / 4).half(),
+               torch.randn(4, generator=g).half())
+    x[0] = 6e4 * torch.sign(w[0])  # row 0 times weight row 0: about 1.6e5, past fp16's 65504
+    with pytest.raises(ValueError, match=r"ATen's relative error against the float64 product is inf"):
+        products.MeasuredProducts.accuracy(x, w, b, gelu=False)
+
+
 def test_the_accuracy_bound_is_one_and_a_half_times_atens_error_plus_1e_4():
     x, w, b = aligned_operands()
     exact, bound = products.MeasuredProducts.accuracy(x, w, b, gelu=False)
@@ -956,6 +1021,26 @@ def test_inputs_it_does_not_take_run_atens_call_unmeasured(chooser):
         assert torch.equal(chooser.linear(xi, wi, bi), F.linear(xi, wi, bi))
     assert chooser.choices == {}
     assert chooser.takes(x, w, b)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("gelu", [False, True])
+def test_products_that_autograd_records_train_as_atens_do_even_where_a_configuration_was_chosen(chooser, gelu):
+    """The chosen cuBLASLt call has no backward: under ``products.chosen_by`` with autograd recording, the weights'
+    gradients were silently missing. Such products run ATen's call; without recording, the chosen one again."""
+    x, w, b = operands(1024, 4304, 1152)
+    product = chooser.linear_gelu_tanh if gelu else chooser.linear
+    with torch.no_grad():
+        product(x, w, b)  # measured now
+    assert len(chooser.choices) == 1
+    w.requires_grad_()
+    got = product(x, w, b)
+    assert got.grad_fn is not None
+    got.float().square().sum().backward()
+    want, w.grad = w.grad, None
+    aten(x, w, b, gelu).float().square().sum().backward()
+    torch.testing.assert_close(want, w.grad)  # the same ATen calls
 
 
 @pytest.mark.cuda
