@@ -17,4 +17,14 @@ if [ "$ACCEL" = vllm ]; then
 fi
 source ci/env.sh "$ACCEL"
 .venv/bin/hwgraph info
+# Where hwgraph does not find the accelerator asked for, every test of its marker would be skipped and the run pass
+# with none of them run (tox's accelerator envs refuse the same, ci/accel_check.py).
+if [ "$ACCEL" != cpu ]; then
+  FOUND=$(.venv/bin/python -c 'from hwgraph.platform import detect; print(detect().kind)')
+  if [ "$FOUND" != "$ACCEL" ]; then
+    echo "ci/test.sh $ACCEL: hwgraph finds a $FOUND machine here, so every $ACCEL test would be skipped (hwgraph" \
+      "info above says what it found): run it on a machine with the $ACCEL accelerator, or ci/test.sh cpu here" >&2
+    exit 2
+  fi
+fi
 exec .venv/bin/python -m pytest -n auto -m "not vllm" tests backends "$@"
