@@ -82,6 +82,8 @@ class BackendSpec:
         object.__setattr__(self, "attention", spec_fields.items(name, "attention", self.attention, KernelSpec,
                                                                 empty=True))
         spec_fields.text(name, "description", self.description, empty=True)
+        if self.distribution is not None:  # reports look its version up by it (a tuple raised there, in TypeError)
+            spec_fields.text(name, "distribution", self.distribution)
 
     def capability(self, platform: PlatformInfo | None = None) -> Capability:
         return gate_capability(self.name, self.gate, platform or detect())

@@ -113,6 +113,8 @@ def toy_backend(**changes) -> BackendSpec:
     (toy_backend, {"attention": ("TRITON_ATTN",)}, "BackendSpec 'toy': attention is a tuple of KernelSpec"),
     (toy_backend, {"name": ""}, "BackendSpec: name is a non-empty string, got ''"),
     (toy_backend, {"class_path": None}, "BackendSpec 'toy': class_path is a non-empty string, got None"),
+    (toy_backend, {"distribution": ("hwgraph-backend-toy",)},
+     "BackendSpec 'toy': distribution is a non-empty string, got ('hwgraph-backend-toy',)"),
     (toy_kernel, {"kinds": "cpu"}, "KernelSpec 'TOY': kinds is a tuple"),
     (toy_kernel, {"dtypes": ("bfloat16",)}, "KernelSpec 'TOY': dtypes is a tuple of one or more dtype"),
     (toy_kernel, {"head_dims": (256, 1)}, "KernelSpec 'TOY': head_dims is (lowest, highest)"),
