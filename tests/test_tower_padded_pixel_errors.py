@@ -1,4 +1,4 @@
-"""Review 65 of the tower: what its refusals say about padded metadata and about a source that is not metadata."""
+"""What the tower's refusals say about padded metadata and about a source that is not metadata."""
 
 from __future__ import annotations
 

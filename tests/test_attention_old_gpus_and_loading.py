@@ -1,4 +1,5 @@
-"""Review 65: gates and selection on simulated platforms (PlatformInfo values passed explicitly)."""
+"""TRITON_ATTN on NVIDIA GPUs Triton does not compile for, and a kernel named by $HWGRAPH_ATTENTION that does not
+load, on simulated platforms (PlatformInfo values passed explicitly)."""
 
 from __future__ import annotations
 

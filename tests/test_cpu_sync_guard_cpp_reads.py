@@ -1,4 +1,4 @@
-"""Review 65 of the graph backends: reads back to the host that CUDA's sync debug mode rejects and the CPU guard let
+"""Reads back to the host that CUDA's sync debug mode rejects and the CPU guard let
 through, because torch does them in C++ where no replaced method sees them.
 
 ``t.numpy(force=True)`` and ``t.type("torch.FloatTensor")`` copy a device tensor to the host (``.cpu()`` in C++);
