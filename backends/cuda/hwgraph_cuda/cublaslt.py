@@ -161,6 +161,8 @@ class LtProduct:
     ``N x M``. The descriptors hold the bias's address, not the tensor: they never keep a tower's memory alive."""
 
     def __init__(self, lib, handle, weight: torch.Tensor, bias: torch.Tensor, rows: int, gelu: bool):
+        if weight.dtype not in DATA_TYPES:  # before any descriptor exists (a KeyError after one left it behind)
+            raise ValueError(f"LtProduct takes a weight of {' or '.join(map(str, DATA_TYPES))}, got {weight.dtype}")
         self.lib, self.handle = lib, handle
         n, k = weight.shape
         self.desc = ctypes.c_void_p()

@@ -121,6 +121,14 @@ class FakeAlgorithms(FakeCublasLt):
         return 15 if (data[1], data[6]) == (22, 4) else 0
 
 
+def test_lt_product_refuses_a_dtype_cublaslt_is_not_given_here_by_name_before_creating_anything():
+    fake = FakeCublasLt()
+    with pytest.raises(ValueError, match=r"LtProduct takes a weight of torch.bfloat16 or torch.float16, got "
+                                         r"torch.float32"):
+        cublaslt.LtProduct(fake, ctypes.c_void_p(7), torch.zeros(6, 4), torch.zeros(6), rows=5, gelu=False)
+    assert not hasattr(fake, "compute") and fake.layouts == []  # no descriptor left behind
+
+
 def test_configurations_try_every_tile_and_cluster_of_the_candidates_algorithms_without_split_k_or_swizzling():
     fake, bf16 = FakeAlgorithms(), torch.bfloat16
     product = cublaslt.LtProduct(fake, ctypes.c_void_p(7), torch.zeros(6, 4, dtype=bf16), torch.zeros(6, dtype=bf16), 5,
