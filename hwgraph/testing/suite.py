@@ -23,6 +23,7 @@ A kernel that is not graph-safe (the manager runs it only eagerly) is checked th
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import pytest
@@ -395,7 +396,7 @@ class TestRetainedOutputs(ConformanceSuite):
         kept = [o.clone() for o in first]
         self.encode_and_check(manager, tower, grid, seed=601, what="call 2 (same budget)")
         self.encode_and_check(manager, tower, self.grid(tower, small), seed=602, what="call 3 (smallest budget)")
-        want = {large: 2} if small == large else {large: 2, small: 1}
+        want = dict(collections.Counter((large, large, small)))  # one budget: all three calls replay it
         assert manager.stats()["replays_per_budget"] == want, "every call must replay"
         for i, (o, k) in enumerate(zip(first, kept, strict=True)):
             torch.testing.assert_close(o.embeds, k.embeds, rtol=0, atol=0,
