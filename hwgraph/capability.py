@@ -67,6 +67,11 @@ def sm_tuple(arch: str | None) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+#: The oldest NVIDIA compute capability Triton compiles for (torch.utils._triton.has_triton: "Triton only supports
+#: devices of CUDA Capability >= 7.0"): TRITON_ATTN's gate and the tower's fused kernels hold to it.
+TRITON_MIN_COMPUTE_CAPABILITY = (7, 0)
+
+
 def gfx_name(arch: str | None) -> str | None:
     """``'gfx942:sramecc+:xnack-'`` -> ``'gfx942'`` (the part before the first ':')."""
     if not arch:

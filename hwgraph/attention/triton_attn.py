@@ -13,7 +13,7 @@ import torch
 
 from hwgraph.attention.base import KernelSpec
 from hwgraph.attention.varlen_inputs import register_varlen_kernel
-from hwgraph.capability import Capability, require_module, sm_tuple
+from hwgraph.capability import TRITON_MIN_COMPUTE_CAPABILITY, Capability, require_module, sm_tuple
 from hwgraph.platform import PlatformInfo
 
 
@@ -29,11 +29,6 @@ def interpreter_enabled() -> bool:
     return bool(knobs.runtime.interpret)
 
 
-#: The oldest NVIDIA compute capability Triton compiles for (torch.utils._triton.has_triton: "Triton only supports
-#: devices of CUDA Capability >= 7.0").
-MIN_COMPUTE_CAPABILITY = (7, 0)
-
-
 def triton_gate(platform: PlatformInfo) -> Capability:
     if platform.kind not in ("cuda", "rocm", "cpu"):
         return Capability.unavailable(
@@ -46,10 +41,10 @@ def triton_gate(platform: PlatformInfo) -> Capability:
     # Triton builds no kernels below Volta (torch's has_triton says so too): automatic choice took TRITON_ATTN on a
     # P100 or GTX 1080, where FLASH_ATTN is refused, and the first forward failed as the kernel compiled.
     cc = sm_tuple(platform.arch) if platform.kind == "cuda" else None
-    if cc is not None and cc < MIN_COMPUTE_CAPABILITY:
-        return Capability.unavailable(
-            f"TRITON_ATTN needs compute capability >= {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} (the "
-            f"oldest NVIDIA GPUs Triton compiles for), found {cc[0]}.{cc[1]}")
+    if cc is not None and cc < TRITON_MIN_COMPUTE_CAPABILITY:
+        major, minor = TRITON_MIN_COMPUTE_CAPABILITY
+        return Capability.unavailable(f"TRITON_ATTN needs compute capability >= {major}.{minor} (the oldest NVIDIA "
+                                      f"GPUs Triton compiles for), found {cc[0]}.{cc[1]}")
     found = require_module("triton", "TRITON_ATTN")
     if not found.ok:
         return found

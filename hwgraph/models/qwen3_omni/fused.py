@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from hwgraph import products
 from hwgraph.attention.varlen_inputs import eager_or_op, launches_on_tensor_device, records_grad
+from hwgraph.capability import TRITON_MIN_COMPUTE_CAPABILITY
 
 FUSED_ENV = "HWGRAPH_FUSED"
 
@@ -40,10 +41,6 @@ TRITON_FOUND = importlib.util.find_spec("triton") is not None
 # What the add + LayerNorm and position-embedding kernels compute in (float32 inside); float64 takes the exact
 # fallbacks instead of being rounded to float32.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-#: The oldest NVIDIA compute capability Triton compiles for (as TRITON_ATTN's gate, ``triton_attn``)
-MIN_COMPUTE_CAPABILITY = (7, 0)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -62,7 +59,7 @@ def use_triton(t: torch.Tensor) -> bool:
 def triton_compiles_for(device: torch.device) -> bool:
     """Whether Triton builds kernels for ``device``'s GPU: every ROCm GPU torch runs on, NVIDIA from compute
     capability 7.0 (below it, on a P100 or GTX 10xx, the fused kernels' first launch failed; the unfused path runs)."""
-    return torch.version.hip is not None or torch.cuda.get_device_capability(device) >= MIN_COMPUTE_CAPABILITY
+    return torch.version.hip is not None or torch.cuda.get_device_capability(device) >= TRITON_MIN_COMPUTE_CAPABILITY
 
 
 def next_pow2(n: int) -> int:
