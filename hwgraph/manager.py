@@ -254,9 +254,10 @@ class EncoderGraphManager:
         """Capture every budget, largest first, into one shared pool; failures leave that budget eager.
 
         Like ``torch.cuda.graph`` (whose default capture mode is global), ``capture()`` must not overlap device work
-        of other threads in the process: the capture stream and the DeepStack mergers' side stream are the process's
-        (one per device), and with ``measure_products`` the product chooser is active for the whole process while it
-        runs (``products.chosen_by``). ``encode()`` may be called from any thread once it has returned."""
+        of other threads in the process: the capture stream is the process's (one per device; the DeepStack mergers'
+        side stream is the calling thread's), and with ``measure_products`` the product chooser is active for the
+        whole process while it runs (``products.chosen_by``). ``encode()`` may be called from any thread once it has
+        returned."""
         with self._lock, caller_state_off(self.device):
             return self._capture()
 

@@ -1,14 +1,16 @@
-"""The tower against transformers at merge sizes other than 2, and a tower that has run saved whole (pickled)."""
+"""The tower against transformers at merge sizes other than 2, a tower that has run saved whole (pickled), and the
+DeepStack mergers' side stream each thread gets."""
 
 from __future__ import annotations
 
 import io
 import pickle
+import threading
 
 import pytest
 import torch
 
-from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower, preset_config
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower, merge_streams, preset_config
 from hwgraph.models.qwen3_omni.reference import reference_encoder, run_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,3 +94,69 @@ def test_tensors_assigned_in_another_dtype_choose_the_attention_kernel_again(mon
     tower.load_state_dict({k: v.to(torch.bfloat16) for k, v in tower.state_dict().items()}, assign=True)
     assert tower.patch_embed.proj.weight.dtype == torch.bfloat16
     assert tower.attention_kernel == "TORCH_SDPA"
+
+
+class FakeStream:
+    """torch.cuda.Stream's stand-in on a machine without CUDA; ``made`` lists every one made."""
+    made: list[FakeStream] = []
+
+    def __init__(self, device):
+        self.device = device
+        FakeStream.made.append(self)
+
+    def __reduce_ex__(self, protocol):  # like torch.cuda.Stream: a tower holding one could not be deep-copied
+        raise TypeError("cannot pickle 'Stream' object")
+
+
+def merge_stream_of_a_thread(tower, device, hold: threading.Event | None = None):
+    """``tower.merge_stream(device, 196)`` as a new thread sees it; that thread lives on until ``hold`` is set, or
+    has ended when this returns (``hold`` None)."""
+    got, asked = [], threading.Event()
+
+    def run():
+        try:
+            got.append(tower.merge_stream(device, 196))
+        finally:
+            asked.set()
+            if hold is not None:
+                hold.wait(10)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert asked.wait(10)
+    if hold is None:
+        thread.join(10)
+        assert not thread.is_alive()
+    return got[0]
+
+
+def test_each_thread_gets_its_own_merge_stream_and_a_new_thread_takes_over_an_ended_threads(monkeypatch):
+    """A stream that waits on a capturing stream joins that capture until it ends: with one merge stream per device
+    for the process, another thread's eager forward put its DeepStack mergers into that thread's graph instead of
+    running them. Threads that come and go take over ended threads' streams: each new stream costs cuBLAS workspaces
+    that are kept for the process (34 MiB on the H200)."""
+    import copy
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(FakeStream, "made", [])
+    monkeypatch.setattr(merge_streams, "MERGE_STREAMS", {})
+    tower, gpu0, gpu1 = Qwen3OmniVisionTower.from_preset("tiny"), torch.device("cuda", 0), torch.device("cuda", 1)
+    mine = tower.merge_stream(gpu0, 196)
+    assert isinstance(mine, FakeStream) and mine.device == gpu0
+    assert Qwen3OmniVisionTower.from_preset("tiny").merge_stream(gpu0, 196) is mine  # every tower of this thread
+    assert copy.deepcopy(tower).merge_stream(gpu0, 196) is mine
+
+    hold = threading.Event()
+    try:
+        first = merge_stream_of_a_thread(tower, gpu0, hold)  # still alive while the next threads ask
+        second = merge_stream_of_a_thread(tower, gpu0)
+        assert first is not mine and second is not mine and first is not second
+        assert first.device == second.device == gpu0
+    finally:
+        hold.set()
+    for _ in range(3):  # both have ended (or will): one is taken over each time, and no stream is made
+        assert merge_stream_of_a_thread(tower, gpu0) in (first, second)
+    assert FakeStream.made == [mine, first, second]
+    other_device = merge_stream_of_a_thread(tower, gpu1)  # an ended thread's stream on another device is not one
+    assert other_device.device == gpu1 and FakeStream.made == [mine, first, second, other_device]
+    assert tower.merge_stream(gpu0, 196) is mine

@@ -387,6 +387,86 @@ def test_replay_with_overlapped_mergers_equals_the_in_line_eager_forward(tower, 
             assert relative_error(g, w) < 1e-2
 
 
+def test_an_eager_forward_in_another_thread_stays_out_of_a_capture_under_way(tower, monkeypatch):
+    """A stream that waits on a capturing stream joins that capture until it ends. With one DeepStack merger stream
+    per device for the process, an eager forward in another thread while a capture had that stream joined put its
+    mergers into the graph instead of running them, or invalidated the capture. Thread A captures the tower and
+    holds its capture open after its first merger (side stream joined) while thread B runs whole eager forwards of
+    the same tower; then A replays while B goes on. Both equal the eager reference. A captures as "thread_local":
+    under torch's default "global" mode any cudaMalloc of B would invalidate the capture anyway."""
+    import threading
+
+    grid = [grid_of(49)]  # 196 rows: the mergers run on a side stream
+    pix_a, pix_b = pixels(grid, 21), pixels(grid, 22)
+    want_a, want_b = in_line_forward(tower, pix_a, grid), in_line_forward(tower, pix_b, grid)
+    meta_a, meta_b = (tower.prepare_metadata(grid, p).to(p.device) for p in (pix_a, pix_b))  # B copies nothing
+    held, b_ran = threading.Event(), threading.Event()
+    capturing_thread = []
+    merger = tower.merger_list[0]
+    forward = merger.forward
+
+    def held_open(x):
+        out = forward(x)
+        if threading.current_thread() in capturing_thread and torch.cuda.is_current_stream_capturing():
+            held.set()
+            b_ran.wait(60)
+        return out
+
+    monkeypatch.setattr(merger, "forward", held_open)
+    got_a, got_b, errors = [], [], []
+
+    def capture_then_replay():
+        capturing_thread.append(threading.current_thread())
+        try:
+            stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.inference_mode():
+                with torch.cuda.stream(stream):  # warm-up where the capture runs: cuBLAS workspaces made first
+                    for _ in range(2):
+                        tower.forward_with_metadata(pix_a, meta_a)
+                torch.cuda.current_stream().wait_stream(stream)
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    outputs = tower.forward_with_metadata(pix_a, meta_a).tensors()
+                for _ in range(10):
+                    graph.replay()
+                    got_a.append([t.clone() for t in outputs])
+            torch.cuda.synchronize()
+        except BaseException as exc:  # noqa: BLE001 (raised again by the test's thread)
+            errors.append(exc)
+        finally:
+            held.set()
+
+    def eager_forwards():
+        try:
+            stream = torch.cuda.Stream()
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                assert held.wait(60), "thread A never held its capture open"
+                for i in range(6):
+                    if i == 3:  # three inside A's capture, three while it replays
+                        stream.synchronize()
+                        b_ran.set()
+                    got_b.append([t.clone() for t in tower.forward_with_metadata(pix_b, meta_b).tensors()])
+            stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            b_ran.set()
+
+    threads = [threading.Thread(target=capture_then_replay), threading.Thread(target=eager_forwards)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    if errors:
+        raise errors[0]
+    assert len(got_a) == 10 and len(got_b) == 6
+    for got, want in [(g, want_a) for g in got_a] + [(g, want_b) for g in got_b]:
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, **BF16)
+            assert relative_error(g, w) < 1e-2
+
+
 def test_a_second_manager_in_another_dtype_stops_the_first_from_replaying_freed_weights():
     # Its own tower: the second manager moves it to float16 for good.
     tower = own_tower([0])

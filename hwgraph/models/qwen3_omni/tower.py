@@ -19,6 +19,7 @@ from hwgraph.capability import Capability
 from hwgraph.models.qwen3_omni.config import VisionConfig, check_config, preset_config, resolve_config
 from hwgraph.models.qwen3_omni.fused import add_position_embedding
 from hwgraph.models.qwen3_omni.layers import AxialRotary, PatchEmbed, PatchMerger, VisionBlock
+from hwgraph.models.qwen3_omni.merge_streams import thread_merge_stream
 from hwgraph.models.qwen3_omni.metadata import VisionMetadata, grid_metadata, normalize_grid
 from hwgraph.models.qwen3_omni.output import VisionOutput
 from hwgraph.platform import KINDS, PlatformInfo, check_materialised, platform_for
@@ -41,11 +42,6 @@ nn.modules.module.register_module_parameter_registration_hook(_Registrations.see
 nn.modules.module.register_module_buffer_registration_hook(_Registrations.seen)
 
 AUTO = "auto"
-#: device -> the stream every tower's DeepStack mergers run on there (``merge_stream``). One per device for the
-#: process, not one per tower: cuBLAS gives a stream its workspaces on first use and keeps them for the process
-#: (34 MiB on the H200), so a stream per tower left that much behind each tower made, and a tower holding a stream
-#: could not be deep-copied.
-MERGE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def callable_spec(fn: VarlenAttention) -> KernelSpec:
@@ -377,14 +373,12 @@ class Qwen3OmniVisionTower(nn.Module):
         0.4-0.5% (session 6); with session 28's kernels, 1.7-1.8% at 1024 rows and 0.2% at 4096
         (``benchmarks/replay_toggle.py merger-overlap``). So mergers overlap up to ``OVERLAP_MAX_ROWS`` rows
         (padding rows counted); in line above that, on other devices, while torch.compile traces, and with
-        ``overlap_deepstack = False``. Every tower on a device uses the same stream (``MERGE_STREAMS``)."""
+        ``overlap_deepstack = False``. Every tower a thread runs on a device uses that thread's stream there
+        (``MERGE_STREAMS``): another thread's capture never takes in this thread's mergers."""
         if not self.overlap_deepstack or rows > OVERLAP_MAX_ROWS or device.type != "cuda" \
                 or torch.compiler.is_compiling():
             return None
-        stream = MERGE_STREAMS.get(device)
-        if stream is None:
-            stream = MERGE_STREAMS[device] = torch.cuda.Stream(device)
-        return stream
+        return thread_merge_stream(device)
 
     @staticmethod
     def block_forward():
