@@ -67,3 +67,24 @@ def test_a_kernel_named_by_the_environment_that_does_not_load_says_the_variable_
     # named as an argument: the variable is not the source
     with pytest.raises(ImportError, match=r"^attention kernel 'TOY_ATTN' declares impl_path"):
         choose_attention("TOY_ATTN", platform=cpu, dtype=torch.float32, head_dim=72)
+
+
+@pytest.mark.parametrize("kind, arch", [("cuda", "sm_90"), ("cuda", "sm_80"), ("rocm", "gfx942")])
+@pytest.mark.parametrize("value", ["1", "true"])  # Triton's knobs take "true" (and "on") as well as "1"
+def test_triton_attn_is_refused_on_gpus_while_the_triton_interpreter_is_on(monkeypatch, kind, arch, value):
+    """Under TRITON_INTERPRET the kernel runs on the host (Triton copies the GPU tensors there and back), so graph
+    capture failed and the manager ran eagerly at every budget: the gate offered TRITON_ATTN on CUDA and ROCm all
+    the same, and on Hopper automatic choice took it. It is refused there now, naming the variable to unset."""
+    pytest.importorskip("triton")
+    gpu = platform(kind, arch)
+    assert kernel_named("TRITON_ATTN").capability(gpu, dtype=torch.float16).ok  # without the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    reason = (f"TRITON_INTERPRET is set: Triton's interpreter runs TRITON_ATTN on the host, not the {kind} GPU, so "
+              "graphs cannot capture it; unset TRITON_INTERPRET to run it on the GPU")
+    assert kernel_named("TRITON_ATTN").capability(gpu, dtype=torch.float16).reasons == (reason,)
+    assert choose_attention(platform=gpu, dtype=torch.float16, head_dim=72).spec.name != "TRITON_ATTN"
+    with pytest.raises(SelectionError, match=r"'TRITON_ATTN' is unavailable: TRITON_INTERPRET is set: .* unset "
+                                             r"TRITON_INTERPRET to run it on the GPU"):
+        choose_attention("TRITON_ATTN", platform=gpu, dtype=torch.float16)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # set, but off: the kernel runs on the GPU
+    assert kernel_named("TRITON_ATTN").capability(gpu, dtype=torch.float16).ok

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hwgraph.attention.triton_attn import interpreter_enabled
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower, fused
 
 CHILD = textwrap.dedent("""
@@ -272,7 +273,7 @@ def test_the_position_embedding_takes_the_kernel_only_for_its_layout(monkeypatch
 
 def test_cpu_tensors_take_the_exact_unfused_path():
     qkv = torch.randn(4, 3, 2, 8)
-    assert not fused.use_triton(qkv) or os.environ.get("TRITON_INTERPRET") == "1"
+    assert not fused.use_triton(qkv) or interpreter_enabled()
     norm = torch.nn.LayerNorm(8)
     x, d = torch.randn(4, 8), torch.randn(4, 8)
     total, normed = fused.add_layer_norm(x, d, norm)
@@ -422,6 +423,7 @@ def test_fused_kernels_run_only_on_gpus_triton_compiles_for(monkeypatch, capabil
     there instead of failing at the first launch. Every ROCm GPU torch runs on is one Triton builds for."""
     monkeypatch.setattr(fused, "TRITON_FOUND", True)
     monkeypatch.delenv("HWGRAPH_FUSED", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.version, "hip", hip)
     fused.triton_compiles_for.cache_clear()
@@ -430,3 +432,43 @@ def test_fused_kernels_run_only_on_gpus_triton_compiles_for(monkeypatch, capabil
         assert fused.use_triton(gpu_tensor) is runs
     finally:
         fused.triton_compiles_for.cache_clear()  # the patched answers must not outlive the test
+
+
+@pytest.mark.parametrize("hip", [None, "6.4"])
+def test_gpu_tensors_take_the_unfused_path_under_the_triton_interpreter(monkeypatch, hip):
+    """Under TRITON_INTERPRET the kernels run on the host (Triton copies CUDA/ROCm tensors there and back), which
+    graph capture cannot record: the tower took the fused kernels on GPUs all the same. The interpreter is read as
+    TRITON_ATTN's gate reads it (Triton's knobs: "true" counts, "0" does not)."""
+    pytest.importorskip("triton", reason="the interpreter is read through triton's knobs")
+    monkeypatch.setattr(fused, "TRITON_FOUND", True)
+    monkeypatch.delenv("HWGRAPH_FUSED", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", hip)
+    fused.triton_compiles_for.cache_clear()
+    try:
+        gpu_tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # what use_triton reads
+        for value, runs in (("1", False), ("true", False), ("0", True)):
+            monkeypatch.setenv("TRITON_INTERPRET", value)
+            assert fused.use_triton(gpu_tensor) is runs, value
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert fused.use_triton(gpu_tensor)
+    finally:
+        fused.triton_compiles_for.cache_clear()  # the patched answers must not outlive the test
+
+
+def test_cpu_tensors_take_the_kernels_when_triton_and_the_gate_see_the_interpreter(monkeypatch):
+    """TRITON_INTERPRET=true turns Triton's interpreter on (its knobs), and TRITON_ATTN's gate says so; the fused
+    kernels read only "1" and took the unfused path. The check also traces under torch.compile (fullgraph), where
+    Triton's knobs, read in C, cannot be called."""
+    pytest.importorskip("triton", reason="the interpreter is read through triton's knobs")
+    monkeypatch.setattr(fused, "TRITON_FOUND", True)
+    monkeypatch.delenv("HWGRAPH_FUSED", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "true")
+    assert interpreter_enabled() and fused.use_triton(torch.empty(1))
+
+    def fused_or_not(x):
+        return x + 1 if fused.use_triton(x) else x - 1
+
+    assert torch.compile(fused_or_not, backend="eager", fullgraph=True)(torch.zeros(1)).item() == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not fused.use_triton(torch.empty(1))

@@ -1,4 +1,5 @@
-"""TRITON_ATTN: our Triton varlen flash-attention kernel (CUDA, ROCm; CPU under the Triton interpreter).
+"""TRITON_ATTN: our Triton varlen flash-attention kernel (CUDA, ROCm; CPU only under the Triton interpreter,
+which it refuses on GPUs).
 
 This module is cheap to import: triton and the ``@triton.jit`` kernel (``hwgraph.attention.triton_kernel``) load
 on the first call. The grid is bounded by ``max_seqlen`` (a host int), so the kernel is graph-capturable.
@@ -19,9 +20,13 @@ from hwgraph.platform import PlatformInfo
 
 def interpreter_enabled() -> bool:
     """Whether Triton runs kernels under its interpreter here: ``TRITON_INTERPRET`` read as the installed Triton
-    reads it (its ``knobs``; a Triton without them took only "1"), so the gate never disagrees with Triton."""
+    reads it (its ``knobs``; a Triton without them took only "1"), so the gate never disagrees with Triton.
+    torch.compile can trace it (the fused tower kernels ask while it traces)."""
     if "TRITON_INTERPRET" not in os.environ:
         return False  # without importing triton
+    if torch.compiler.is_compiling():
+        # The knobs read the variable in C, which torch.compile cannot trace (fullgraph fails); their parsing:
+        return os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on")
     try:
         from triton import knobs
     except ImportError:  # no triton (the gate says so), or one older than its knobs
@@ -48,6 +53,12 @@ def triton_gate(platform: PlatformInfo) -> Capability:
     found = require_module("triton", "TRITON_ATTN")
     if not found.ok:
         return found
+    # Under the interpreter the kernel runs on the host (Triton copies GPU tensors there and back), so graph capture
+    # failed and the manager fell back to eager for every budget while TRITON_ATTN was chosen.
+    if platform.kind != "cpu" and interpreter_enabled():
+        return Capability.unavailable(
+            f"TRITON_INTERPRET is set: Triton's interpreter runs TRITON_ATTN on the host, not the {platform.kind} GPU, "
+            "so graphs cannot capture it; unset TRITON_INTERPRET to run it on the GPU")
     if platform.kind == "cpu" and not imported_interpreted():
         return Capability.unavailable(
             "TRITON_INTERPRET=1 was set after triton was imported in this process; triton decides at import "

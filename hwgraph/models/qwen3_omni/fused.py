@@ -13,10 +13,10 @@ LayerNorm. Here:
 - ``add_position_embedding``: one Triton kernel blends the four learned position rows of each patch and adds them
   to the patch embedding (five kernels unfused, one of them writing ``[4, rows, hidden]`` float32 products).
 
-Each has a plain torch fallback, used on CPU, without Triton, and when ``HWGRAPH_FUSED=0``; the fallbacks are the
-exact unfused computations, so the CPU tower stays equal to transformers. The Triton kernels are ``torch.library``
-custom ops (one opaque op for capture and ``torch.compile``); eager calls go straight to the launcher, skipping the
-dispatcher's overhead.
+Each has a plain torch fallback, used on CPU, without Triton, on GPUs under Triton's interpreter, and when
+``HWGRAPH_FUSED=0``; the fallbacks are the exact unfused computations, so the CPU tower stays equal to transformers.
+The Triton kernels are ``torch.library`` custom ops (one opaque op for capture and ``torch.compile``); eager calls go
+straight to the launcher, skipping the dispatcher's overhead.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hwgraph import products
+from hwgraph.attention.triton_attn import interpreter_enabled
 from hwgraph.attention.varlen_inputs import eager_or_op, launches_on_tensor_device, records_grad
 from hwgraph.capability import TRITON_MIN_COMPUTE_CAPABILITY
 
@@ -44,15 +45,17 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Triton kernels on CUDA/ROCm tensors of a GPU Triton compiles for (or CPU tensors under the Triton interpreter,
-    for tests)."""
+    """Triton kernels on CUDA/ROCm tensors of a GPU Triton compiles for, unless Triton's interpreter is on (or CPU
+    tensors under the interpreter, for tests)."""
     if os.environ.get(FUSED_ENV, "1") == "0" or not TRITON_FOUND:
         return False
     if t.is_cuda:
         # While torch.compile traces, inductor itself needs such a GPU (it generates Triton), and the cached call
-        # is left out of the traced forward.
-        return torch.compiler.is_compiling() or triton_compiles_for(t.device)
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        # is left out of the traced forward. The interpreter would run the kernels on the host (Triton copies the
+        # tensors there and back), which graph capture cannot record.
+        return (torch.compiler.is_compiling() or triton_compiles_for(t.device)) and not interpreter_enabled()
+    # As TRITON_ATTN's gate reads the interpreter (Triton's knobs): "true" and "on" count too.
+    return t.device.type == "cpu" and interpreter_enabled()
 
 
 @functools.cache
