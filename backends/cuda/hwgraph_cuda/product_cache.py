@@ -52,12 +52,16 @@ class ChoiceCache:
 
     def __init__(self, path: Path | None, setting: str):
         self.path, self.setting = path, setting
+        # The last file read: its (st_mtime_ns, st_size, st_ino) and its entries. A lookup of each shape re-read and
+        # re-parsed the whole file; one stat now tells whether another process has replaced or changed it since.
+        self.parsed: tuple[tuple[int, int, int], dict] | None = None
 
     def key(self, label: str) -> str:
         return f"{self.setting} | {label}"
 
     def entries(self) -> dict:
-        """The file's entries by key; {} if there is no file, or it cannot be read or is not a JSON object (logged)."""
+        """The file's entries by key; {} if there is no file, or it cannot be read or is not a JSON object (logged).
+        Parsed again only when the file changed since the last read (shared between calls: not to be changed)."""
         return self.read()[0]
 
     def read(self) -> tuple[dict, bool]:
@@ -66,7 +70,14 @@ class ChoiceCache:
         check for its existence first: a file removed in between, by a user clearing the cache, is none.)"""
         if self.path is None:
             return {}, True
+        signature = None  # stays so where stat refuses the path itself (ValueError: a NUL in it)
         try:
+            # stat before the read: what is read is then at least as new as the signature it is kept under, so a
+            # file replaced in between is only parsed again at the next lookup, never taken for the older one
+            stat = os.stat(self.path)
+            signature = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            if self.parsed is not None and self.parsed[0] == signature:
+                return self.parsed[1], True
             entries = json.loads(self.path.read_text())
         except (FileNotFoundError, NotADirectoryError):  # no file (or a file where a folder on its path should be)
             return {}, True
@@ -75,11 +86,13 @@ class ChoiceCache:
             return {}, False
         except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested deeper than json can read
             log.warning("ignoring the measured-products cache %s: %s", self.path, exc)
-            return {}, True
+            entries = {}
         if not isinstance(entries, dict):
             log.warning("ignoring the measured-products cache %s: it holds a JSON %s, not an object",
                         self.path, type(entries).__name__)
-            return {}, True
+            entries = {}
+        if signature is not None:
+            self.parsed = signature, entries  # a damaged file too: warned about once, not at every lookup
         return entries, True
 
     @contextlib.contextmanager

@@ -330,3 +330,65 @@ def test_a_relative_xdg_cache_home_is_ignored_as_the_xdg_specification_says(monk
     assert product_cache.cache_path() == tmp_path / "home" / ".cache" / "hwgraph" / "cublaslt-products.json"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert product_cache.cache_path() == tmp_path / "xdg" / "hwgraph" / "cublaslt-products.json"
+
+
+def counted_parses(monkeypatch) -> list[str]:
+    """Each text the cache parses as JSON, in order."""
+    parsed, loads = [], json.loads
+
+    def counting(text, *args, **kwargs):
+        parsed.append(text)
+        return loads(text, *args, **kwargs)
+
+    monkeypatch.setattr(product_cache.json, "loads", counting)
+    return parsed
+
+
+def test_a_lookup_of_many_shapes_parses_the_cache_file_once(tmp_path, monkeypatch):
+    """Every ``get`` read and parsed the whole file again: a tower's dozens of shapes, each recalled from a file of
+    every shape measured on the machine, parsed it once per shape. A file unchanged since the last read is not."""
+    path = tmp_path / "cublaslt-products.json"
+    cache, entry = product_cache.ChoiceCache(path, "H200"), products.Choice(None, None, 5.0, 5.0).entry()
+    path.write_text(json.dumps({cache.key(f"shape {i}"): entry for i in range(50)}))
+    parsed = counted_parses(monkeypatch)
+    assert all(cache.get(f"shape {i}") == entry for i in range(50))
+    assert cache.get("a shape never measured") is None and len(cache.entries()) == 50
+    assert len(parsed) == 1
+
+
+def test_a_damaged_cache_file_is_warned_about_once_not_at_every_lookup(tmp_path, caplog, monkeypatch):
+    path = tmp_path / "cublaslt-products.json"
+    path.write_text("{not json")
+    cache = product_cache.ChoiceCache(path, "H200")
+    parsed = counted_parses(monkeypatch)
+    assert all(cache.get(f"shape {i}") is None for i in range(10))
+    assert len(parsed) == 1 and caplog.text.count("ignoring the measured-products cache") == 1
+    cache.put("a", products.Choice(None, None, 5.0, 5.0).entry())  # a damaged file is still replaced
+    assert cache.get("a") is not None
+
+
+def test_a_cache_file_another_writer_replaced_or_rewrote_is_read_again(tmp_path, monkeypatch):
+    """Parsed once, the file is still read again when another process has written it since: replaced (``put``'s
+    atomic rename: another file), or rewritten in place to another length or time."""
+    path = tmp_path / "cublaslt-products.json"
+    cache, entry = product_cache.ChoiceCache(path, "H200"), products.Choice(None, None, 5.0, 5.0).entry()
+    cache.put("a", entry)
+    assert cache.get("a") == entry and cache.get("b") is None
+    parsed = counted_parses(monkeypatch)
+    # another process's put: a new file renamed over this one
+    done = subprocess.run([sys.executable, "-c", CACHE_WRITER, str(path), "b", "1"], timeout=300)
+    assert done.returncode == 0
+    assert cache.get("b-0") == entry and cache.get("a") == entry and len(parsed) == 1
+    # another instance in this process (its own parse)
+    product_cache.ChoiceCache(path, "H200").put("c", entry)
+    assert cache.get("c") == entry and len(parsed) == 3
+    # rewritten in place, keeping the inode: another length, then the same length at another time
+    path.write_text(json.dumps({cache.key("d"): entry}))
+    assert cache.get("d") == entry and cache.get("a") is None
+    before = path.stat()
+    path.write_text(json.dumps({cache.key("e"): entry}))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    assert path.stat().st_size == before.st_size and path.stat().st_ino == before.st_ino
+    assert cache.get("e") == entry and cache.get("d") is None
+    path.unlink()  # removed (a user clearing the cache): nothing cached, nothing remembered
+    assert cache.get("e") is None and cache.entries() == {}
