@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -261,12 +262,25 @@ def test_failures_are_those_of_the_last_capture_compiled_ones_included(monkeypat
 
 
 def test_inductor_support_names_what_is_missing(monkeypatch):
-    import shutil
-
     assert "generates no code for meta devices" in inductor_support(torch.device("meta")).describe()
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     assert "needs a C++ compiler" in inductor_support(torch.device("cpu")).describe()
+    monkeypatch.setattr(shutil, "which", lambda name: f"/opt/cc/bin/{name}")
+    assert inductor_support(torch.device("cpu")).ok
+
+
+def test_inductor_is_refused_on_gpus_under_the_triton_interpreter(monkeypatch):
+    """Under TRITON_INTERPRET inductor's Triton kernels run on the host: every compiled capture on a GPU failed and
+    the budgets were captured uncompiled. The CPU's inductor generates C++, which the interpreter does not touch."""
+    pytest.importorskip("triton", reason="inductor on GPUs needs triton; the refusal follows its module check")
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # Triton's knobs read the variable at each look
+    assert inductor_support(gpu).ok
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    support = inductor_support(gpu)
+    assert not support.ok and "TRITON_INTERPRET is set" in support.describe()
+    assert "unset TRITON_INTERPRET" in support.describe()
     monkeypatch.setattr(shutil, "which", lambda name: f"/opt/cc/bin/{name}")
     assert inductor_support(torch.device("cpu")).ok
 
