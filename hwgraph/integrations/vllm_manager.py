@@ -259,6 +259,12 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
                 output = self.model.encoder_eager_forward(mm_kwargs)
                 self.graph_misses += len(specs)
                 self.eager_groups += 1
+                if decision.reason not in self.eager_reasons:
+                    # vLLM logs only its hit rate, at debug level: without this a step that never replays says nothing
+                    log.info("encoder group of %d image(s), %d tokens, ran eagerly: %s (captured budgets %s, at most "
+                             "%d images per replay); later ones are counted in get_cumulative_stats()"
+                             "['eager_reasons']", len(specs), sum(tokens), decision.reason, self.captured_budgets(),
+                             self.max_batch_size)
                 self.eager_reasons[decision.reason] = self.eager_reasons.get(decision.reason, 0) + 1
             # vLLM's _dp_gather pads and all-gathers in self.dtype (a rank without images sends that): every rank
             # must send the same dtype, whatever the tower's. Cast what postprocess hands back, not ``output``: for a

@@ -369,3 +369,25 @@ def test_a_replay_after_the_towers_attention_kernel_changed_raises_naming_both_k
         assert m.replays == 2
     finally:
         m.clear()
+
+
+# ------------------------------------------------------------------------------------------------ logged fallbacks
+def test_the_first_eager_group_of_each_reason_is_logged_with_the_reason(tower, adapter, caplog):
+    """Groups over the largest budget or with more images than a replay holds ran eagerly without a word: vLLM logs
+    only its hit rate, at debug level, so a deployment whose images all exceed 256 tokens never replayed and never
+    said why (the reasons were only in get_cumulative_stats()). The first group of each reason is logged, naming it."""
+    m = captured_manager(adapter)
+    try:
+        groups = {"over budget": [(1, 40, 40)], "too many images": [(1, 4, 4)] * 5}
+        with caplog.at_level(logging.INFO, logger="hwgraph.integrations.vllm"):
+            for _ in range(2):
+                for grid in groups.values():
+                    m.execute({"pixel_values": pixels_for(tower, grid), "image_grid_thw": grid})
+        assert m.eager_reasons == {"over budget": 2, "too many images": 2}
+        logged = [r for r in caplog.records if r.name.startswith("hwgraph") and "eagerly" in r.getMessage()]
+        assert [r.levelno for r in logged] == [logging.INFO] * 2  # once per reason
+        over, many = (r.getMessage() for r in logged)
+        assert "1 image(s), 400 tokens" in over and "over budget" in over and "[64, 128, 256]" in over
+        assert "5 image(s), 20 tokens" in many and "too many images" in many and "at most 4 images" in many
+    finally:
+        m.clear()
