@@ -451,7 +451,7 @@ def test_graphs_captured_under_other_numerics_settings_are_not_replayed(tower, a
         specs = adapter.get_encoder_cudagraph_item_specs(kwargs)
         assert m.decide(specs).replay
         setting["value"] = "tf32"
-        with caplog.at_level(logging.WARNING, logger="hwgraph.integrations.vllm_manager"):
+        with caplog.at_level(logging.WARNING, logger="hwgraph.integrations.vllm"):
             assert m.decide(specs).reason == "numerics settings changed since capture"
             got = m.execute(kwargs)
         assert_matches_eager(adapter, got, eager_per_image(tower, kwargs))
@@ -476,7 +476,7 @@ def test_a_capture_that_leaves_every_budget_eager_is_logged_as_a_warning(adapter
         raise RuntimeError("simulated capture failure")
 
     monkeypatch.setattr(m.backend, "capture", capture)
-    with caplog.at_level(logging.INFO, logger="hwgraph.integrations.vllm_manager"):
+    with caplog.at_level(logging.INFO, logger="hwgraph.integrations.vllm"):
         m.capture(graph_pool=None)
     [record] = [r for r in caplog.records if r.getMessage().startswith("encoder graphs captured on cpu")]
     assert record.levelno == logging.WARNING and "budgets []" in record.getMessage()
