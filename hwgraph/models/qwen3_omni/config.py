@@ -10,10 +10,16 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeVisionEncoderConfig
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+    Qwen3OmniMoeConfig,
+    Qwen3OmniMoeThinkerConfig,
+    Qwen3OmniMoeVisionEncoderConfig,
+)
 
 VisionConfig = Qwen3OmniMoeVisionEncoderConfig
 VISION_MODEL_TYPE = VisionConfig.model_type  # "qwen3_omni_moe_vision_encoder"
+# The configs that hold a Qwen3-Omni vision config: the full model's and the thinker's.
+OWNER_MODEL_TYPES = (Qwen3OmniMoeConfig.model_type, Qwen3OmniMoeThinkerConfig.model_type)
 
 PRESETS: dict[str, dict] = {
     # The image tower of Qwen/Qwen3-Omni-30B-A3B-{Instruct,Thinking,Captioner}.
@@ -56,11 +62,15 @@ def preset_config(name: str, **overrides) -> VisionConfig:
 
 def vision_config_from_dict(data: Mapping) -> VisionConfig:
     """The vision config inside a config.json dict: a full Qwen3-Omni config (``thinker_config.vision_config``),
-    a config holding ``vision_config``, or a vision-only config."""
+    a config holding ``vision_config``, or a vision-only config. ``ValueError`` naming the model_type for another
+    model's: a vision config naming another model_type, or naming none inside a config of another model."""
     data = dict(data)
+    owners = []  # the model_types of the configs the vision config sits in
     if isinstance(data.get("thinker_config"), Mapping):
+        owners.append(data.get("model_type"))
         data = dict(data["thinker_config"])
     if isinstance(data.get("vision_config"), Mapping):
+        owners.append(data.get("model_type"))
         data = dict(data["vision_config"])
     elif "depth" not in data and "num_heads" not in data and data.get("model_type") != VISION_MODEL_TYPE:
         # a config naming the vision encoder's model_type is one, whichever fields it leaves at their defaults
@@ -71,6 +81,12 @@ def vision_config_from_dict(data: Mapping) -> VisionConfig:
     if model_type is not None and model_type != VISION_MODEL_TYPE:
         raise ValueError(f"vision config of model_type {model_type!r}: this tower is Qwen3-Omni's "
                          f"({VISION_MODEL_TYPE!r}); another model's encoder differs in more than its fields")
+    foreign = [owner for owner in owners if owner is not None and owner not in OWNER_MODEL_TYPES]
+    if model_type is None and foreign:
+        # e.g. Qwen2.5-VL's config.json, whose vision_config names no model_type: its fields built a tower silently
+        raise ValueError(f"config of model_type {foreign[-1]!r} holds a vision config that names no model_type: this "
+                         f"tower is Qwen3-Omni's, whose vision config sits in a config of model_type "
+                         f"{' or '.join(map(repr, OWNER_MODEL_TYPES))} or names {VISION_MODEL_TYPE!r} itself")
     return VisionConfig.from_dict(data)
 
 

@@ -48,7 +48,7 @@ def tensor_files(folder: Path) -> dict[str, Path]:
     index = folder / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             return {name: folder / file for name, file in weight_map.items()}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index} is not a safetensors index (a JSON object whose 'weight_map' maps tensor "
@@ -162,7 +162,7 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None, attenti
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {folder} (expected a local Hugging Face checkpoint folder)")
     try:
-        data = json.loads(config_file.read_text())
+        data = json.loads(config_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # json's and utf-8's errors name no file
         raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):  # a list or a string failed in dict(data), naming neither the file nor the value
