@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
+from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower, VisionOutput
 from hwgraph.models.qwen3_omni.layers import AxialRotary
 
 
@@ -61,3 +61,20 @@ def test_an_unloaded_meta_tower_refuses_to_run_naming_what_to_do():
     tower.load_state_dict(Qwen3OmniVisionTower.from_preset("tiny").state_dict(), assign=True)
     with torch.no_grad():
         assert tower(pixels, [(1, 4, 4)]).embeds.shape == (4, tower.out_hidden_size)
+
+
+@pytest.mark.parametrize("counts, named", [
+    ([True, 3], r"token counts must be ints, got \[True, 3\]"),
+    ([torch.tensor(True), 3], r"token counts must be ints, got \[tensor\(True\), 3\]"),
+    (4, "token counts must be a sequence of ints, one per image, got 4"),
+    (True, "token counts must be a sequence of ints, one per image, got True"),
+    (None, "token counts must be a sequence of ints, one per image, got None"),
+])
+def test_split_refuses_bools_and_a_bare_count_naming_them(counts, named):
+    """``split([True, 3])`` returned a row for the bool, silently (``operator.index(True)`` is 1); ``split(4)`` (the
+    total instead of one count per image) raised ``TypeError: 'int' object is not iterable``, naming neither the value
+    nor what was expected."""
+    out = VisionOutput(torch.zeros(4, 2), (torch.zeros(4, 2),))
+    with pytest.raises(ValueError, match=f"^{named}$"):
+        out.split(counts)
+    assert [p.num_tokens for p in out.split(n for n in [1, 3])] == [1, 3]  # any iterable of ints still splits
