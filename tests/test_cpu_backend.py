@@ -17,10 +17,11 @@ from hwgraph.graphs.cpu import CpuGraphBackend, RejectHostReads
 # every tensor method a sync guard may replace while it is active
 GUARDED_METHODS = ("item", "tolist", "cpu", "numpy", "to", "__bool__", "__int__", "__float__", "__index__",
                    "__getitem__", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "equal",
-                   "allclose", "is_nonzero", "repeat_interleave", "type", "bincount", "histc")
-# and every torch function
+                   "allclose", "is_nonzero", "repeat_interleave", "type", "bincount", "histc", "copy_", "device")
+# and torch functions (those taking numbers among them: all of them, tests/test_cpu_sync_guard_cpp_reads.py)
 GUARDED_FUNCTIONS = ("nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose",
-                     "is_nonzero", "where", "repeat_interleave", "bincount", "histc")
+                     "is_nonzero", "where", "repeat_interleave", "bincount", "histc", "arange", "full", "zeros",
+                     "linspace", "masked_fill", "narrow", "tensor", "as_tensor", "add", "cat")
 
 
 @pytest.fixture
@@ -153,12 +154,31 @@ def test_sync_guard_names_the_host_copy_and_the_index_it_rejected(backend):
     # queued without waiting: how host metadata reaches its device (VisionMetadata.to)
     pytest.param(lambda t: t.to("cpu", non_blocking=True), id="to-non-blocking"),
     pytest.param(lambda t: torch.zeros(4)[t.long()], id="tensor-index"),
+    # the device a tensor reports is the one it is on, and the emulated device's too: a no-op on CUDA (or a copy or a
+    # cast there), not the host that "cpu" names
+    pytest.param(lambda t: t.to(t.device), id="to-its-own-device"),
+    pytest.param(lambda t: t.to(device=torch.zeros(1).device), id="to-another-tensors-device"),
+    pytest.param(lambda t: t.to(t.device, torch.float16, copy=True), id="to-its-own-device-a-cast-and-a-copy"),
 ])
 def test_sync_guard_allows_casts_non_blocking_copies_and_tensor_indexing(backend, device_work):
     tensor = torch.ones(3)
     with backend.sync_guard():
         out = device_work(tensor)
     assert out.shape[0] == 3
+
+
+def test_sync_guard_tells_the_device_a_tensor_reports_from_the_host_it_names_until_it_ends(backend):
+    """x.to(x.device) was rejected as a copy to the host: on the emulated device it names "cpu" as .to("cpu") does.
+    Inside the guard a CPU tensor reports its device as one object, which .to() tells from the host by identity."""
+    tensor, reported = torch.ones(3), torch.zeros(1).device
+    with backend.sync_guard():
+        device = tensor.device
+        assert device == torch.device("cpu") and device is torch.zeros(2).device and device.type == "cpu"
+        assert tensor.to(device) is tensor
+        for host in (torch.device("cpu"), str(device), reported):  # the host, or a device reported before the guard
+            with pytest.raises(HostSyncError, match=r"^\.to\('cpu'\) on a tensor inside sync_guard\(\)"):
+                tensor.to(host)
+    assert "device" not in vars(torch.Tensor) and tensor.device == torch.device("cpu")
 
 
 def test_sync_guard_lets_numpy_read_a_host_tensor_and_still_rejects_a_copy_to_the_host(backend):

@@ -101,17 +101,16 @@ def test_the_methods_the_guard_replaced_behave_as_before_once_it_ends(backend):
 
 def test_a_compiled_forward_is_not_recompiled_by_the_guard(backend):
     """torch.compile guards on the identity of the torch functions a compiled forward calls, not on tensor methods:
-    the guard replaces these reads only as methods (and leaves torch.arange alone), so a compiled replay under the
-    guard runs the graph compiled before it."""
+    a compiled replay under the guard that calls tensor methods only runs the graph compiled before it."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
 
     def forward(x, mask):
-        y = x.masked_fill(mask, 0.0) + torch.arange(x.shape[0])
+        y = x.masked_fill(mask, 0.0) + x.new_ones(x.shape[0]).cumsum(0)
         y[mask] = 1.0
         y = y.view(x.shape[0], 1).expand(-1, 2).reshape(-1).narrow(0, 0, x.shape[0]) + x.new_zeros(x.shape[0])
         y = y.unsqueeze(1).transpose(0, 1).flip(0).sum(0) * x.size(0)
-        return y.index_put((torch.tensor([0]),), torch.tensor(2.0))
+        return y.index_put((x.new_zeros(1, dtype=torch.long),), x.new_tensor(2.0))
 
     compiled = torch.compile(forward, backend="eager", fullgraph=True)
     x, mask = torch.randn(4), torch.tensor([True, False, True, False])
@@ -121,6 +120,34 @@ def test_a_compiled_forward_is_not_recompiled_by_the_guard(backend):
         got = compiled(x, mask)
     assert counters["stats"]["unique_graphs"] == graphs, "the guard made torch.compile recompile the forward"
     torch.testing.assert_close(got, expected)
+    torch._dynamo.reset()
+
+
+def test_a_compiled_forward_calling_torch_functions_the_guard_replaces_is_compiled_again_once(backend):
+    """The guard replaces the torch functions that can read a tensor back as a number (torch.arange, torch.full...),
+    and torch.compile guards on the torch functions a forward calls: one calling them is compiled again inside the first
+    guard (before, it was not: the guard left them alone), and that compilation serves every later guard, as the first
+    one serves the calls outside. A one-element tensor given as an operand is traced, not judged."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+
+    def forward(x, b):
+        y = torch.add(x, b) + torch.arange(x.shape[0]) + torch.full((x.shape[0],), 2.0)
+        return torch.cat([torch.clamp(y, max=b), torch.maximum(y, b), torch.zeros(2)])
+
+    compiled = torch.compile(forward, backend="eager", fullgraph=True)
+    x, b = torch.randn(4), torch.tensor(0.5)
+    before = counters["stats"]["unique_graphs"]
+    expected = compiled(x, b)
+    graphs = [counters["stats"]["unique_graphs"] - before]
+    for _ in range(3):
+        with backend.sync_guard():
+            got = compiled(x, b)
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+        torch.testing.assert_close(got, expected)
+    compiled(x, b)
+    graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert graphs == [1, 2, 2, 2, 2], f"graphs compiled after the first call, each guard and a call after: {graphs}"
     torch._dynamo.reset()
 
 
@@ -293,15 +320,19 @@ def test_an_entry_interrupted_half_way_leaves_nothing_replaced(monkeypatch):
 @pytest.mark.filterwarnings(LIST_SUBSCRIPT_WARNING)
 @pytest.mark.filterwarnings("ignore:This overload of add is deprecated")
 def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
-    """What the CPU guard rejects here synchronises on CUDA, and what it allows does not; a blocking copy_ between host
-    and device synchronises too, which the CPU guard leaves alone (it cannot tell such a copy from the emulated
-    device's own CPU-to-CPU copies), and so does a tensor where a torch function wants a number (torch.arange,
-    torch.full), which it leaves too (see RejectHostReads)."""
+    """What the CPU guard rejects here synchronises on CUDA, and what it allows does not. A blocking copy between host
+    and device synchronises either way, which the CPU guard rejects where one tensor is on a device (on the emulated
+    device it cannot tell such a copy from the CPU-to-CPU copies of its own); a tensor where a torch function wants a
+    number is read back as a method's is. tensor_split refuses a device tensor of indices or sections (no read) and
+    reads a host one (no synchronisation), which the CPU guard lets through."""
     # every tensor made before the mode is on: torch.tensor(..., device="cuda") is itself a blocking copy
     x, host = torch.zeros(4, 3, device="cuda"), torch.ones(4, 3)
+    pinned = torch.ones(4, 3, pin_memory=True)
     mask, value = torch.tensor([True, False, True, False], device="cuda"), torch.tensor(5.0, device="cuda")
     one, four, twelve, rows = (torch.tensor(v, device="cuda") for v in (1, 4, 12, [0, 2]))
+    zero, two = torch.tensor(0, device="cuda"), torch.tensor(2, device="cuda")
     classes = torch.tensor([0, 2, 1], device="cuda")
+    host_sections, host_indices = torch.tensor(2), torch.tensor([1, 3])
     syncs = {"x[mask] = value": lambda: assign(x, mask, value),
              "x[0-dim index]": lambda: x[one],
              "index_put_ with a mask": lambda: x.index_put_((mask,), value),
@@ -324,7 +355,19 @@ def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
              "histc() with its default range": lambda: x.histc(),
              "x.new_tensor([tensor, tensor])": lambda: x.new_tensor([value, value]),
              "blocking copy_ from the host": lambda: x.copy_(host),
-             "blocking copy_ to the host": lambda: host.copy_(x)}
+             "blocking copy_ to the host": lambda: host.copy_(x),
+             "blocking copy_ to pinned memory": lambda: pinned.copy_(x),
+             "blocking .to(device) of a host tensor": lambda: host.to("cuda"),
+             "torch.zeros(tensor)": lambda: torch.zeros(four, device="cuda"),
+             "torch.linspace(0, tensor, 5)": lambda: torch.linspace(0, value, 5, device="cuda"),
+             "torch.full_like(x, tensor)": lambda: torch.full_like(x, value),
+             "torch.randint(tensor, size)": lambda: torch.randint(four, (2,), device="cuda"),
+             "torch.add(x, y, alpha=tensor)": lambda: torch.add(x, x, alpha=one),
+             "torch.sum(x, tensor)": lambda: torch.sum(x, one),
+             "torch.narrow(x, 0, tensor, 1)": lambda: torch.narrow(x, 0, zero, 1),
+             "torch.masked_fill(x, mask, tensor)": lambda: torch.masked_fill(x, mask[:, None], value),
+             "torch.tensor([tensor, tensor])": lambda: torch.tensor([value, value]),
+             "x.tensor_split((tensor, 3))": lambda: x.tensor_split((two, 3))}
     no_sync = {"x[mask] = 1.0": lambda: assign(x, mask, 1.0),
                "x[:, mask] = 2": lambda: assign(x, (slice(None), mask[:3]), 2),
                "masked_fill with a number": lambda: x.masked_fill(mask[:, None], 0.0),
@@ -335,7 +378,21 @@ def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
                "x[[mask]] = 1.0": lambda: assign(x, [mask], 1.0),
                "x.type(torch.float64)": lambda: x.type(torch.float64),
                "one_hot(classes, 3)": lambda: torch.nn.functional.one_hot(classes, 3),
-               "histc() with a range": lambda: x.histc(bins=4, min=0, max=4)}
+               "histc() with a range": lambda: x.histc(bins=4, min=0, max=4),
+               "non-blocking copy_ to pinned memory": lambda: pinned.copy_(x, non_blocking=True),
+               "non-blocking copy_ from pinned memory": lambda: x.copy_(pinned, non_blocking=True),
+               "copy_ on the device": lambda: x.copy_(x + 1),
+               "x.to(x.device)": lambda: x.to(x.device),
+               "x.to(x.device, float16)": lambda: x.to(x.device, torch.float16),
+               "torch.clamp(x, max=0-dim tensor)": lambda: torch.clamp(x, max=value),
+               "torch.add(x, 0-dim tensor)": lambda: torch.add(x, value),
+               "torch.where(mask, x, 0-dim tensor)": lambda: torch.where(mask[:, None], x, value),
+               "torch.stack([0-dim tensors])": lambda: torch.stack([value, value]),
+               "x.tensor_split(host 0-dim tensor)": lambda: x.tensor_split(host_sections),
+               "torch.tensor_split(x, host 1-dim tensor)": lambda: torch.tensor_split(x, host_indices)}
+    # refused by torch, before any read: tensor_split takes its tensor of indices or sections on the host only
+    refused = {"x.tensor_split(device 0-dim tensor)": lambda: x.tensor_split(two),
+               "torch.tensor_split(x, device 1-dim tensor)": lambda: torch.tensor_split(x, rows)}
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
@@ -350,6 +407,10 @@ def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
             missed.append(what)
         for op in no_sync.values():
             op()
+        for what, op in refused.items():
+            with pytest.raises(RuntimeError, match="tensor_indices_or_sections to be on cpu") as refusal:
+                op()
+            assert "called a synchronizing" not in str(refusal.value), what
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert not missed, f"CUDA's sync debug mode let {missed} through"

@@ -1,12 +1,13 @@
 """The CPU sync guard's sizes, dimensions and numbers, judged against torch's own argument parser.
 
-Where a tensor method wants a size, a dimension or a number, torch's Python argument parser reads a one-element tensor
-given there with ``Tensor::item()``, which runs ``aten::_local_scalar_dense``, where a ``TorchDispatchMode`` sees it.
-Each call here runs twice outside the guard under such a mode: as given, and with its one-element tensor arguments
-replaced by their Python numbers (taken beforehand). A read that only the first run shows is the parser's (CPU kernels
-read host values too: ``var()`` its own result, ``masked_fill_`` a wrapped number). Inside the guard, the call must
-raise ``HostSyncError`` where the parser read a tensor, and must not be refused by the size-and-number rule where it
-read none and the call works. The calls come from torch's OpInfo database (the samples of every method variant, and the
+Where a tensor method or a ``torch`` function wants a size, a dimension or a number, torch's Python argument parser
+reads a one-element tensor given there with ``Tensor::item()``, which runs ``aten::_local_scalar_dense``, where a
+``TorchDispatchMode`` sees it. Each call here runs twice outside the guard under such a mode: as given, and with its
+one-element tensor arguments replaced by their Python numbers (taken beforehand). A read that only the first run shows
+is the parser's (CPU kernels read host values too: ``var()`` its own result, ``masked_fill_`` a wrapped number). Inside
+the guard, the call must raise ``HostSyncError`` where the parser read a tensor, and must not be refused by the
+size-and-number rule where it read none and the call works. The calls come from torch's OpInfo database (the samples of
+every method variant and of every public function variant that torch's argument parser binds, ``torch.name``, and the
 same with each int or float argument a 0-dim tensor, given positionally, in a list or by keyword) and from the kinds of
 call those samples never make: torch's deprecated argument orders, overloads a Python number rules out, a list of sizes
 where an overload takes a tensor.
@@ -75,8 +76,10 @@ def as_numbers(value):
 
 
 def invoke(name, self, args, kwargs):
-    # looked up now, not kept: the guard replaces the methods on torch.Tensor
-    return getattr(torch.Tensor, name)(fresh(self), *fresh(args), **fresh(kwargs))
+    """The method ``name`` of ``self``, or the function ``torch.<name>`` where ``name`` says so."""
+    # looked up now, not kept: the guard replaces the methods on torch.Tensor and the functions in torch
+    owner, name = (torch, name.removeprefix("torch.")) if name.startswith("torch.") else (torch.Tensor, name)
+    return getattr(owner, name)(fresh(self), *fresh(args), **fresh(kwargs))
 
 
 def parser_reads(name, self, args, kwargs) -> tuple[bool, bool]:
@@ -119,7 +122,8 @@ def described(value) -> str:
 
 
 def call_text(name, args, kwargs) -> str:
-    return f"x.{name}({', '.join(filter(None, (described(tuple(args))[1:-1].rstrip(','), described(kwargs))))})"
+    given = ", ".join(filter(None, (described(tuple(args))[1:-1].rstrip(","), described(kwargs))))
+    return f"{name}(x{', ' if given else ''}{given})" if name.startswith("torch.") else f"x.{name}({given})"
 
 
 def verdict(name, self, args, kwargs) -> tuple[str, str | None]:
@@ -163,7 +167,7 @@ def with_number_tensors(args: tuple, kwargs: dict):
 
 
 def known_let_through(name, args, kwargs) -> bool:
-    return name in READS_OF_A_0_DIM_TENSOR_LET_THROUGH and \
+    return name.removeprefix("torch.") in READS_OF_A_0_DIM_TENSOR_LET_THROUGH and \
         any(isinstance(v, torch.Tensor) and v.dim() == 0 for v in (*args, *kwargs.values()))
 
 
@@ -183,17 +187,32 @@ def import_op_db():
     return op_db, None
 
 
+def variants(op) -> list[str]:
+    """The names ``invoke`` takes for an OpInfo's method variant and its function variant (``torch.name``), each where
+    it is the method or the function of that name that torch's argument parser binds (not a lambda around one, nor an
+    alias op_db keeps for another name)."""
+    names = []
+    method = op.method_variant
+    name = getattr(method, "__name__", None)
+    if method is not None and name is not None and getattr(torch.Tensor, name, None) is method:
+        names.append(name)
+    name = getattr(op.op, "__name__", "_")
+    bound = getattr(torch._C._VariableFunctions, name, None)
+    if not name.startswith("_") and getattr(torch, name, None) is op.op is bound:
+        names.append(f"torch.{name}")
+    return names
+
+
 def opinfo_calls(op_db, samples_per_op: int, seed: int):
-    """(method name, self, args, kwargs): a seeded choice of each method variant's float32 CPU samples, then each of
-    those with its ints and floats made 0-dim tensors one at a time."""
+    """(method name or "torch." and function name, self, args, kwargs): a seeded choice of each method and function
+    variant's float32 CPU samples, then each of those with its ints and floats made 0-dim tensors one at a time."""
     chooser = random.Random(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for op in op_db:
-            method = op.method_variant
-            name = getattr(method, "__name__", None)
-            if method is None or name is None or getattr(torch.Tensor, name, None) is not method:
-                continue  # a lambda around the method, or an alias op_db keeps for another name
+            names = variants(op)
+            if not names:
+                continue
             with torch.random.fork_rng():
                 torch.manual_seed(seed)
                 try:
@@ -202,9 +221,10 @@ def opinfo_calls(op_db, samples_per_op: int, seed: int):
                     continue
             for sample in chooser.sample(samples, min(samples_per_op, len(samples))):
                 args, kwargs = tuple(sample.args), dict(sample.kwargs)
-                yield name, sample.input, args, kwargs
-                for new_args, new_kwargs in with_number_tensors(args, kwargs):
-                    yield name, sample.input, new_args, new_kwargs
+                for name in names:
+                    yield name, sample.input, args, kwargs
+                    for new_args, new_kwargs in with_number_tensors(args, kwargs):
+                        yield name, sample.input, new_args, new_kwargs
 
 
 def opinfo_findings(samples_per_op: int = 3, seed: int = 0) -> dict:
@@ -212,21 +232,24 @@ def opinfo_findings(samples_per_op: int = 3, seed: int = 0) -> dict:
     op_db, why = import_op_db()
     if op_db is None:
         return {"skip": why}
-    tallies = {"read": 0, "not read": 0, "ignored": 0}
+    tallies = {"read": 0, "not read": 0, "ignored": 0, "function read": 0, "function not read": 0}
     wrong = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, self, args, kwargs in opinfo_calls(op_db, samples_per_op, seed):
             kind, discrepancy = verdict(name, self, args, kwargs)
             tallies[kind] += 1
+            if name.startswith("torch.") and kind != "ignored":
+                tallies[f"function {kind}"] += 1
             if discrepancy is not None and not (kind == "read" and known_let_through(name, args, kwargs)):
                 wrong.append(discrepancy)
     return {"tallies": tallies, "wrong": sorted(set(wrong))}
 
 
 def test_the_guard_refuses_exactly_the_opinfo_calls_whose_tensor_the_argument_parser_reads():
-    """Every method variant of torch's OpInfo database, on a seeded choice of its samples: each call the parser reads a
-    tensor of is refused inside the guard, and none that reads nothing and works is refused by the size-and-number rule.
+    """Every method variant and public function variant of torch's OpInfo database, on a seeded choice of its samples
+    (the functions passed the guard, which judged methods only): each call the parser reads a tensor of is refused
+    inside the guard, and none that reads nothing and works is refused by the size-and-number rule.
     In a child process: importing torch.testing._internal freezes torch.backends' flags (disable_global_flags) and
     patches TorchScript's calls for the rest of the process, which the tests after this one would run under."""
     child = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600)
@@ -235,8 +258,9 @@ def test_the_guard_refuses_exactly_the_opinfo_calls_whose_tensor_the_argument_pa
     if "skip" in found:
         pytest.skip(found["skip"])
     tallies, wrong = found["tallies"], found["wrong"]
-    # the choice reached the calls it is meant to judge: a few hundred of each kind
+    # the choice reached the calls it is meant to judge: a few hundred of each kind, functions among them
     assert tallies["read"] >= 300 and tallies["not read"] >= 300, tallies
+    assert tallies["function read"] >= 300 and tallies["function not read"] >= 300, tallies
     assert not wrong, f"{len(wrong)} calls judged wrongly (of {tallies}):\n" + "\n".join(wrong[:40])
 
 
@@ -265,6 +289,13 @@ READS = {
     "tensor_split-list-of-indices-keyword": ("tensor_split", x, ([one],), {"dim": 1}),
     "repeat_interleave-dim": ("repeat_interleave", x, (2, one), {}),
     "repeat_interleave-output_size": ("repeat_interleave", x, (torch.tensor([1, 1, 1]), 0), {"output_size": 3 * one}),
+    # the functions of torch, judged as their methods where those take the call, else from their own schemas
+    "torch.add-deprecated-alpha-first": ("torch.add", x, (two, y), {}),
+    "torch.addmm-alpha-keyword": ("torch.addmm", x, (y, y), {"alpha": two}),
+    "torch.clamp-tensor-min-number-max": ("torch.clamp", x, (half, 1.0), {}),
+    "torch.histogramdd-a-list-of-bins-is-no-list-of-tensors": ("torch.histogramdd", x, ((3, 2, one),), {}),
+    "torch.full_like-value": ("torch.full_like", x, (two,), {}),
+    "torch.sum-dim": ("torch.sum", x, (one,), {}),
 }
 # and calls where it reads none: each one-element tensor is an operand of an overload that takes a tensor there
 OPERANDS = {
@@ -282,6 +313,11 @@ OPERANDS = {
     "quantile-0-dim-q": ("quantile", x, (half,), {}),
     "pow-0-dim-exponent": ("pow", x, (), {"exponent": two}),
     "div-0-dim-other-rounding": ("div", x, (two,), {"rounding_mode": "floor"}),
+    "torch.clamp-tensor-max": ("torch.clamp", x, (), {"max": half}),
+    "torch.where-0-dim-other": ("torch.where", x > 0.5, (x, two), {}),
+    "torch.add-0-dim-other": ("torch.add", x, (two,), {}),
+    "torch.pow-0-dim-self": ("torch.pow", two, (x,), {}),
+    "torch.histogramdd-a-list-of-tensors": ("torch.histogramdd", x, ([torch.linspace(0, 1, 3)] * 3,), {}),
 }
 
 
@@ -291,7 +327,8 @@ def test_the_guard_refuses_a_tensor_the_argument_parser_reads_in_calls_opinfo_ne
     """torch's deprecated orders put numbers before the tensors (x.add(n, y), x.addmm(beta, m1, m2)); a Python number
     given to clamp rules out its tensor overload, so its other bound is read too; a list of sizes is never the tensor of
     tensor_split's tensor overload; and repeat_interleave judged only its repeats. All but x.max(n, True) and
-    x.repeat_interleave(2, n) (which operator.index() gave away) passed the guard."""
+    x.repeat_interleave(2, n) (which operator.index() gave away) passed the guard, and every torch function (the guard
+    judged methods only), whose calls are judged as their methods' where those take them (torch.add(x, n, y))."""
     name, self, args, kwargs = call
     read, works = parser_reads(name, self, args, kwargs)
     assert read and works, f"{call_text(name, args, kwargs)}: torch no longer reads a tensor back here"

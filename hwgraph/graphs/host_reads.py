@@ -1,20 +1,36 @@
 """The sync guard of backends without a runtime sync-debug mode: ``RejectHostReads``, on the CPU and elsewhere.
 
-While a guard is open, the tensor methods (and the few ``torch`` functions) that read a device tensor's value or a
-device-computed size back to the host raise ``HostSyncError``, as CUDA's sync debug mode does on a GPU. The CPU
-reference backend's ``sync_guard()`` is one; a device backend whose runtime has no sync-debug mode falls back to it.
+While a guard is open, the tensor methods and ``torch`` functions that read a device tensor's value or a
+device-computed size back to the host, or copy between the host and a device blocking, raise ``HostSyncError``, as
+CUDA's sync debug mode does on a GPU. The CPU reference backend's ``sync_guard()`` is one; a device backend whose
+runtime has no sync-debug mode falls back to it.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
 from typing import ClassVar
 
 import torch
 
 from hwgraph.graphs.base import CountedSwitch, HostSyncError
-from hwgraph.graphs.number_args import NumberSlots, number_argument_methods, one_element_tensor_in, value_kind
+from hwgraph.graphs.function_reads import torch_function_replacements
+from hwgraph.graphs.host_copies import (
+    blocking_copy_,
+    blocking_copy_of_to,
+    forced,
+    host_type_copy,
+    reporting_tensors_cpu,
+)
+from hwgraph.graphs.number_args import (
+    NumberSlots,
+    holds_a_tensor,
+    number_argument_methods,
+    one_element_tensor_in,
+    value_kind,
+)
 from hwgraph.graphs.sequence_slots import put_back_sequence_slots, tensor_sequence_slots
 
 
@@ -31,9 +47,14 @@ class RejectHostReads:
 
     On the emulated device every tensor is on the CPU, so ``.cpu()`` and a blocking ``.to("cpu")`` stand for the
     device-to-host copies they are on a device, and so do ``.numpy(force=True)`` and a blocking ``.type()`` naming a
-    host tensor type (``t.type("torch.FloatTensor")``), which copy to the host in C++. A plain ``.numpy()`` is not
-    rejected: torch refuses it for a device tensor (``TypeError``, no synchronisation), so it only ever reads host
-    memory, such as a ``grid_thw`` the caller made.
+    host tensor type (``t.type("torch.FloatTensor")``), which copy to the host in C++; but not ``x.to(x.device)``, a
+    no-op on any device (a CPU tensor reports its device as one object, ``hwgraph.graphs.host_copies``). A blocking
+    ``copy_`` or ``.to()`` between the host and a device tensor is rejected (either way, as CUDA does); between two
+    CPU tensors ``copy_`` is not: the emulated device's static buffers are filled, and replay's outputs written, by
+    blocking copies between CPU tensors, which a device makes without blocking or on itself. A plain ``.numpy()`` is
+    not rejected: torch refuses it for a device tensor (``TypeError``, no synchronisation), so it only ever reads host
+    memory, such as a ``grid_thw`` the caller made; nor is ``tensor_split`` of a tensor of indices or sections, for the
+    same reason (torch refuses a device one).
 
     Ops whose result has a size or a Python value that the device computes (``nonzero``, a boolean-mask index,
     ``torch.equal``...) read it back before they return, and CUDA's sync debug mode rejects them too (capturing one
@@ -57,20 +78,18 @@ class RejectHostReads:
     may be named a read instead. A list subscript holding a tensor (``t[[i, j]]``, which torch reads as ``t[i, j]``)
     is judged by its items.
 
-    Two kinds of read are let through. A tensor where a ``torch`` function wants a number (``torch.arange(n)``,
-    ``torch.zeros(n)``, ``torch.full(size, v)``) is read in C++ before the function runs, so only a replaced
-    ``torch.arange`` or a torch function mode could see it, and torch.compile guards on both (the identity of the
-    ``torch`` functions a compiled forward calls, and the mode stack): either recompiles the tower on the replay path.
-    Tensor methods carry no such guard, which is why the reads above are replaced only as methods. Rejecting
-    ``aten::_local_scalar_dense`` (what ``Tensor::item()`` runs) on the CPU dispatch key would catch these without a
-    recompile, but the CPU kernels run it on host values where CUDA reads nothing back (``t[mask] = 1.0`` reads its
-    wrapped number, ``t.var()`` its own result), and it would change a kernel every thread is dispatching. And
-    ``copy_``, although a blocking copy between host and device synchronises on CUDA: it names no device, and the
-    emulated device's static buffers are filled (and replay's outputs written) by blocking ``copy_`` between CPU
-    tensors, which no guard can tell from a copy to the host. The replacements in ``torch`` (``DATA_DEPENDENT``,
-    ``torch.where``, ``torch.repeat_interleave``, ``torch.bincount``, ``torch.histc``) and ``F.one_hot`` have the cost
-    avoided for ``torch.arange``: a compiled forward that calls one of them, even ``torch.where(c, a, b)`` which reads
-    nothing back, is recompiled inside the guard.
+    A tensor where a ``torch`` function wants a number (``torch.arange(n)``, ``torch.zeros(n)``, ``torch.full(size,
+    v)``) is read in C++ before the function runs, so the functions are replaced in ``torch`` too, each judged as its
+    method is where the method takes the call, else from its own schemas (``hwgraph.graphs.function_reads``, some 300
+    of them, with ``torch.linspace``'s and ``torch.masked_fill``'s tensor start, end or value, read in the kernel, and
+    ``torch.tensor([a, b])``). torch.compile guards on the ``torch`` functions a compiled forward calls (tensor
+    methods carry no such guard): one that calls a replaced function is compiled again inside the first guard, once
+    (the tower's own compiled forward calls none). Rejecting ``aten::_local_scalar_dense`` (what ``Tensor::item()``
+    runs) on the CPU dispatch key would catch these without a recompile, but the CPU kernels run it on host values
+    where CUDA reads nothing back (``t[mask] = 1.0`` reads its wrapped number, ``t.var()`` its own result), and it
+    would change a kernel every thread is dispatching. While torch.compile compiles (``torch.compiler.is_compiling()``,
+    in any thread) nothing is rejected: dynamo runs the calls it traces on fake tensors and inductor folds constants
+    with ``.item()``; what it compiles runs unjudged, inside a guard or not.
     """
 
     FORBIDDEN = {
@@ -103,28 +122,29 @@ class RejectHostReads:
     switch: ClassVar[CountedSwitch]
 
     @staticmethod
-    def _rejecting(what: str):
-        def reject(*args, **kwargs):
-            raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
-                                f"on the replay path")
-        return reject
+    def _rejecting(fn, what: str):
+        """``fn`` that raises, while torch.compile is not compiling."""
+        return RejectHostReads._rejecting_calls(fn, what, lambda *args, **kwargs: True)
 
     @staticmethod
     def _rejecting_host_copies(to):
-        """``Tensor.to`` that rejects a blocking copy to the host; casts and non-blocking copies go through."""
+        """``Tensor.to`` that rejects a blocking copy between the host and a device (``blocking_copy_of_to``); casts,
+        non-blocking copies and ``x.to(x.device)`` go through."""
         def reject_host_copy(self, *args, **kwargs):
-            device, non_blocking = host_copy_target(args, kwargs)
-            if device is not None and device.type == "cpu" and not non_blocking:
-                raise HostSyncError(f".to({str(device)!r}) on a tensor inside sync_guard(): a device-to-host "
+            device = None if torch.compiler.is_compiling() else blocking_copy_of_to(self, args, kwargs)
+            if device is not None:
+                what = "a device-to-host" if device.type == "cpu" else "a blocking host-to-device copy, a"
+                raise HostSyncError(f".to({str(device)!r}) on a tensor inside sync_guard(): {what} "
                                     f"synchronisation on the replay path")
             return to(self, *args, **kwargs)
         return reject_host_copy
 
     @staticmethod
     def _rejecting_calls(fn, what: str, reads):
-        """``fn`` that raises for the calls ``reads(*args, **kwargs)`` says read a device-computed size back."""
+        """``fn`` that raises for the calls ``reads(*args, **kwargs)`` says read a device-computed size back (while
+        torch.compile is not compiling)."""
         def reject_some(*args, **kwargs):
-            if reads(*args, **kwargs):
+            if not torch.compiler.is_compiling() and reads(*args, **kwargs):
                 raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
                                     f"on the replay path")
             return fn(*args, **kwargs)
@@ -144,7 +164,8 @@ class RejectHostReads:
         verdicts: dict[tuple, bool] = {}  # by the kinds of the arguments, all the judgement depends on
 
         def reject_number_tensors(self, *args, **kwargs):
-            if any(map(one_element_tensor_in, args)) or any(map(one_element_tensor_in, kwargs.values())):
+            if not torch.compiler.is_compiling() and \
+                    (any(map(one_element_tensor_in, args)) or any(map(one_element_tensor_in, kwargs.values()))):
                 kinds = (tuple(map(value_kind, args)), tuple((k, value_kind(v)) for k, v in kwargs.items()))
                 reads = verdicts.get(kinds)
                 if reads is None:
@@ -168,10 +189,17 @@ class RejectHostReads:
     def _replacements(cls) -> list:
         """(owner, name, replacement) for every attribute the guard replaces, made from the attributes of now."""
         tensor = torch.Tensor
-        out = [(tensor, name, cls._rejecting(what)) for name, what in cls.FORBIDDEN.items()]
+        out = [(tensor, name, cls._rejecting(getattr(tensor, name), what)) for name, what in cls.FORBIDDEN.items()]
         out.append((tensor, "to", cls._rejecting_host_copies(tensor.to)))
-        out += [(owner, name, cls._rejecting(what)) for name, what in cls.DATA_DEPENDENT.items()
-                for owner in (tensor, torch) if hasattr(owner, name)]
+        out.append((tensor, "device", reporting_tensors_cpu(inspect.getattr_static(tensor, "device"))))
+        out.append((tensor, "copy_", cls._rejecting_calls(
+            tensor.copy_, "copy_() between the host and a device without non_blocking=True (the host waits for the "
+            "device)", lambda self, *args, **kwargs: blocking_copy_(self, args, kwargs))))
+        out += [(tensor, name, cls._rejecting(getattr(tensor, name), what))
+                for name, what in cls.DATA_DEPENDENT.items()]
+        # in torch, each function's own wrapper, under the one rejecting a tensor read back as a number
+        own = {name: cls._rejecting(getattr(torch, name), what) for name, what in cls.DATA_DEPENDENT.items()
+               if hasattr(torch, name)}
         out.append((tensor, "__getitem__", cls._rejecting_calls(
             tensor.__getitem__, "a boolean-mask or 0-dim tensor index (its size or value is read back)",
             lambda self, index: any(is_mask(i) or is_scalar_index(i) for i in index_parts(index)))))
@@ -205,11 +233,11 @@ class RejectHostReads:
             lambda self, *args, **kwargs: isinstance(data := args[0] if args else kwargs.get("data"), (list, tuple))
             and holds_a_tensor(data))))
         # ops that size their result, or pick its range, by a value they read back with item() in C++ (CUDA's kernels)
-        out.append((torch, "bincount", cls._rejecting_calls(
-            torch.bincount, BINCOUNT_READ, lambda *args, **kwargs: nonempty(args[0] if args else kwargs.get("input")))))
-        out.append((torch, "histc", cls._rejecting_calls(
+        own["bincount"] = cls._rejecting_calls(
+            torch.bincount, BINCOUNT_READ, lambda *args, **kwargs: nonempty(args[0] if args else kwargs.get("input")))
+        own["histc"] = cls._rejecting_calls(
             torch.histc, HISTC_READ, lambda *args, **kwargs: histc_reads_range(
-                args[0] if args else kwargs.get("input"), args[1:], kwargs))))
+                args[0] if args else kwargs.get("input"), args[1:], kwargs))
         out.append((torch.nn.functional, "one_hot", cls._rejecting_calls(
             torch.nn.functional.one_hot, "one_hot() without num_classes (its size, the largest value, is read back)",
             lambda *args, **kwargs: one_hot_reads_size(args[0] if args else kwargs.get("input"), args[1:], kwargs))))
@@ -221,19 +249,19 @@ class RejectHostReads:
             tensor.bincount, BINCOUNT_READ, lambda self, *args, **kwargs: nonempty(self)))))
         out.append((tensor, "histc", cls._with_number_slots("histc", cls._rejecting_calls(
             tensor.histc, HISTC_READ, lambda self, *args, **kwargs: histc_reads_range(self, args, kwargs)))))
-        out.append((torch, "where", cls._rejecting_calls(
+        own["where"] = cls._rejecting_calls(
             torch.where, "torch.where(condition) (its size is read back)",
-            lambda *args, **kwargs: len(args) + len(kwargs) == 1)))
+            lambda *args, **kwargs: len(args) + len(kwargs) == 1)
         repeats = cls._rejecting_calls(
             tensor.repeat_interleave, "repeat_interleave() with tensor repeats and no output_size (its size is read "
             "back)", lambda self, *args, **kwargs: repeats_read_back(args[0] if args else kwargs.get("repeats"),
                                                                      kwargs))
         out.append((tensor, "repeat_interleave", cls._with_number_slots("repeat_interleave", repeats)))
-        out.append((torch, "repeat_interleave", cls._rejecting_calls(
+        own["repeat_interleave"] = cls._rejecting_calls(
             torch.repeat_interleave, "repeat_interleave() with tensor repeats and no output_size (its size is read "
             "back)", lambda *args, **kwargs: repeats_read_back(
-                args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None), kwargs))))
-        return out
+                args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None), kwargs))
+        return out + torch_function_replacements(own)
 
     @classmethod
     def _replace(cls) -> tuple[list, dict]:
@@ -286,11 +314,6 @@ def index_parts(index) -> tuple:
     if isinstance(index, list) and len(index) < 32 and holds_a_tensor(index):
         return tuple(index)
     return (index,)
-
-
-def holds_a_tensor(values) -> bool:
-    """Whether ``values`` holds a tensor, itself or inside a list or tuple among them."""
-    return any(isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and holds_a_tensor(v)) for v in values)
 
 
 def is_scalar_index(index) -> bool:
@@ -349,38 +372,3 @@ def one_hot_reads_size(tensor, args: tuple, kwargs: dict) -> bool:
     non-empty input."""
     classes = args[0] if args else kwargs.get("num_classes", -1)
     return nonempty(tensor) and isinstance(classes, numbers.Integral) and classes == -1
-
-
-def forced(force) -> bool:
-    """Whether ``numpy(force=...)`` was forced: then it copies a device tensor to the host instead of refusing it."""
-    return not isinstance(force, torch.Tensor) and bool(force)
-
-
-def host_type_copy(args: tuple, kwargs: dict) -> bool:
-    """Whether ``Tensor.type(*args, **kwargs)`` makes a blocking copy to the host: it names a host tensor type
-    (``torch.FloatTensor``, ``"torch.sparse.FloatTensor"``; not a dtype, nor ``"torch.cuda.FloatTensor"``) and is not
-    ``non_blocking``."""
-    target = args[0] if args else kwargs.get("dtype")
-    non_blocking = args[1] if len(args) > 1 else kwargs.get("non_blocking", False)
-    if isinstance(target, str):
-        path = target.split(".")
-        target = torch if path[0] == "torch" else None
-        for part in path[1:]:
-            target = getattr(target, part, None)
-    return isinstance(target, type(torch.FloatTensor)) and target.__module__ in ("torch", "torch.sparse") and \
-        not forced(non_blocking)
-
-
-def host_copy_target(args: tuple, kwargs: dict) -> tuple[torch.device | None, bool]:
-    """The device a ``Tensor.to(*args, **kwargs)`` call names and whether it is non-blocking; ``(None, False)`` for a
-    cast, a ``.to(other_tensor)`` (it follows a tensor, wherever that is), or arguments ``to`` itself will refuse."""
-    if args and isinstance(args[0], torch.Tensor):
-        return None, False
-    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}  # torch's parser of to()'s arguments lacks copy
-    for given in (args, args[:-1]):  # the second: a positional copy flag dropped
-        try:
-            device, _, non_blocking, _ = torch._C._nn._parse_to(*given, **kwargs)
-        except (TypeError, RuntimeError):
-            continue
-        return device, bool(non_blocking)
-    return None, False
