@@ -190,6 +190,11 @@ def npu_varlen_padding_unspecified(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 npu_varlen.padding_unspecified = npu_varlen_padding_unspecified
+# What NPU says, for a tower or manager given the function itself (they read a callable's own attributes): captured,
+# it read cu_seqlens back at every replay, and on an NPU would keep the host lengths of its capture; and without host
+# boundaries every block of an eager forward read them back.
+npu_varlen.graph_safe = False
+npu_varlen.reads_host_boundaries = True
 
 
 NPU = KernelSpec(

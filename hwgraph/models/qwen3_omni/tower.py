@@ -46,12 +46,14 @@ AUTO = "auto"
 
 def callable_spec(fn: VarlenAttention) -> KernelSpec:
     """A spec for a kernel passed in as a plain callable; graph-safe unless it says ``fn.graph_safe = False``,
-    slot-bound (``KernelSpec.slot_bound``) if it says ``fn.slot_bound = True``."""
+    slot-bound (``KernelSpec.slot_bound``) if it says ``fn.slot_bound = True``, given host boundaries
+    (``KernelSpec.reads_host_boundaries``) if it says ``fn.reads_host_boundaries = True``."""
     return KernelSpec(
         name=getattr(fn, "__name__", type(fn).__name__), impl_path="", kinds=KINDS,
         dtypes=(torch.float32, torch.bfloat16, torch.float16), head_dims=ANY_HEAD_DIM,
         graph_safe=bool(getattr(fn, "graph_safe", True)), gate=lambda platform: Capability.available(),
         slot_bound=bool(getattr(fn, "slot_bound", False)),
+        reads_host_boundaries=bool(getattr(fn, "reads_host_boundaries", False)),
         description="a callable given to the tower",
     )
 
