@@ -178,8 +178,8 @@ def config_from_args(args) -> BenchConfig:
     on_cpu = device.type == "cpu"
     preset = args.preset if args.preset is not None else (CPU_PRESET if on_cpu else ACCELERATOR_PRESET)
     parsed("--preset", preset_config, preset)  # an unknown preset raises, listing them
-    groups = parsed("--groups", parse_groups,
-                    args.groups if args.groups is not None else (CPU_GROUPS if on_cpu else ACCELERATOR_GROUPS))
+    spec = ",".join(args.groups) if args.groups is not None else (CPU_GROUPS if on_cpu else ACCELERATOR_GROUPS)
+    groups = parsed("--groups", parse_groups, spec)
     for option, label, tokens in ([("--groups", g.label, g.total) for g in groups]
                                   + [("--budgets", str(b), b) for b in args.budgets or ()]):
         check_patch_rows(option, label, tokens, preset)
@@ -229,9 +229,10 @@ def cmd_bench(args) -> int:
 
 def add_bench_arguments(parser) -> None:
     parser.add_argument("--preset", help=f"tower preset (default: {CPU_PRESET} on CPU, {ACCELERATOR_PRESET} elsewhere)")
-    parser.add_argument("--groups", help=f"image groups COUNTxTOKENS,... (default: {ACCELERATOR_GROUPS}; "
-                                         f"on CPU {CPU_GROUPS})")
-    # extend: a repeated option adds to the list (argparse's default kept only the last one's, dropping the rest)
+    # append, extend: a repeated option adds to the list (argparse's default kept only the last one's, dropping the
+    # rest)
+    parser.add_argument("--groups", action="append", help=f"image groups COUNTxTOKENS,... (default: "
+                                                          f"{ACCELERATOR_GROUPS}; on CPU {CPU_GROUPS})")
     parser.add_argument("--attention", nargs="+", action="extend", metavar="NAME",
                         help="attention kernels (default: every available)")
     parser.add_argument("--backend", help="graph backend (default: the best available here)")

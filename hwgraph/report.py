@@ -134,7 +134,8 @@ def dispatch_table(result: dict) -> str:
     for kernel, data in result["per_kernel"].items():
         s = data["stats"]
         rows.append([kernel, s["calls"], s["hits"], s["misses"], s["eager_groups"], s["padding_tokens"],
-                     ", ".join(f"{b}: {n}" for b, n in sorted(s["replays_per_budget"].items())) or None,
+                     ", ".join(f"{b}: {n}" for b, n in sorted(s["replays_per_budget"].items(),
+                                                              key=lambda kv: int(kv[0]))) or None,
                      ", ".join(f"{k}: {n}" for k, n in sorted(s.get("replays_per_slots", {}).items(),
                                                               key=lambda kv: int(kv[0]))) or None,
                      "; ".join(f"{b}: {why}" for b, why in s["capture_failures"].items()) or None,

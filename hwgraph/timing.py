@@ -28,7 +28,8 @@ class Latency:
     @property
     def p95(self) -> float:
         """The nearest-rank 95th percentile: the smallest sample that at least 95% of the samples do not exceed
-        (``round(0.95 * (n - 1))`` rounded halves to even, so 31 samples took the lower of two and 51 the upper)."""
+        (the rule it replaced, ``round(0.95 * (n - 1))``, rounded halves to even: 31 samples took the lower of two, 51
+        the upper)."""
         ordered = sorted(self.samples_ms)
         return ordered[-(-95 * len(ordered) // 100) - 1]  # ceil(0.95 n) in integers: 0.95 * 60 is 56.99999999999999
 

@@ -162,6 +162,19 @@ def test_dispatch_table_says_why_budgets_were_captured_uncompiled():
     assert lines[4].endswith("| - |")
 
 
+def test_the_dispatch_table_lists_replays_per_budget_in_budget_order_from_the_json_form_too():
+    """The report functions take the JSON form (budgets as strings) as the in-process one: replays per budget were
+    sorted as strings there, "128: 3, 16: 2, 8: 1", while the slot counts beside them were sorted as numbers."""
+    from hwgraph.report import dispatch_table
+
+    stats = {"calls": 6, "hits": 6, "misses": 0, "eager_groups": 0, "padding_tokens": 0,
+             "replays_per_budget": {8: 1, 16: 2, 128: 3}, "replays_per_slots": {2: 6}, "capture_failures": {},
+             "compile_skipped": None, "compile_failures": {}}
+    for form in (stats, json.loads(json.dumps(stats))):
+        row = dispatch_table({"per_kernel": {"A": {"stats": form}}}).splitlines()[2]
+        assert "| 8: 1, 16: 2, 128: 3 | 2: 6 |" in row, row
+
+
 def test_a_multi_line_capture_failure_stays_in_its_row_and_column_of_the_dispatch_table():
     from hwgraph.report import dispatch_table
 

@@ -51,3 +51,13 @@ def test_validates_list_options_given_twice_add_to_their_lists():
     args = cli.build_parser().parse_args(["validate", "--attention", "TORCH_SDPA", "--attention", "TRITON_ATTN",
                                           "--tokens", "49", "--tokens", "256", "1024"])
     assert args.attention == ["TORCH_SDPA", "TRITON_ATTN"] and args.tokens == [49, 256, 1024]
+
+
+def test_groups_given_twice_add_to_the_groups(capsys):
+    """argparse kept only the last --groups: '--groups 1x49 --groups 1x256' benched 1x256 alone and dropped 1x49
+    without a word, as --attention and --budgets did before they extended their lists."""
+    args = cli.build_parser().parse_args(["bench", "--device", "cpu", "--groups", "1x4", "--groups", "2x8,1x16"])
+    assert [g.label for g in bench_command.config_from_args(args).groups] == ["1x4", "2x8", "1x16"]
+    assert cli.main(["bench", "--device", "cpu", "--groups", "1x4", "--groups", "1X4"]) == 2
+    assert capsys.readouterr().err.strip() == ("hwgraph bench: --groups: group 1x4 repeats in '1x4,1X4': each group "
+                                              "is one row of the table")
