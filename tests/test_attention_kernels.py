@@ -954,6 +954,24 @@ def test_varlen_kernels_give_gradients_while_autograd_records(kernel, compiled):
     torch.testing.assert_close(plain[:valid], want_out[:valid])
 
 
+def test_a_kernel_traces_whole_under_torch_compile_with_a_scale_from_a_dynamic_head_dim():
+    """The inputs' scale check called ``math.isfinite``, which torch.compile cannot trace on a symbolic float: with
+    dynamic shapes, a scale of ``q.shape[-1] ** -0.5`` broke the graph in every kernel's check (``fullgraph=True``:
+    "Unsupported: torch.* op returned non-Tensor ... isfinite"), and so did a scale that changed between calls."""
+
+    def attention(q, k, v, cu_seqlens, max_seqlen):
+        return sdpa_varlen(q, k, v, cu_seqlens, max_seqlen, q.shape[-1] ** -0.5)
+
+    run = torch.compile(attention, backend="eager", fullgraph=True, dynamic=True)
+    for seqlens, head_dim in (((5, 9), 8), ((3, 4, 2), 12)):
+        batch = random_packed_batch(seqlens, heads=2, head_dim=head_dim, padding_rows=3, seed=5)
+        args = (batch.q, batch.k, batch.v, batch.cu_seqlens, batch.max_seqlen)
+        torch.testing.assert_close(run(*args), attention(*args))
+    for bad in (math.nan, math.inf):  # the check still refuses a non-finite scale in eager
+        with pytest.raises(ValueError, match=r"scale must be a finite host float, got (nan|inf)"):
+            sdpa_varlen(*args, bad)
+
+
 def test_the_differentiable_stand_in_is_logged_once_naming_the_kernel(monkeypatch, caplog):
     """A caller who only forgot ``torch.inference_mode()`` learns why attention got slower, once per kernel."""
     from hwgraph.attention import varlen_inputs

@@ -61,7 +61,9 @@ def check_varlen_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.
     if not is_int(max_seqlen) or max_seqlen < 0:
         raise ValueError(f"{kernel}: max_seqlen must be a non-negative host int (fixed at capture), "
                          f"got {max_seqlen!r} ({type(max_seqlen).__name__})")
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+    # compared, not math.isfinite: torch.compile cannot trace that on a symbolic scale (q.shape[-1] ** -0.5 with
+    # dynamic shapes), which made every kernel break the graph there (fullgraph: fail)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not -math.inf < scale < math.inf:
         raise ValueError(f"{kernel}: scale must be a finite host float, got {scale!r} ({type(scale).__name__})")
 
 
