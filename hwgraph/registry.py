@@ -12,10 +12,11 @@ import dataclasses
 import importlib
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib.metadata import entry_points
+from importlib.metadata import distributions, entry_points
 
 from hwgraph import spec_fields
 from hwgraph.capability import Capability
@@ -164,12 +165,37 @@ def cpu_probe() -> BackendSpec:
     )
 
 
+def plugin_entry_points(problems: list[str]) -> list:
+    """Every installed ``hwgraph.backends`` entry point. importlib.metadata parses every distribution's entry points to
+    select one group, so a malformed ``entry_points.txt`` anywhere (from Python 3.15, also an entry point whose value
+    is no module path) raised out of discovery: then each distribution is read alone (the first of a name found, as
+    importlib.metadata takes it), and one that cannot be read is a problem naming it."""
+    try:
+        return list(entry_points(group=ENTRY_POINT_GROUP))
+    except Exception:
+        log.debug("the installed entry points cannot be read together", exc_info=True)
+    found, seen = [], set()
+    for dist in distributions():
+        name = None
+        try:
+            name = dist.metadata["Name"]
+            key = re.sub(r"[-_.]+", "-", name).lower() if name else dist
+            if key in seen:
+                continue
+            seen.add(key)
+            found += [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+        except Exception as exc:
+            problems.append(f"distribution {name or dist!r}: its entry points cannot be read: "
+                            f"{type(exc).__name__}: {exc}")
+    return found
+
+
 @lru_cache(maxsize=1)
 def discovered() -> tuple[tuple[BackendSpec, ...], tuple[str, ...]]:
     """(specs, problems): the built-in CPU backend and every entry point; a broken plugin is a problem, not a crash."""
     specs = [cpu_probe()]
     problems = []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in plugin_entry_points(problems):
         dist = getattr(getattr(ep, "dist", None), "name", None)
         where = f"{ep.value}, distribution {dist}" if dist else ep.value
         try:
@@ -269,7 +295,7 @@ def named_by_variable(name: str | None):
     """Where ``name`` is None and ``$HWGRAPH_GRAPH_BACKEND`` names the backend, a ``SelectionError`` or
     ``ImportError`` raised inside begins with the variable, as the command line's errors do: a manager's refusal of
     "graph backend 'cuda'" did not say that the name came from the environment."""
-    from_variable = name is None and bool(os.environ.get(GRAPH_BACKEND_ENV))
+    from_variable = name is None and backend_from_variable() is not None
     try:
         yield
     except (SelectionError, ImportError) as exc:
@@ -278,10 +304,16 @@ def named_by_variable(name: str | None):
         raise type(exc)(f"${GRAPH_BACKEND_ENV}: {exc}") from exc
 
 
+def backend_from_variable() -> str | None:
+    """``$HWGRAPH_GRAPH_BACKEND`` without surrounding blanks, or None where it is unset, empty or blank, as
+    ``$HWGRAPH_ATTENTION`` is read (set blank, or ``cpu\\n`` read from a file, it was an unknown backend)."""
+    return os.environ.get(GRAPH_BACKEND_ENV, "").strip() or None
+
+
 def chosen_backend(name: str | None, platform: PlatformInfo | None, device) -> Selected:
     """``choose_backend``'s choice, its name checked."""
     platform = platform or (detect() if device is None else platform_for(device))
-    name = name if name is not None else os.environ.get(GRAPH_BACKEND_ENV) or None  # set empty: unset
+    name = name if name is not None else backend_from_variable()
     if name:
         spec = spec_named(name)
         refusal = spec.device_refusal(device)

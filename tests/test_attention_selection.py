@@ -549,6 +549,18 @@ def test_a_kernel_name_with_surrounding_blanks_is_found_as_auto_is(monkeypatch):
     assert choose_attention(platform=H200, dtype=torch.bfloat16).spec.name == "TORCH_SDPA"
 
 
+@pytest.mark.parametrize("variable", [None, "TORCH_SDPA"])
+def test_an_empty_kernel_name_is_refused_naming_it_as_an_empty_graph_backend_is(monkeypatch, variable):
+    """``choose_attention("")`` (``attention=os.environ.get("KERNEL", "")``, a script's unset variable) silently
+    became ``$HWGRAPH_ATTENTION``'s kernel, else the automatic choice, as ``graph_backend=""`` once did (now refused):
+    only None asks for those. It is an unknown kernel, as a blank one is, and the error lists the known ones."""
+    if variable is not None:
+        monkeypatch.setenv(registry.ATTENTION_ENV, variable)
+    with pytest.raises(SelectionError, match=r"^unknown attention kernel ''; known: TORCH_SDPA, TRITON_ATTN"):
+        choose_attention("", platform=CPU)
+    assert choose_attention(None, platform=CPU).spec.name == "TORCH_SDPA"
+
+
 def test_unknown_kernel_name_lists_the_known_ones():
     with pytest.raises(SelectionError, match="unknown attention kernel 'FLASH3'; known: TORCH_SDPA, TRITON_ATTN"):
         choose_attention("FLASH3", platform=H200)

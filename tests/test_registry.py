@@ -529,3 +529,45 @@ def test_an_error_about_the_backend_the_variable_names_says_the_variable_named_i
         create_backend(device=torch.device("cpu"))
     with pytest.raises(SelectionError, match=r"^graph backend 'other' is unavailable: needs a GPU$"):
         choose_backend("other", platform=platform_of("cpu"))  # named as an argument: the variable is not the source
+
+
+@pytest.mark.parametrize("value, chosen", [("  ", "other"), ("\t", "other"), ("cpu\n", "cpu"), (" cpu ", "cpu")])
+def test_the_variable_set_blank_is_unset_and_its_surrounding_blanks_are_ignored_as_hwgraph_attentions_are(
+        monkeypatch, value, chosen):
+    """``$HWGRAPH_GRAPH_BACKEND`` set blank (a shell's ``=" "``, a template's empty field) was "unknown graph backend
+    '  '" and ``cpu\\n`` (a value read from a file) "unknown graph backend 'cpu\\n'", where ``$HWGRAPH_ATTENTION`` takes
+    both: blank is unset, as empty is, and surrounding blanks are ignored."""
+    install_probes(monkeypatch, other=lambda: spec("other", "cpu", priority=60))
+    monkeypatch.setenv(GRAPH_BACKEND_ENV, value)
+    assert choose_backend(platform=platform_of("cpu")).spec.name == chosen
+    assert isinstance(create_backend(device=torch.device("cpu")), CpuGraphBackend)  # the class of both
+
+
+def test_a_distribution_whose_entry_points_cannot_be_read_is_a_problem_naming_it_and_the_plugins_still_load(
+        tmp_path, monkeypatch):
+    """importlib.metadata parses every installed distribution's entry points to select the ``hwgraph.backends`` group,
+    so one malformed ``entry_points.txt`` anywhere (a line without '=', here in another group) raised out of discovery
+    ("TypeError: Pair.__new__() missing 1 required positional argument: 'value'"): every choice and ``hwgraph info``
+    crashed, naming nothing (from Python 3.15, an entry point whose value is not a module path does too)."""
+    def dist_info(name: str, entry_points: str) -> None:
+        folder = tmp_path / f"{name.replace('-', '_')}-1.0.dist-info"
+        folder.mkdir()
+        (folder / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (folder / "entry_points.txt").write_text(entry_points)
+
+    dist_info("broken-dist", "[console_scripts]\nbroken-tool\n")
+    dist_info("hwgraph-toy-backend", "[hwgraph.backends]\ntoy = hwgraph_toy_probe:probe\n")
+    (tmp_path / "hwgraph_toy_probe.py").write_text(
+        "from hwgraph.capability import Capability\nfrom hwgraph.registry import BackendSpec\n\n\n"
+        "def probe():\n    return BackendSpec('toy', 'hwgraph.graphs.cpu:CpuGraphBackend', ('cpu',),\n"
+        "                       lambda platform: Capability.available(), priority=-1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.discovered.cache_clear()
+    try:
+        specs, problems = registry.discovered()
+    finally:
+        sys.modules.pop("hwgraph_toy_probe", None)
+    assert {"cpu", "toy"} <= {s.name for s in specs}
+    assert registry.spec_named("toy").distribution == "hwgraph-toy-backend"
+    (problem,) = problems
+    assert problem.startswith("distribution 'broken-dist': its entry points cannot be read: TypeError: "), problem

@@ -98,8 +98,8 @@ class SelectedKernel:
 def choose_attention(name: str | None = None, platform: PlatformInfo | None = None,
                      dtype: torch.dtype | None = None, head_dim: int | None = None,
                      graph_safe: bool = False) -> SelectedKernel:
-    """``name``, else ``$HWGRAPH_ATTENTION``, else the kernel of highest priority on this platform available here
-    (``"auto"`` from either: automatic choice).
+    """``name``, else (None) ``$HWGRAPH_ATTENTION``, else the kernel of highest priority on this platform available
+    here (``"auto"`` from either: automatic choice).
 
     An explicit choice that is unavailable raises ``SelectionError`` naming its reasons, and ``$HWGRAPH_ATTENTION``
     where it came from there (one that does not import, ``ImportError``); with nothing explicit, TORCH_SDPA is always
@@ -111,12 +111,15 @@ def choose_attention(name: str | None = None, platform: PlatformInfo | None = No
         check_kernel_name(name)
     platform = platform or detect()
     # A kernel named by the environment says so when it fails: the caller may never have named one.
-    origin = "" if name else f"${ATTENTION_ENV}: "
-    # set blank (a shell's HWGRAPH_ATTENTION=" ", a template's empty field) is unset, as set empty is
-    name = name or os.environ.get(ATTENTION_ENV, "").strip() or None
+    origin = "" if name is not None else f"${ATTENTION_ENV}: "
+    # Only None defers to the variable: an empty name (a script's unset variable) is an unknown kernel, as a blank
+    # one is, and as graph_backend="" is refused. The variable set blank (a shell's HWGRAPH_ATTENTION=" ", a
+    # template's empty field) is unset, as set empty is.
+    if name is None:
+        name = os.environ.get(ATTENTION_ENV, "").strip() or None
     if name is not None and name.strip().lower() == "auto":  # as a tower takes it: $HWGRAPH_ATTENTION=auto too
         name = None
-    if name:
+    if name is not None:
         try:
             spec = kernel_named(name)
         except SelectionError as exc:
