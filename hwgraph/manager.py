@@ -500,8 +500,10 @@ class EncoderGraphManager:
             self._buffers_read.record(stream)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device == self.device and tensor.dtype == self.dtype:
-            return tensor
+        if tensor.device == self.device or tensor.device.type == self.device.type == "cpu":
+            # already there ("cpu" and "cpu:0" are one device): a cast at most, which names no device, since a
+            # blocking .to(device) is a copy to the host on the emulated device (its sync guard rejects it)
+            return tensor.to(dtype=self.dtype)
         if tensor.device.type == "cpu" and self.device.type != "cpu":
             tensor = pinned_copy(tensor)  # an async H2D copy; a pageable one would block the host
         # To the host, a non-blocking copy lands in pinned memory and returns before the data has: the CPU forward

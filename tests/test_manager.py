@@ -179,6 +179,26 @@ def test_encode_reads_nothing_back_from_the_device(tower, manager):
     assert manager.stats()["hits"] == 2 and manager.stats()["misses"] == 1
 
 
+@pytest.mark.parametrize("device, dtype, pixel_dtype", [("cpu", torch.bfloat16, torch.float32),
+                                                         ("cpu", torch.float32, torch.float64),
+                                                         ("cpu:0", torch.float32, torch.float32)])
+def test_the_eager_fallback_casts_pixels_already_on_the_device_without_a_host_copy(device, dtype, pixel_dtype):
+    """Pixels on the manager's device in another dtype (a processor's float32 rows for a bf16 manager) are cast
+    there: the fallback named the device in a blocking .to(), which the sync guard rejects as a copy to the host,
+    while the replay path took the same pixels."""
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[0]).eval()
+    m = EncoderGraphManager(tower, device=device, dtype=dtype, budgets=[16], max_images_per_graph=2,
+                            graph_backend="cpu", attention="TORCH_SDPA")
+    m.capture()
+    for grid in ([(1, 8, 8)], [(2, 4, 4)]):  # a replay, then a video's eager fallback
+        pixels = pixels_for(tower, grid, 43).to(pixel_dtype)
+        with m.backend.sync_guard():
+            got = m.encode(pixels, grid)
+        assert_outputs_equal(got, eager_per_image(tower, pixels.to(dtype), grid))
+    assert m.stats()["hits"] == 1 and m.stats()["misses"] == 1
+    m.close()
+
+
 def test_a_grid_tensor_the_caller_made_on_the_host_is_read_under_the_sync_guard(tower, manager):
     """The grid is host metadata (encode() takes a list or an int tensor on the host): reading it is no sync."""
     grid = [(1, 8, 8), (1, 4, 4)]
