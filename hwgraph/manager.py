@@ -505,7 +505,7 @@ class EncoderGraphManager:
             # blocking .to(device) is a copy to the host on the emulated device (its sync guard rejects it)
             return tensor.to(dtype=self.dtype)
         if tensor.device.type == "cpu" and self.device.type != "cpu":
-            tensor = pinned_copy(tensor)  # an async H2D copy; a pageable one would block the host
+            tensor = pinned_copy(tensor, self.dtype)  # an async H2D copy; a pageable one would block the host
         # To the host, a non-blocking copy lands in pinned memory and returns before the data has: the CPU forward
         # would read it half-copied (a CPU manager given GPU pixels).
         return tensor.to(self.device, self.dtype, non_blocking=self.device.type != "cpu")
@@ -520,7 +520,7 @@ class EncoderGraphManager:
         if pixel_values.device.type == "cpu" and self.device.type != "cpu":
             # As the eager path does. From pageable memory the driver stages the copy itself: on the H200 a 600 KB
             # copy did not wait for earlier work (docs/benchmarks.md, session 39), but a pinned source never does.
-            pixel_values = pinned_copy(pixel_values)
+            pixel_values = pinned_copy(pixel_values, entry.pixels.dtype)  # cast there, not into pageable memory
         entry.pixels[:patches].copy_(pixel_values, non_blocking=self.device.type != "cpu")  # as in _to_device
         grid = host.grid_thw
         if entry.filled_grid == grid:

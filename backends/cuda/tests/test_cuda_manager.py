@@ -305,6 +305,40 @@ def test_a_replay_of_pageable_host_pixels_does_not_wait_for_the_stream_to_drain(
         assert m.stats()["replays"] == 2
 
 
+def test_float32_host_pixels_are_cast_into_pinned_memory_and_do_not_wait_for_the_stream(tower, monkeypatch):
+    """A processor's float32 rows for a bf16 manager: pinned in float32, torch cast them on the host into pageable
+    memory before the copy to the device, so the pinning was undone. Both the replay and the eager path now pin
+    them in the manager's dtype."""
+    import hwgraph.manager as manager_module
+
+    pinned = []
+    real = manager_module.pinned_copy
+
+    def recorded(tensor, dtype=None):
+        out = real(tensor, dtype)
+        pinned.append((out.dtype, out.is_pinned()))
+        return out
+
+    monkeypatch.setattr(manager_module, "pinned_copy", recorded)
+    grid, video = [(1, 14, 14)], [(2, 14, 14)]  # a video runs eagerly
+    host, host_video = pixels(grid, 71).float().cpu(), pixels(video, 72).float().cpu()
+    with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, attention="auto") as m:
+        m.capture()
+        m.encode(host, grid)  # warm the pinned host allocator
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # about 200 ms on the H200
+        slept = torch.cuda.Event()
+        slept.record()
+        got = m.encode(host, grid)
+        assert not slept.query(), "encode() waited for the work queued before it"
+        got_video = m.encode(host_video, video)
+        torch.cuda.synchronize()
+        check(tower, got, host.cuda().bfloat16(), grid)
+        check(tower, got_video, host_video.cuda().bfloat16(), video)
+        assert m.stats()["replays"] == 2 and m.stats()["eager_groups"] == 1
+    assert pinned and all(p == (torch.bfloat16, True) for p in pinned), pinned
+
+
 def test_thousand_replays_do_not_grow_memory_and_close_frees_it(tower, monkeypatch):
     cleared = []
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(True))
