@@ -47,6 +47,55 @@ import hwgraph.attention.sdpa as sdpa
 real = sdpa.masked_sdpa
 sdpa.masked_sdpa = lambda q, k, v, cu, scale: real(q, k, v, cu, q.shape[-1] ** -0.5)
 ''',
+    # a tiled kernel whose loop over key blocks stops after the first 32 keys of each sequence: the check's sequences
+    # were all shorter, and eager and replay run the same loop
+    "first key block": '''
+import torch
+import torch.nn.functional as F
+import hwgraph.attention.sdpa as sdpa
+
+
+def first_key_block(q, k, v, cu, scale):
+    seg = sdpa.segment_ids(cu, q.shape[0])
+    first = torch.arange(q.shape[0], device=q.device) - cu.long()[seg] < 32
+    mask = sdpa.block_diagonal_mask(seg) & first[None, :]  # padding rows: their own block, as the real kernel's
+    real = sdpa.valid_rows(cu, q.shape[0])[:, None, None]  # and never read, as the real kernel's
+    k, v = torch.where(real, k, 0), torch.where(real, v, 0)
+    out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1).contiguous()
+
+
+sdpa.masked_sdpa = first_key_block
+''',
+    # a grid of one 32-row query block per sequence: the rows past it are never written
+    "first query block": '''
+import torch
+import hwgraph.attention.sdpa as sdpa
+real = sdpa.masked_sdpa
+
+
+def first_query_block(q, k, v, cu, scale):
+    seg = sdpa.segment_ids(cu, q.shape[0])
+    late = torch.arange(q.shape[0], device=q.device) - cu.long()[seg] >= 32
+    return torch.where(late[:, None, None], 0, real(q, k, v, cu, scale))
+
+
+sdpa.masked_sdpa = first_query_block
+''',
+    # a pointer kernel reading [T, H, D] as contiguous whatever the strides: the tower passes views (v a slice of the
+    # qkv product), eager and replay alike, and the check gave it contiguous tensors
+    "ignores strides": '''
+import torch
+import hwgraph.attention.sdpa as sdpa
+real = sdpa.masked_sdpa
+
+
+def dense(t):
+    return torch.as_strided(t, t.shape, (t.shape[1] * t.shape[2], t.shape[2], 1))
+
+
+sdpa.masked_sdpa = lambda q, k, v, cu, scale: real(dense(q), dense(k), dense(v), cu, scale)
+''',
 }
 
 
@@ -285,3 +334,24 @@ def test_the_retained_outputs_check_replays_and_fails_outputs_a_later_replay_ove
     outputs_overwritten_by_the_next_replay(monkeypatch)
     with pytest.raises(AssertionError, match="changed after later calls"):
         run()
+
+
+def test_the_two_thread_helper_fails_a_guard_that_never_lets_the_threads_overlap():
+    """A guard holding a lock while a thread is inside never lets the second thread in before the first has left: the
+    helper waited out its timeouts and returned what ``inside()`` saw then, as if the first had left while the second
+    was inside, so the checks built on it passed a guard they never exercised."""
+    import contextlib
+    import threading
+
+    from hwgraph.testing.threads import first_leaves_while_second_is_inside
+
+    lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def one_thread_at_a_time():
+        with lock:
+            yield
+
+    with pytest.raises(TimeoutError, match="the second thread did not enter its guard"):
+        first_leaves_while_second_is_inside(one_thread_at_a_time, lambda: "inside", timeout=0.5)
+    assert first_leaves_while_second_is_inside(contextlib.nullcontext, lambda: "inside", timeout=5) == "inside"

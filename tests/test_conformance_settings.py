@@ -637,6 +637,8 @@ def test_validate_passes_a_plugin_kernel_named_in_mixed_case(monkeypatch, tmp_pa
     ({"dtype": "bf16"}, "HWGRAPH_DTYPE or HWGRAPH_TEST_DTYPE: unknown dtype 'bf16': expected one of float32, "
                         "bfloat16, float16"),
     ({"preset": "tinny"}, "HWGRAPH_PRESET or HWGRAPH_TEST_PRESET: unknown tower preset 'tinny'; known: "),
+    # with HWGRAPH_TEST_BACKENDS=rocm, a rocm module's misspelt HWGRAPH_BACKEND was one skip on the ROCm machine too
+    ({"backend": "rcom"}, "the conformance suite's graph backend: unknown graph backend 'rcom'; known: "),
 ])
 def test_a_misspelt_setting_fails_even_where_the_backend_is_excluded(kw, message):
     """The names were checked only once the backend was found runnable: with the backend excluded (or unavailable)

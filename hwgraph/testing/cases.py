@@ -143,13 +143,13 @@ def conformance_params(settings: SuiteSettings, graph_safe_only: bool = True) ->
                          f"{ATTENTION_ENV}; known: {', '.join(known)}")
     selected = tuple(by_folded[name.strip().upper()] for name in settings.kernels or ())
     name = settings.backend or choose_backend(platform=platform).spec.name
-    if settings.allowed_backends and name not in settings.allowed_backends:
-        return [skipped(f"{name}-excluded", f"{BACKENDS_ENV}={','.join(settings.allowed_backends)} "
-                                            f"excludes the {name} graph backend")]
     try:
         spec = spec_named(name)
     except SelectionError as exc:  # a typo, or a plugin that failed to load: skipping would pass with nothing checked
         raise ValueError(f"the conformance suite's graph backend: {exc}") from None
+    if settings.allowed_backends and name not in settings.allowed_backends:
+        return [skipped(f"{name}-excluded", f"{BACKENDS_ENV}={','.join(settings.allowed_backends)} "
+                                            f"excludes the {name} graph backend")]
     refusal = spec.mode_refusal(settings.mode)
     if refusal:
         raise ValueError(f"unknown graph mode {settings.mode!r} in HWGRAPH_GRAPH_MODE or {GRAPH_MODE_ENV}: {refusal}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 import torch
@@ -82,6 +82,24 @@ def random_packed_batch(seqlens, heads: int, head_dim: int, *, zero_length: int 
         scale=head_dim ** -0.5 if scale is None else scale, seqlens=seqlens, zero_length=zero_length,
         padding_rows=padding_rows,
     )
+
+
+def as_the_tower_passes(batch: PackedBatch, fill: float = 1e3) -> PackedBatch:
+    """``batch`` with ``q, k, v`` laid out as the tower passes them: views with three different token strides (v a
+    slice of the ``[T, 3, H, D]`` qkv product; q and k slices of a rotary output, ``[T, 2, H, D]`` or
+    ``[2, T, H, D]``), the elements between them ``fill``. A kernel that reads them as contiguous, or reads one with
+    another's strides, reads ``fill``."""
+    q, k, v = batch.q, batch.k, batch.v
+
+    def view(t: torch.Tensor, parts: int, dim: int, index: int) -> torch.Tensor:
+        shape = list(t.shape)
+        shape.insert(dim, parts)
+        whole = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+        part = whole.select(dim, index)
+        part.copy_(t)
+        return part
+
+    return replace(batch, q=view(q, 2, 1, 0), k=view(k, 2, 0, 1), v=view(v, 3, 1, 2))
 
 
 def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int],

@@ -11,15 +11,20 @@ def first_leaves_while_second_is_inside(guard: Callable[[], AbstractContextManag
                                         timeout: float = 10.0):
     """Two threads each enter ``guard()``: the first, then the second; the first leaves while the second is still
     inside, and then the second thread calls ``inside()``, whose value this returns once both threads have left. The
-    first exception either thread raised is raised here."""
+    first exception either thread raised is raised here; ``TimeoutError`` when a step did not happen within
+    ``timeout`` seconds (a guard that lets one thread in at a time: the threads never overlapped)."""
     first_in, second_in, first_out = (threading.Event() for _ in range(3))
     seen, errors = [], []
+
+    def waited(event: threading.Event, what: str) -> None:
+        if not event.wait(timeout):
+            raise TimeoutError(f"{what} within {timeout} s")
 
     def first():
         try:
             with guard():
                 first_in.set()
-                second_in.wait(timeout)
+                waited(second_in, "the second thread did not enter its guard while the first was inside it")
         except BaseException as exc:  # noqa: BLE001 (raised again by the calling thread)
             errors.append(exc)
         finally:
@@ -27,10 +32,10 @@ def first_leaves_while_second_is_inside(guard: Callable[[], AbstractContextManag
 
     def second():
         try:
-            first_in.wait(timeout)
+            waited(first_in, "the first thread did not enter its guard")
             with guard():
                 second_in.set()
-                first_out.wait(timeout)
+                waited(first_out, "the first thread did not leave its guard while the second was inside it")
                 seen.append(inside())
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
