@@ -16,6 +16,7 @@ back ATen's result for any input it does not take, counts the ``seconds`` it has
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Protocol
 
 import torch
@@ -94,12 +95,26 @@ chosen_linear_gelu_tanh = torch.library.custom_op("hwgraph::chosen_linear_gelu_t
 chosen_linear_gelu_tanh.register_fake(product_shape)
 
 
+# The ``chosen_by`` blocks open now, in every thread, in the order they were entered (one entry each); ``ACTIVE`` is
+# the last one's chooser. Changed only under ``_open_lock``.
+_open: list[list] = []
+_open_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def chosen_by(chooser: ProductChooser | None):
-    """Route ``linear`` and ``linear_gelu_tanh`` through ``chooser`` (None: ATen's) inside the context."""
+    """Route ``linear`` and ``linear_gelu_tanh`` through ``chooser`` (None: ATen's) inside the context, process-wide:
+    the chooser of the block entered last among those still open, in any thread. Leaving a block takes its own entry
+    out, so blocks left in another order than entered (captures in two threads) leave the one still open active and,
+    once all have left, none (restoring what each found on entering put an earlier one back for good)."""
     global ACTIVE
-    saved, ACTIVE = ACTIVE, chooser
+    entry = [chooser]  # a block's own, by identity: the same chooser may be open twice
+    with _open_lock:
+        _open.append(entry)
+        ACTIVE = chooser
     try:
         yield chooser
     finally:
-        ACTIVE = saved
+        with _open_lock:
+            del _open[next(i for i, e in enumerate(_open) if e is entry)]
+            ACTIVE = _open[-1][0] if _open else None

@@ -77,6 +77,43 @@ def test_chosen_by_routes_products_through_the_chooser_and_restores_the_previous
     assert (outer.calls, inner.calls) == (2, 1)
 
 
+def test_chosen_by_in_two_threads_leaves_no_chooser_active_when_both_have_left(monkeypatch):
+    """Two captures on two devices, each in its own thread, enter and leave ``chosen_by`` interleaved: the first in
+    leaves first. Each restored what it found on entering, so the second, leaving last, put the first's chooser back
+    for good: every later product in the process ran through it, outside any capture."""
+    import threading
+
+    monkeypatch.setattr(products, "ACTIVE", None)  # put back after the test, whatever it leaves
+    first, second = RecordingChooser(), RecordingChooser()
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def enter_first():
+        with products.chosen_by(first):
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def enter_second():
+        first_in.wait(10)
+        with products.chosen_by(second):
+            second_in.set()
+            first_out.wait(10)
+            seen["after the first left"] = products.ACTIVE
+
+    threads = [threading.Thread(target=enter_first), threading.Thread(target=enter_second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert first_out.is_set() and "after the first left" in seen, "the threads did not interleave"
+    assert seen["after the first left"] is second  # the one still open keeps its chooser
+    assert products.ACTIVE is None
+    x, w, b = torch.ones(2, 3), torch.ones(4, 3), torch.zeros(4)
+    products.linear(x, w, b)
+    assert (first.calls, second.calls) == (0, 0)
+
+
 def tiny_tower():
     torch.manual_seed(0)
     return Qwen3OmniVisionTower.from_preset("tiny").eval()
