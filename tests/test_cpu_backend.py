@@ -343,3 +343,50 @@ def test_a_pool_is_dropped_once_its_owner_and_its_graphs_are():
     refs = [weakref.ref(backend.capture(lambda: x * 2).pool) for _ in range(20)]
     gc.collect()
     assert not [ref for ref in refs if ref() is not None] and backend.memory_in_use() == 0
+
+
+@pytest.mark.parametrize("failing_run, match", [
+    (1, r"^warm-up before capture failed: RuntimeError: shape '\[3\]' is invalid"),
+    (2, r"^capture failed: RuntimeError: shape '\[3\]' is invalid"),
+])
+def test_a_callable_that_fails_in_capture_is_a_capture_error_as_on_a_device(backend, failing_run, match):
+    """The device backends turn a failure of the warm-up or the captured run into ``CaptureError`` (the error a failed
+    capture is documented to raise); the reference backend let the callable's own exception through."""
+    x, runs = torch.ones(2), []
+
+    def fn():
+        runs.append(1)
+        return x.view(3) if len(runs) == failing_run else x + 1
+
+    with pytest.raises(CaptureError, match=match) as failure:
+        backend.capture(fn)
+    assert isinstance(failure.value.__cause__, RuntimeError)
+
+
+def test_a_callable_interrupted_in_capture_stays_interrupted(backend):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        backend.capture(interrupted)
+
+
+def test_a_pool_that_is_not_the_backends_is_refused_naming_it_before_anything_runs(backend):
+    """Another backend's pool (a CUDA pool handle, a MemPool) failed after the callable had run twice, with
+    "'tuple' object has no attribute 'graphs'", naming neither the pool nor what was expected."""
+    runs = []
+    with pytest.raises(TypeError, match=r"^the cpu graph backend captures into a CpuPool \(from new_pool\(\)\), "
+                                        r"got \('pool', 1\)$"):
+        backend.capture(lambda: runs.append(1) or torch.ones(2), ("pool", 1))
+    assert runs == []
+
+
+def test_a_broadcast_output_replays_as_on_a_device(backend):
+    """A device graph's expanded output is a view of memory its replay rewrites; the emulation's copy into it raised
+    "more than one element of the written-to tensor refers to a single memory location"."""
+    x = torch.ones(2)
+    graph = backend.capture(lambda: ((x * 2).expand(3, 2), (x + 1)[:, None].expand(2, 4)))
+    x.fill_(3.0)
+    graph.replay()
+    torch.testing.assert_close(graph.outputs[0], torch.full((3, 2), 6.0))
+    torch.testing.assert_close(graph.outputs[1], torch.full((2, 4), 4.0))

@@ -29,6 +29,16 @@ def flat_tensors(outputs: Outputs) -> list[torch.Tensor]:
     raise CaptureError(f"a captured callable must return tensors or tuples of tensors, got {type(outputs).__name__}")
 
 
+def write_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into the static output ``dst``. Where ``dst`` broadcasts (stride 0, e.g. ``expand``) it holds each
+    value once: written through one element of each broadcast dimension, as a device replay rewrites the memory behind
+    it (``copy_`` refuses to write one element twice)."""
+    for dim in range(dst.dim()):
+        if dst.stride(dim) == 0 and dst.shape[dim] > 1:
+            dst, src = dst.narrow(dim, 0, 1), src.narrow(dim, 0, 1)
+    dst.copy_(src)
+
+
 class CpuPool:
     """Emulated memory pool: tracks the graphs captured into it."""
 
@@ -60,7 +70,7 @@ class CpuCapturedGraph(CapturedGraph):
                     raise CaptureError(f"replay produced shape {tuple(src.shape)}, captured {tuple(dst.shape)}")
                 if dst.dtype != src.dtype:  # copy_ would cast it silently; a device graph keeps its captured dtypes
                     raise CaptureError(f"replay produced dtype {src.dtype}, captured {dst.dtype}")
-                dst.copy_(src)
+                write_into(dst, src)
 
     def nbytes(self) -> int:
         if self.outputs is None:
@@ -95,9 +105,20 @@ class CpuGraphBackend(GraphBackend):
 
     def capture(self, fn, pool=None) -> CpuCapturedGraph:
         pool = pool if pool is not None else self.new_pool()
+        if not isinstance(pool, CpuPool):
+            raise TypeError(f"the {self.name} graph backend captures into a CpuPool (from new_pool()), got {pool!r}")
+        # A failure is a CaptureError, with the device backends' words (TorchCudaGraphBackend.warm_up, capture_on)
         with torch.inference_mode():
-            fn()  # warm-up, as a device backend does before capturing
-            outputs = fn()
+            try:
+                flat_tensors(fn())  # warm-up, as a device backend does before capturing
+            except CaptureError:
+                raise
+            except Exception as exc:
+                raise CaptureError(f"warm-up before capture failed: {type(exc).__name__}: {exc}") from exc
+            try:
+                outputs = fn()
+            except Exception as exc:
+                raise CaptureError(f"capture failed: {type(exc).__name__}: {exc}") from exc
         flat_tensors(outputs)
         graph = CpuCapturedGraph(fn, outputs)
         graph.pool = pool  # kept while the graph is, as a device graph keeps its pool's memory
