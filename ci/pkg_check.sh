@@ -17,9 +17,9 @@ for dist in . backends/cuda backends/rocm backends/npu; do
 done
 ls "$WORK/wheels"
 python -m venv "$WORK/venv"
-VPIP="$WORK/venv/bin/python -m pip --disable-pip-version-check -q"
-$VPIP install torch==2.13.0
-$VPIP install --find-links "$WORK/wheels" "hwgraph[rocm]"
+vpip() { "$WORK/venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }  # WORK may hold a space
+vpip install torch==2.13.0
+vpip install --find-links "$WORK/wheels" "hwgraph[rocm]"
 cd "$WORK"
 "$WORK/venv/bin/python" - <<'PY'
 from hwgraph.registry import list_backends

@@ -38,4 +38,8 @@ for req in "numpy>=1.24" "packaging>=23" "safetensors>=0.8" "pytest>=8"; do
 done
 # The backend plugins too, so that on a GPU machine the cuda-marked test captures real device graphs.
 $PIP install --no-deps --no-build-isolation -e . -e backends/cuda -e backends/rocm -e backends/npu
+# The vllm-marked modules skip where vllm does not import (pytest.importorskip): here it is installed, so a failing
+# import (a dependency missing from a reused venv) must fail the run, not pass it with every vllm test skipped.
+"$VPY" -c "import vllm" || { echo "ci/vllm.sh: vllm==$VLLM_PIN is installed in $VENV but does not import (the error is" \
+  "above), so every vllm test would be skipped: remove $VENV and run again" >&2; exit 1; }
 exec "$VPY" -m pytest -m vllm tests/integrations "$@"

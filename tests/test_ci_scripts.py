@@ -202,7 +202,7 @@ def test_tox_accelerator_envs_prepare_through_accel_env_sh(accel):
     ini = configparser.ConfigParser(interpolation=None)
     ini.read(CI.parent / "tox.ini")
     section = ini[f"testenv:{accel}"]
-    assert section["commands_pre"].strip() == f"bash ci/accel_env.sh {accel} {{envtmpdir}}/wheels {{env_python}}"
+    assert section["commands_pre"].strip() == f'bash ci/accel_env.sh {accel} "{{envtmpdir}}/wheels" "{{env_python}}"'
     assert section["system_site_packages"] == "true" and "PYTHON" in section["pass_env"].split()
     assert section["commands"].strip().endswith(f"-m {accel} tests backends {{posargs}}")
 
@@ -286,3 +286,28 @@ def test_accel_env_sh_names_what_it_expects(tmp_path):
     done = subprocess.run([BASH, str(CI / "accel_env.sh"), "tpu", str(tmp_path), "/usr/bin/python3"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "expected cuda|rocm|npu WHEELDIR ENV_PYTHON" in done.stderr, done.stderr
+
+
+def test_vllm_sh_fails_where_the_installed_vllm_does_not_import(tmp_path):
+    """The vllm-marked modules `importorskip("vllm")`, which skips on any ModuleNotFoundError: where the venv's vllm is
+    the pinned version (so vllm.sh installs nothing) but one of its dependencies is missing (a reused venv an
+    interrupted install left), every vllm test was skipped ("vllm is not installed") and ci/vllm.sh, the second half
+    of CI's `.ci/run`, exited 0 having checked nothing."""
+    import sys
+
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("import cbor2_not_installed\n")
+    (site / "vllm-0.33.0.dist-info").mkdir()
+    (site / "vllm-0.33.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+    venv = tmp_path / "venv-vllm"
+    (venv / "bin").mkdir(parents=True)
+    # Its python is this interpreter with the broken vllm on its path; pip does nothing.
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\n[ "$1 $2" = "-m pip" ] && exit 0\n'
+                                         f'PYTHONPATH="{site}" exec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    done = subprocess.run([BASH, str(CI / "vllm.sh"), "-q", "-p", "no:cacheprovider"], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HWGRAPH_VLLM_VENV": str(venv)})
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "No module named 'cbor2_not_installed'" in done.stderr, done.stderr

@@ -218,6 +218,30 @@ def test_tox_accelerator_envs_pass_the_vendor_runtimes_environment(accel):
     assert passed == {k: v for k, v in environ.items() if k != "HWGRAPH_ATTENTION"}, sorted(passed)
 
 
+def test_tox_commands_keep_a_checkout_path_with_spaces_one_argument():
+    """tox 4 substitutes {envtmpdir} and {env_python} into a command and then splits it as a shell would
+    (``StrConvert.to_command``: shlex, after substitution), so in a checkout at `/ci/my checkout` the scripts got
+    `/ci/my` and `checkout/.tox/...` as two arguments and refused them (`expected WORKDIR`, `expected WHEELDIR ...`)."""
+    import configparser
+    import shlex
+
+    ini = configparser.ConfigParser(interpolation=None)
+    ini.read(ROOT / "tox.ini")
+    base = "/ci/my checkout/.tox/env"
+    split = {}
+    for name, section in ini.items():
+        for key in ("commands_pre", "commands"):
+            for line in filter(None, section.get(key, "").splitlines()):
+                value = (line.replace("{envtmpdir}", f"{base}/tmp").replace("{env_python}", f"{base}/bin/python")
+                         .replace("{posargs}", ""))
+                lexer = shlex.shlex(value, posix=True)
+                lexer.whitespace_split, lexer.commenters = True, ""
+                args = list(lexer)
+                if any("/ci/my" in a and base not in a for a in args):
+                    split[f"{name}.{key}"] = args
+    assert not split, split
+
+
 def accelerator_checkout(tmp_path: Path, kind: str | None) -> tuple[Path, dict, Path]:
     """A checkout with ci/test.sh and what it sources, and a .venv made for an accelerator (the system's
     site-packages) whose python is this interpreter, except that pip does nothing and pytest only logs that it ran.

@@ -27,10 +27,12 @@ exit 0
 
 
 @pytest.mark.skipif(BASH is None, reason="ci/pkg_check.sh is a bash script; no bash on this machine")
-def test_pkg_check_sh_takes_a_relative_workdir(tmp_path):
+@pytest.mark.parametrize("checkout", ["checkout", "my checkout"])
+def test_pkg_check_sh_takes_a_relative_workdir(tmp_path, checkout):
     """`bash ci/pkg_check.sh out/pkg` built the wheels and the venv, then moved into out/pkg and ran
-    out/pkg/venv/bin/python from there: `No such file or directory` (status 127) before any check ran."""
-    root = tmp_path / "checkout"
+    out/pkg/venv/bin/python from there: `No such file or directory` (status 127) before any check ran. In a checkout
+    whose path has a space (tox's pkg env passes a folder inside it), the venv's pip was split at the space: 127."""
+    root = tmp_path / checkout
     (root / "ci").mkdir(parents=True)
     shutil.copy(ROOT / "ci" / "pkg_check.sh", root / "ci" / "pkg_check.sh")
     tools = tmp_path / "bin"
