@@ -505,6 +505,19 @@ def test_metadata_built_for_another_towers_merge_size_or_position_table_is_refus
     assert tower.forward_with_metadata(pixels, prepare_metadata(grid, 2, side)).embeds.shape[0] == 4
 
 
+def test_metadata_on_the_meta_device_is_refused_by_name():
+    """Metadata moved to the meta device (shapes only, e.g. for a dry run) failed deep in the forward with torch's
+    "Cannot copy out of meta tensor; no data!", naming neither the metadata nor how to get real tables."""
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention=masked_attention)
+    grid = [(1, 4, 4)]
+    pixels = torch.randn(16, tower.patch_row_width)
+    metadata = tower.prepare_metadata(grid)
+    with pytest.raises(ValueError, match=r"metadata is on the meta device \(no data\): build it with this tower's "
+                                         r"prepare_metadata\(grid_thw\)"):
+        tower.forward_with_metadata(pixels, metadata.to("meta"))
+    assert tower.forward_with_metadata(pixels, metadata).embeds.shape[0] == 4
+
+
 def test_pixels_that_do_not_match_a_huge_grid_are_refused_before_its_metadata_is_built(monkeypatch):
     """A grid's tables take memory in proportion to it (numpy's allocator refused 6 GiB for a 20000 x 20000 grid
     before the rows were compared): the eager forward and the manager compare the rows with the grid first."""

@@ -271,6 +271,9 @@ class Qwen3OmniVisionTower(nn.Module):
         if not isinstance(metadata, VisionMetadata):  # e.g. a grid: AttributeError "'list' ... no attribute 'grid_thw'"
             raise ValueError(f"metadata must be a VisionMetadata (this tower's prepare_metadata(grid_thw)), got "
                              f"{type(metadata).__name__}: for a grid, call forward(pixel_values, grid_thw)")
+        if metadata.device.type == "meta":  # torch said only "Cannot copy out of meta tensor; no data!"
+            raise ValueError(f"metadata is on the meta device (no data): build it with this tower's "
+                             f"prepare_metadata(grid_thw), on the host, for grids {list(metadata.grid_thw)}")
         # padded metadata's rows are more than its grids need: the message names both
         self.check_pixel_rows(pixel_values, metadata.grid_thw, metadata.num_rows, patches=metadata.num_patches)
         built_for = (metadata.spatial_merge_size, metadata.num_grid_per_side)
