@@ -283,6 +283,20 @@ def test_calibrate_on_another_stream_waits_for_the_last_replay_and_the_next_repl
         assert m.stats()["replays"] == 3
 
 
+def encode_behind_queued_work(m, host_pixels, grid):
+    """``m.capture()``, a warm-up ``encode`` (the pinned host allocator), then ``m.encode(host_pixels, grid)`` behind
+    about 200 ms of queued device work (on the H200), asserting it returned before that work ended."""
+    m.capture()
+    m.encode(host_pixels, grid)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)
+    slept = torch.cuda.Event()
+    slept.record()
+    got = m.encode(host_pixels, grid)
+    assert not slept.query(), "encode() waited for the work queued before it"
+    return got
+
+
 def test_a_replay_of_pageable_host_pixels_does_not_wait_for_the_stream_to_drain(tower):
     """encode() of host pixels in pageable memory returns while work queued before it still runs: nothing on the
     host path waits for the device (the sync guard sees synchronising calls, not a copy that blocks). The replay
@@ -292,14 +306,7 @@ def test_a_replay_of_pageable_host_pixels_does_not_wait_for_the_stream_to_drain(
     host_pixels = pixels(grid, 70).cpu()
     assert not host_pixels.is_pinned()
     with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, attention="auto") as m:
-        m.capture()
-        m.encode(host_pixels, grid)  # warm the pinned host allocator
-        torch.cuda.synchronize()
-        torch.cuda._sleep(400_000_000)  # about 200 ms on the H200
-        slept = torch.cuda.Event()
-        slept.record()
-        got = m.encode(host_pixels, grid)
-        assert not slept.query(), "encode() waited for the work queued before it"
+        got = encode_behind_queued_work(m, host_pixels, grid)
         torch.cuda.synchronize()
         check(tower, got, host_pixels.cuda(), grid)
         assert m.stats()["replays"] == 2
@@ -323,14 +330,7 @@ def test_float32_host_pixels_are_cast_into_pinned_memory_and_do_not_wait_for_the
     grid, video = [(1, 14, 14)], [(2, 14, 14)]  # a video runs eagerly
     host, host_video = pixels(grid, 71).float().cpu(), pixels(video, 72).float().cpu()
     with EncoderGraphManager(tower, budgets=[64], max_images_per_graph=1, attention="auto") as m:
-        m.capture()
-        m.encode(host, grid)  # warm the pinned host allocator
-        torch.cuda.synchronize()
-        torch.cuda._sleep(400_000_000)  # about 200 ms on the H200
-        slept = torch.cuda.Event()
-        slept.record()
-        got = m.encode(host, grid)
-        assert not slept.query(), "encode() waited for the work queued before it"
+        got = encode_behind_queued_work(m, host, grid)
         got_video = m.encode(host_video, video)
         torch.cuda.synchronize()
         check(tower, got, host.cuda().bfloat16(), grid)

@@ -14,9 +14,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 REPORTS_FILE = "HWGRAPH_SIMULATED_NPU_REPORTS"  # set in the child process: where it writes its reports
 FIXTURE = "simulated_npu_process"
@@ -102,3 +104,34 @@ def missing_report(item, when: str) -> pytest.TestReport:
     output = item.session.stash.get(CHILD_OUTPUT, "")
     return pytest.TestReport(item.nodeid, item.location, {}, "failed",
                              f"the child process did not report this test to its end: {output}", when)
+
+
+ASCEND_ALIGN = 16  # op-plugin torch_npu-npu_fused_infer_attention_score.md: fp16/bf16 inputs need D 16-aligned
+
+
+@pytest.fixture
+def fused_attention(monkeypatch):
+    """A simulated torch_npu whose fused kernel refuses a D the Ascend kernel refuses and otherwise computes TND
+    attention over the host sequence ends it is given; the head dims it was given, in order."""
+    from hwgraph_npu import attention
+
+    seen = []
+
+    def npu_fused_infer_attention_score(q, k, v, *, num_heads, input_layout, actual_seq_lengths,
+                                        actual_seq_lengths_kv, scale):
+        assert input_layout == "TND" and actual_seq_lengths == actual_seq_lengths_kv
+        seen.append(q.shape[-1])
+        if q.shape[-1] % ASCEND_ALIGN:
+            raise RuntimeError(f"EZ9999: head dim {q.shape[-1]} is not 16-aligned")  # what the kernel does
+        out, start = torch.empty_like(q), 0
+        for end in actual_seq_lengths:
+            qs, ks, vs = (t[start:end].transpose(0, 1).float() for t in (q, k, v))
+            out[start:end] = torch.softmax(qs @ ks.transpose(1, 2) * scale, -1).matmul(vs).transpose(0, 1).to(q.dtype)
+            start = end
+        return out, torch.empty(1)
+
+    fake = types.ModuleType("torch_npu")
+    fake.npu_fused_infer_attention_score = npu_fused_infer_attention_score
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(attention, "scale_keyword", lambda: "scale")
+    return seen

@@ -3,9 +3,6 @@ judges a callable by what the callable itself declares (``graph_safe``), as it h
 
 from __future__ import annotations
 
-import sys
-import types
-
 import torch
 
 from hwgraph.manager import EncoderGraphManager
@@ -13,26 +10,12 @@ from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.testing.towers import eager_per_image, pixels_for
 
 
-def fused_attention(q, k, v, *, num_heads, input_layout, actual_seq_lengths, actual_seq_lengths_kv, scale):
-    """TND attention over the host sequence ends it is given, as the Ascend kernel computes it."""
-    out, start = torch.empty_like(q), 0
-    for end in actual_seq_lengths:
-        qs, ks, vs = (t[start:end].transpose(0, 1).float() for t in (q, k, v))
-        out[start:end] = torch.softmax(qs @ ks.transpose(1, 2) * scale, -1).matmul(vs).transpose(0, 1).to(q.dtype)
-        start = end
-    return out, torch.empty(1)
-
-
-def test_the_npu_kernel_given_as_a_function_is_never_captured_and_says_why(monkeypatch):
+def test_the_npu_kernel_given_as_a_function_is_never_captured_and_says_why(fused_attention):
     """``NPU.graph_safe`` is False, but the function declared nothing, so a manager given it took it for graph-safe and
     captured it: every replay read ``cu_seqlens`` back to the host (on an NPU the capture would keep the host sequence
     lengths it was captured with, and attend across the next group's image boundaries)."""
     from hwgraph_npu import attention
 
-    fake = types.ModuleType("torch_npu")
-    fake.npu_fused_infer_attention_score = fused_attention
-    monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    monkeypatch.setattr(attention, "scale_keyword", lambda: "scale")
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("tiny").to(torch.float16).eval()
     m = EncoderGraphManager(tower, budgets=[16, 32], max_images_per_graph=2, graph_backend="cpu", dtype=torch.float16,
@@ -49,16 +32,12 @@ def test_the_npu_kernel_given_as_a_function_is_never_captured_and_says_why(monke
     m.close()
 
 
-def test_the_npu_kernel_given_as_a_function_gets_host_boundaries_in_an_eager_forward(monkeypatch):
+def test_the_npu_kernel_given_as_a_function_gets_host_boundaries_in_an_eager_forward(fused_attention, monkeypatch):
     """``NPU.reads_host_boundaries`` is True, but a tower given the function read only what the function declared, so
     every block of an eager forward read ``cu_seqlens`` back to the host (27 synchronisations on the real tower)
     instead of the forward reading it once."""
     from hwgraph_npu import attention
 
-    fake = types.ModuleType("torch_npu")
-    fake.npu_fused_infer_attention_score = fused_attention
-    monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    monkeypatch.setattr(attention, "scale_keyword", lambda: "scale")
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("tiny").to(torch.float16).eval()
     tower.set_attention(attention.npu_varlen)
