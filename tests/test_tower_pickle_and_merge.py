@@ -160,3 +160,42 @@ def test_each_thread_gets_its_own_merge_stream_and_a_new_thread_takes_over_an_en
     other_device = merge_stream_of_a_thread(tower, gpu1)  # an ended thread's stream on another device is not one
     assert other_device.device == gpu1 and FakeStream.made == [mine, first, second, other_device]
     assert tower.merge_stream(gpu0, 196) is mine
+
+
+def test_a_thread_never_gets_the_stream_another_takes_over_from_an_ended_thread_of_its_id(monkeypatch):
+    """Thread ids are reused (on Linux, the address of the thread's structure): an ended thread's stream still kept
+    under its id is the new thread's of that id, unless a third thread, which listed the live threads before that one
+    began, takes it over. That takeover and the new thread's look-up ran at the same time (the look-up took no lock):
+    both threads got the same stream, so one's eager mergers could join the other's capture."""
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(FakeStream, "made", [])
+    monkeypatch.setattr(merge_streams, "MERGE_STREAMS", {})
+    gpu0 = torch.device("cuda", 0)
+    go, looked_up, got = threading.Event(), threading.Event(), {}
+
+    def new_thread():
+        go.wait(10)
+        got["new"] = merge_streams.thread_merge_stream(gpu0)
+        looked_up.set()
+
+    thread = threading.Thread(target=new_thread)
+    thread.start()
+    ended = FakeStream(gpu0)  # the stream of an ended thread whose id the new thread has
+    merge_streams.MERGE_STREAMS[(gpu0, thread.ident)] = ended
+    real_enumerate = threading.enumerate
+
+    def enumerate_before_it_began():  # the live threads as listed just before the new thread began
+        live = [t for t in real_enumerate() if t is not thread]
+        go.set()
+        looked_up.wait(1)  # its look-up runs now, unless it waits for the lock this thread holds
+        return live
+
+    monkeypatch.setattr(threading, "enumerate", enumerate_before_it_began)
+    try:
+        mine = merge_streams.thread_merge_stream(gpu0)
+    finally:
+        monkeypatch.setattr(threading, "enumerate", real_enumerate)
+        go.set()
+        thread.join(10)
+    assert mine is ended  # taken over
+    assert got["new"] is not mine

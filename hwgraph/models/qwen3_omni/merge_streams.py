@@ -15,16 +15,18 @@ import torch
 #: deep-copied. torch's cuBLAS handles are per thread already, so a stream per thread adds no workspaces while the
 #: threads live; a new thread takes over an ended thread's stream, so threads that come and go add no streams.
 MERGE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
-_merge_streams_lock = threading.Lock()  # held while a thread adds its stream or takes over an ended thread's
+_merge_streams_lock = threading.Lock()  # held while a thread looks up, adds or takes over a stream
 
 
 def thread_merge_stream(device: torch.device) -> torch.cuda.Stream:
     """The calling thread's DeepStack merger stream on ``device`` (``MERGE_STREAMS``): made on its first call, or
     taken over from a thread that has ended (whose work there is queued ahead of the new thread's)."""
     key = (device, threading.current_thread().ident)  # current_thread() also lists a thread torch or C started
-    stream = MERGE_STREAMS.get(key)
-    if stream is None:
-        with _merge_streams_lock:
+    # Looked up under the lock too: thread ids are reused, so a thread that listed the live threads before this one
+    # began may be taking over the stream kept under this one's id (an ended thread's): read meanwhile, both got it.
+    with _merge_streams_lock:
+        stream = MERGE_STREAMS.get(key)
+        if stream is None:
             alive = {thread.ident for thread in threading.enumerate()}
             ended = [k for k in MERGE_STREAMS if k[0] == device and k[1] not in alive]
             stream = MERGE_STREAMS.pop(ended[0]) if ended else torch.cuda.Stream(device)
