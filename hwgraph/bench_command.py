@@ -36,12 +36,12 @@ def parse_device(spec: str) -> torch.device:
 
 def check_backend(name: str | None, device: torch.device) -> None:
     """``ValueError`` when ``name`` (else ``$HWGRAPH_GRAPH_BACKEND``) is unknown or unavailable for ``device``."""
-    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, backend_specs, choose_backend
+    from hwgraph.registry import SelectionError, backend_from_variable, backend_specs, choose_backend
 
     if name == "":  # a script's unset variable (--backend "$BACKEND"): not a request for the automatic choice
         raise ValueError(f"--backend '': expected a graph backend name, one of "
                          f"{', '.join(s.name for s in backend_specs())} (leave the option out for the best available)")
-    if not (name or os.environ.get(GRAPH_BACKEND_ENV)):
+    if not (name or backend_from_variable()):  # set blank: unset, as the registry reads it
         return  # an automatic choice never fails: it falls back to the cpu reference backend, and says why
     try:
         choose_backend(name, device=device)  # the platform serving device
@@ -70,13 +70,13 @@ def check_backend_builds(name: str | None, mode: str | None, device: torch.devic
     ``check_graph_mode``) do not see those; the managers would raise them after a tower is built. The probe logs
     nothing: the managers log the choice, and a fallback's warning, when they make the same backend."""
     from hwgraph import registry
-    from hwgraph.registry import GRAPH_BACKEND_ENV, SelectionError, create_backend
+    from hwgraph.registry import SelectionError, backend_from_variable, create_backend
 
     def silent(record: logging.LogRecord) -> bool:
         return False
 
     # the variable's errors name it (hwgraph.registry.named_by_variable)
-    prefix = "--backend: " if name else ("" if os.environ.get(GRAPH_BACKEND_ENV) else f"--graph-mode {mode!r}: ")
+    prefix = "--backend: " if name else ("" if backend_from_variable() else f"--graph-mode {mode!r}: ")
     registry.log.addFilter(silent)
     try:
         create_backend(name, device=device, mode=mode)

@@ -61,3 +61,23 @@ def test_groups_given_twice_add_to_the_groups(capsys):
     assert cli.main(["bench", "--device", "cpu", "--groups", "1x4", "--groups", "1X4"]) == 2
     assert capsys.readouterr().err.strip() == ("hwgraph bench: --groups: group 1x4 repeats in '1x4,1X4': each group "
                                               "is one row of the table")
+
+
+def test_a_blank_backend_variable_is_unset_for_the_bench_errors_prefix_too(monkeypatch):
+    """$HWGRAPH_GRAPH_BACKEND set blank is unset (hwgraph.registry.backend_from_variable): an automatic choice's
+    refusal of --graph-mode says so, as with the variable unset, not as if the variable had named the backend."""
+    import torch
+
+    from hwgraph import bench_command, registry
+
+    def refuse(name=None, device=None, mode=None, platform=None):
+        raise registry.SelectionError("the runtime has no graph API")
+
+    monkeypatch.setattr(registry, "create_backend", refuse)
+    for value in (None, " "):
+        if value is None:
+            monkeypatch.delenv(registry.GRAPH_BACKEND_ENV, raising=False)
+        else:
+            monkeypatch.setenv(registry.GRAPH_BACKEND_ENV, value)
+        with pytest.raises(ValueError, match=r"^--graph-mode 'aclgraph': the runtime has no graph API$"):
+            bench_command.check_backend_builds(None, "aclgraph", torch.device("cpu"))
