@@ -146,6 +146,9 @@ class ChoiceCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.locked():
+                # read afresh: on a file system with coarse times another writer's file can match the kept signature
+                # (mtime, size and a reused inode), and rewriting the kept entries would drop that writer's
+                self.parsed = None
                 entries, replaceable = self.read()
                 if not replaceable:
                     raise OSError("it exists but cannot be read, so replacing it would drop its entries")

@@ -392,3 +392,23 @@ def test_a_cache_file_another_writer_replaced_or_rewrote_is_read_again(tmp_path,
     assert cache.get("e") == entry and cache.get("d") is None
     path.unlink()  # removed (a user clearing the cache): nothing cached, nothing remembered
     assert cache.get("e") is None and cache.entries() == {}
+
+
+def test_a_write_reads_the_file_afresh_though_its_signature_matches_the_kept_one(tmp_path, monkeypatch):
+    """With coarse file times another writer's file can match the kept (mtime, size, inode): a lookup may take the
+    kept entries then, but a write must not rewrite them and drop the other writer's."""
+    path = tmp_path / "cublaslt-products.json"
+    mine, other = product_cache.ChoiceCache(path, "H200"), product_cache.ChoiceCache(path, "H200")
+    entry = products.Choice(None, None, 5.0, 5.0).entry()
+    mine.put("a", entry)
+    assert mine.get("a") is not None  # kept under the file's signature now
+    real_stat = os.stat
+    kept = real_stat(path)
+
+    class SameSignature:  # every later file looks like the kept one, as on a file system with coarse times
+        st_mtime_ns, st_size, st_ino = kept.st_mtime_ns, kept.st_size, kept.st_ino
+
+    monkeypatch.setattr(product_cache.os, "stat", lambda p, *a, **k: SameSignature if p == path else real_stat(p))
+    other.put("b", entry)
+    mine.put("c", entry)
+    assert set(json.loads(path.read_text())) == {"H200 | a", "H200 | b", "H200 | c"}
