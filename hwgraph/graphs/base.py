@@ -22,6 +22,18 @@ class CaptureError(RuntimeError):
     """A capture failed; the manager logs it and leaves that budget eager."""
 
 
+@contextlib.contextmanager
+def as_capture_error(step: str):
+    """Inside: an ``Exception`` is raised again as a ``CaptureError`` "``step``: its type: its message" (a
+    ``CaptureError`` as it is; ``KeyboardInterrupt`` and the like pass), so every backend words a failed step alike."""
+    try:
+        yield
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise CaptureError(f"{step}: {type(exc).__name__}: {exc}") from exc
+
+
 class HostSyncError(RuntimeError):
     """A device-to-host synchronisation happened inside ``sync_guard()``."""
 

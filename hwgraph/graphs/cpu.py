@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from hwgraph.capability import Capability
-from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend, Outputs
+from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend, Outputs, as_capture_error
 from hwgraph.graphs.host_reads import RejectHostReads
 
 __all__ = ["CpuCapturedGraph", "CpuGraphBackend", "CpuPool", "RejectHostReads", "flat_tensors"]
@@ -109,16 +109,10 @@ class CpuGraphBackend(GraphBackend):
             raise TypeError(f"the {self.name} graph backend captures into a CpuPool (from new_pool()), got {pool!r}")
         # A failure is a CaptureError, with the device backends' words (TorchCudaGraphBackend.warm_up, capture_on)
         with torch.inference_mode():
-            try:
+            with as_capture_error("warm-up before capture failed"):
                 flat_tensors(fn())  # warm-up, as a device backend does before capturing
-            except CaptureError:
-                raise
-            except Exception as exc:
-                raise CaptureError(f"warm-up before capture failed: {type(exc).__name__}: {exc}") from exc
-            try:
+            with as_capture_error("capture failed"):
                 outputs = fn()
-            except Exception as exc:
-                raise CaptureError(f"capture failed: {type(exc).__name__}: {exc}") from exc
         flat_tensors(outputs)
         graph = CpuCapturedGraph(fn, outputs)
         graph.pool = pool  # kept while the graph is, as a device graph keeps its pool's memory

@@ -23,7 +23,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hwgraph.capability import Capability, parse_version
-from hwgraph.graphs.base import CapturedGraph, CaptureError, CountedSwitch, GraphBackend, HostSyncError, Outputs
+from hwgraph.graphs.base import (
+    CapturedGraph,
+    CaptureError,
+    CountedSwitch,
+    GraphBackend,
+    HostSyncError,
+    Outputs,
+    as_capture_error,
+)
 from hwgraph.graphs.cpu import flat_tensors
 from hwgraph.graphs.host_reads import RejectHostReads
 
@@ -288,13 +296,9 @@ class TorchCudaGraphBackend(GraphBackend):
         runtime = self.runtime()
         stream.wait_stream(runtime.current_stream())
         try:
-            with runtime.stream(stream), torch.inference_mode():
+            with as_capture_error("warm-up before capture failed"), runtime.stream(stream), torch.inference_mode():
                 for _ in range(self.warmup_runs if runs is None else runs):
                     flat_tensors(fn())
-        except CaptureError:
-            raise
-        except Exception as exc:
-            raise CaptureError(f"warm-up before capture failed: {type(exc).__name__}: {exc}") from exc
         finally:
             runtime.current_stream().wait_stream(stream)
 
