@@ -12,11 +12,12 @@ import dataclasses
 import importlib
 import logging
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.metadata import distributions, entry_points
+
+from packaging.utils import canonicalize_name
 
 from hwgraph import spec_fields
 from hwgraph.capability import Capability
@@ -179,7 +180,7 @@ def plugin_entry_points(problems: list[str]) -> list:
         name = None
         try:
             name = dist.metadata["Name"]
-            key = re.sub(r"[-_.]+", "-", name).lower() if name else dist
+            key = canonicalize_name(name) if name else dist
             if key in seen:
                 continue
             seen.add(key)
