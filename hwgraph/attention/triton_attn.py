@@ -34,6 +34,14 @@ def interpreter_enabled() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+def interpreter_refusal(what: str, kind: str) -> Capability:
+    """Why ``what`` (Triton kernels) cannot run on a ``kind`` GPU while Triton's interpreter is on: it runs them on
+    the host (Triton copies GPU tensors there and back), so graph capture fails and every budget stayed eager."""
+    return Capability.unavailable(
+        f"TRITON_INTERPRET is set: Triton's interpreter runs {what} on the host, not the {kind} GPU, so graphs cannot "
+        f"capture it; unset TRITON_INTERPRET to run it on the GPU")
+
+
 def triton_gate(platform: PlatformInfo) -> Capability:
     if platform.kind not in ("cuda", "rocm", "cpu"):
         return Capability.unavailable(
@@ -53,12 +61,8 @@ def triton_gate(platform: PlatformInfo) -> Capability:
     found = require_module("triton", "TRITON_ATTN")
     if not found.ok:
         return found
-    # Under the interpreter the kernel runs on the host (Triton copies GPU tensors there and back), so graph capture
-    # failed and the manager fell back to eager for every budget while TRITON_ATTN was chosen.
     if platform.kind != "cpu" and interpreter_enabled():
-        return Capability.unavailable(
-            f"TRITON_INTERPRET is set: Triton's interpreter runs TRITON_ATTN on the host, not the {platform.kind} GPU, "
-            "so graphs cannot capture it; unset TRITON_INTERPRET to run it on the GPU")
+        return interpreter_refusal("TRITON_ATTN", platform.kind)
     if platform.kind == "cpu" and not imported_interpreted():
         return Capability.unavailable(
             "TRITON_INTERPRET=1 was set after triton was imported in this process; triton decides at import "

@@ -179,13 +179,9 @@ def inductor_support(device: torch.device) -> Capability:
     """Whether inductor generates code for ``device``: Triton on CUDA and ROCm GPUs, C++ on the CPU."""
     if device.type == "cuda":  # CUDA and ROCm builds of torch both name their GPUs "cuda"
         found = require_module("triton", "torch.compile's inductor on GPUs")
-        from hwgraph.attention.triton_attn import interpreter_enabled
+        from hwgraph.attention.triton_attn import interpreter_enabled, interpreter_refusal
 
-        if found.ok and interpreter_enabled():  # inductor's kernels would run on the host: every capture failed
-            return Capability.unavailable("TRITON_INTERPRET is set: Triton's interpreter would run inductor's "
-                                          "kernels on the host, not the GPU, so graphs cannot capture them; unset "
-                                          "TRITON_INTERPRET to compile for the GPU")
-        return found
+        return interpreter_refusal("inductor's kernels", "cuda") if found.ok and interpreter_enabled() else found
     if device.type == "cpu":
         # Only the compilers inductor itself runs: on a host with c++ or clang++ but no g++, every compiled capture
         # failed ("InvalidCxxCompiler") where this said available.
