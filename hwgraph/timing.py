@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import threading
@@ -58,9 +59,10 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.devi
     if not is_int(warmup) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0 (untimed calls of each), got {warmup!r}")
     device = torch.device(device)
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
+    with on_device(device):  # as the samples run (one_sample): a callable that reads the current device sees it
+        for fn in fns.values():
+            for _ in range(warmup):
+                fn()
     synchronize(device)
     out = {name: [] for name in fns}
     for order in round_orders(list(fns), samples, seed):
@@ -98,12 +100,17 @@ def round_orders(names: list[str], samples: int, seed: int | None) -> list[list[
     return orders[:samples]
 
 
+def on_device(device: torch.device):
+    """``device`` made current for the calls a measurement times and warms up (CUDA and ROCm); nothing elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def one_sample(fn: Callable[[], object], device: torch.device) -> float:
     """Milliseconds of one synchronised call: device events on CUDA and ROCm, wall clock elsewhere. The events go
     on ``device``'s current stream, which ``fn``'s work joins, whichever device the caller has current."""
     if device.type == "cuda":  # CUDA and ROCm builds both answer here
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.device(device):
+        with on_device(device):
             start.record()
             fn()
             end.record()

@@ -519,6 +519,49 @@ def test_a_cuda_sample_records_both_events_on_the_timed_device(monkeypatch):
     assert state["device"] == 0
 
 
+
+def test_warm_ups_run_on_the_timed_device_as_the_samples_do(monkeypatch):
+    """The warm-up calls ran outside ``torch.cuda.device(device)`` while the samples ran inside it: a callable that
+    reads the current device (its stream, its generator) warmed up on another GPU than the one it was timed on."""
+    state = {"device": 0}
+    seen = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1.0
+
+    class FakeDevice:
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            self.previous, state["device"] = state["device"], self.index
+
+        def __exit__(self, *exc):
+            state["device"] = self.previous
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    monkeypatch.setattr(timing, "synchronize", lambda device: seen.append(("sync", state["device"])))
+    timed = timing.measure_interleaved({"a": lambda: seen.append(("a", state["device"])),
+                                        "b": lambda: seen.append(("b", state["device"]))},
+                                       torch.device("cuda:1"), warmup=2, samples=3)
+    assert [timed[name].samples_ms for name in "ab"] == [(1.0,) * 3] * 2
+    calls = [entry for entry in seen if entry[0] != "sync"]
+    assert len(calls) == 2 * (2 + 3)
+    assert {device for _, device in calls} == {1}  # warm-ups included, though cuda:0 is current
+    assert state["device"] == 0
+
+
 # ---------------------------------------------------------------- profiling
 def ranges(*pairs):
     return [SimpleNamespace(time_range=SimpleNamespace(start=s, end=e)) for s, e in pairs]
