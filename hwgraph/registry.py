@@ -305,10 +305,16 @@ def named_by_variable(name: str | None):
         raise type(exc)(f"${GRAPH_BACKEND_ENV}: {exc}") from exc
 
 
+def variable_setting(name: str) -> str | None:
+    """Environment variable ``name`` without surrounding blanks, or None where it is unset, empty or blank: how
+    ``$HWGRAPH_GRAPH_BACKEND`` and ``$HWGRAPH_ATTENTION`` are read (set blank, or ``cpu\\n`` read from a file, either
+    was an unknown name)."""
+    return os.environ.get(name, "").strip() or None
+
+
 def backend_from_variable() -> str | None:
-    """``$HWGRAPH_GRAPH_BACKEND`` without surrounding blanks, or None where it is unset, empty or blank, as
-    ``$HWGRAPH_ATTENTION`` is read (set blank, or ``cpu\\n`` read from a file, it was an unknown backend)."""
-    return os.environ.get(GRAPH_BACKEND_ENV, "").strip() or None
+    """``$HWGRAPH_GRAPH_BACKEND`` as ``variable_setting`` reads it."""
+    return variable_setting(GRAPH_BACKEND_ENV)
 
 
 def chosen_backend(name: str | None, platform: PlatformInfo | None, device) -> Selected:

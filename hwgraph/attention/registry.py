@@ -18,7 +18,6 @@ Elsewhere it runs its pointer kernel, which is slower than FLASH_ATTN (``benchma
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,14 @@ import torch
 from hwgraph.attention.base import KernelSpec, VarlenAttention
 from hwgraph.capability import Capability
 from hwgraph.platform import PlatformInfo, detect
-from hwgraph.registry import ATTENTION_LOAD_FAILURES, SelectionError, backend_specs, discovered, failed_plugins
+from hwgraph.registry import (
+    ATTENTION_LOAD_FAILURES,
+    SelectionError,
+    backend_specs,
+    discovered,
+    failed_plugins,
+    variable_setting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +122,7 @@ def choose_attention(name: str | None = None, platform: PlatformInfo | None = No
     # one is, and as graph_backend="" is refused. The variable set blank (a shell's HWGRAPH_ATTENTION=" ", a
     # template's empty field) is unset, as set empty is.
     if name is None:
-        name = os.environ.get(ATTENTION_ENV, "").strip() or None
+        name = variable_setting(ATTENTION_ENV)
     if name is not None and name.strip().lower() == "auto":  # as a tower takes it: $HWGRAPH_ATTENTION=auto too
         name = None
     if name is not None:
