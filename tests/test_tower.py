@@ -414,6 +414,29 @@ def test_attention_callable_and_explicit_names():
     assert tower.set_attention().spec.name == "masked_attention"
 
 
+
+def test_a_registered_kernels_own_function_given_as_a_callable_keeps_its_specs_flags():
+    """TRITON_ATTN's function given to the tower as a callable was taken as not slot-bound, so a manager captured
+    each budget once instead of once per slot count. A function's own attributes still win."""
+    from hwgraph.attention.sdpa import sdpa_varlen
+    from hwgraph.attention.triton_attn import TRITON_ATTN, triton_varlen
+    from hwgraph.models.qwen3_omni.tower import callable_spec
+
+    assert TRITON_ATTN.slot_bound
+    spec = callable_spec(triton_varlen)
+    assert (spec.slot_bound, spec.graph_safe, spec.impl_path) == (True, True, "")
+    assert "TRITON_ATTN" in spec.description
+    assert not callable_spec(sdpa_varlen).slot_bound and "TORCH_SDPA" in callable_spec(sdpa_varlen).description
+
+    def wrapped(q, k, v, cu_seqlens, max_seqlen, scale):  # not the registered function: nothing inherited
+        return triton_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+
+    assert not callable_spec(wrapped).slot_bound
+    wrapped.slot_bound = True
+    assert callable_spec(wrapped).slot_bound
+    tower = Qwen3OmniVisionTower.from_preset("tiny", attention=triton_varlen)
+    assert tower.attention_spec.slot_bound
+
 def test_a_refused_kernel_request_does_not_stick_to_the_tower():
     """A manager refused a kernel the platform cannot run; the next manager on the same tower, asking for nothing,
     gets the automatic choice, not the refusal again."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -47,15 +48,33 @@ AUTO = "auto"
 def callable_spec(fn: VarlenAttention) -> KernelSpec:
     """A spec for a kernel passed in as a plain callable; graph-safe unless it says ``fn.graph_safe = False``,
     slot-bound (``KernelSpec.slot_bound``) if it says ``fn.slot_bound = True``, given host boundaries
-    (``KernelSpec.reads_host_boundaries``) if it says ``fn.reads_host_boundaries = True``."""
+    (``KernelSpec.reads_host_boundaries``) if it says ``fn.reads_host_boundaries = True``. A registered kernel's own
+    function (``hwgraph.attention.triton_attn.triton_varlen``) says by default what its spec says: given as a
+    callable, TRITON_ATTN was captured once per budget instead of once per slot count, and replayed slower."""
+    registered = registered_spec_of(fn)
+
+    def flag(field: str, default: bool) -> bool:
+        return bool(getattr(fn, field, default if registered is None else getattr(registered, field)))
+
     return KernelSpec(
         name=getattr(fn, "__name__", type(fn).__name__), impl_path="", kinds=KINDS,
         dtypes=(torch.float32, torch.bfloat16, torch.float16), head_dims=ANY_HEAD_DIM,
-        graph_safe=bool(getattr(fn, "graph_safe", True)), gate=lambda platform: Capability.available(),
-        slot_bound=bool(getattr(fn, "slot_bound", False)),
-        reads_host_boundaries=bool(getattr(fn, "reads_host_boundaries", False)),
-        description="a callable given to the tower",
+        graph_safe=flag("graph_safe", True), gate=lambda platform: Capability.available(),
+        slot_bound=flag("slot_bound", False), reads_host_boundaries=flag("reads_host_boundaries", False),
+        description="a callable given to the tower" + ("" if registered is None else f", {registered.name}'s"),
     )
+
+
+def registered_spec_of(fn: VarlenAttention) -> KernelSpec | None:
+    """The registered kernel whose ``impl_path`` names ``fn`` itself, or None. Only modules already imported are
+    looked in: ``fn``'s own is, so finding it imports no kernel's module (aiter, torch_npu)."""
+    from hwgraph.attention.registry import kernel_specs
+
+    for spec in kernel_specs():
+        module, _, name = spec.impl_path.partition(":")
+        if getattr(sys.modules.get(module), name, None) is fn:
+            return spec
+    return None
 
 
 def rotary_after_load(tower: Qwen3OmniVisionTower, incompatible_keys) -> None:
