@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from hwgraph_rocm.graphs import RocmGraphBackend
+from hwgraph_rocm.graphs import RocmGraphBackend, replay_disagreement
 from hwgraph_rocm.platform import gate, probe
 
 from hwgraph.graphs import CaptureError
@@ -19,8 +19,12 @@ from hwgraph.registry import SelectionError, choose_backend, create_backend
 from hwgraph.testing.simulate import DeviceProperties, assert_refused_for_a_host_device, simulate_aiter, simulate_gpu
 
 
-def simulate_rocm(monkeypatch, arch="gfx942:sramecc+:xnack-", count=1):
+def simulate_rocm(monkeypatch, arch="gfx942:sramecc+:xnack-", count=1, build_archs=()):
+    """A ROCm build of torch with ``count`` GPUs of ``arch``, compiled for ``build_archs`` (what
+    ``torch.cuda.get_arch_list()`` returns; empty by default, as a build that lists none: the gate's fixed list decides,
+    on any machine, whatever the real torch here was built for)."""
     simulate_gpu(monkeypatch, hip="6.2.41133", count=count, props=DeviceProperties("AMD Instinct", 9, 4, arch))
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(build_archs))
 
 
 @pytest.mark.skipif(torch.version.cuda is not None or torch.version.hip is not None,
@@ -78,6 +82,77 @@ def test_an_unsupported_architecture_is_refused_naming_it(monkeypatch):
     (reason,) = gate(detect()).reasons
     assert reason.endswith("this GPU is gfx803") and "gfx942" in reason
     assert choose_backend().spec.name == "cpu"
+
+
+ROCM_BUILD = ("gfx900", "gfx906", "gfx908", "gfx90a", "gfx942", "gfx1030", "gfx1100")  # torch 2.5.1+rocm6.2's list
+
+
+@pytest.mark.parametrize("arch", ["gfx906:sramecc+:xnack-", "gfx900:xnack-"])
+def test_a_gpu_the_torch_build_targets_is_served_though_the_fixed_list_lacks_it(monkeypatch, arch):
+    """``torch.cuda.get_arch_list()`` names the gfx targets torch has kernels for; the gate compared the GPU with a
+    fixed list instead, refusing an MI50/MI60 (gfx906) or Vega (gfx900) that this build runs."""
+    simulate_rocm(monkeypatch, arch, build_archs=ROCM_BUILD)
+    assert gate(detect()).ok
+    assert choose_backend().spec.name == "rocm"
+
+
+def test_a_gpu_the_torch_build_does_not_target_is_refused_naming_it_and_the_builds_targets(monkeypatch):
+    """An MI355 (gfx950) under a torch built before gfx950 was a target: the fixed list has gfx950, so the gate chose
+    the rocm backend and the first kernel failed with hipErrorNoBinaryForGpu."""
+    simulate_rocm(monkeypatch, "gfx950:sramecc+:xnack-", build_archs=ROCM_BUILD)
+    assert gate(detect()).reasons == (
+        f"this GPU is gfx950 (gfx950:sramecc+:xnack-), but torch {torch.__version__} was built for gfx900, gfx906, "
+        f"gfx908, gfx90a, gfx942, gfx1030, gfx1100 only (torch.cuda.get_arch_list()); install a ROCm build of torch "
+        f"that targets gfx950",)
+    assert choose_backend().spec.name == "cpu"
+
+
+def test_features_are_dropped_from_the_builds_targets_as_from_the_gpus_architecture(monkeypatch):
+    """A build made with ``PYTORCH_ROCM_ARCH='gfx90a:xnack-;gfx942:sramecc+'`` lists the features with the targets."""
+    simulate_rocm(monkeypatch, "gfx90a:sramecc+:xnack-", build_archs=("gfx90a:xnack-", "gfx942:sramecc+"))
+    assert gate(detect()).ok
+    simulate_rocm(monkeypatch, "gfx1100", build_archs=("gfx90a:xnack-", "gfx942:sramecc+"))
+    assert gate(detect()).reasons[0].startswith(f"this GPU is gfx1100, but torch {torch.__version__} was built for "
+                                                f"gfx90a, gfx942 only")
+
+
+def test_each_gpu_is_judged_against_the_builds_targets(monkeypatch):
+    simulate_two_rocm_gpus(monkeypatch, "gfx942:sramecc+", "gfx906:xnack-")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(ROCM_BUILD))
+    assert RocmGraphBackend.capability("cuda:1").ok
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["gfx942"])
+    assert RocmGraphBackend.capability("cuda:0").ok
+    assert RocmGraphBackend.capability("cuda:1").reasons[0].startswith("this GPU is gfx906 (gfx906:xnack-), but torch")
+
+
+@pytest.mark.parametrize("listed", [[], ["sm_80", "sm_90", "compute_90"]], ids=["none", "a CUDA build's"])
+def test_the_fixed_list_decides_where_the_build_lists_no_gfx_targets(monkeypatch, listed):
+    """An empty list (older torch lists none without a visible GPU), or one of ``sm_*`` entries (a CUDA machine
+    simulating ROCm): no gfx target to judge by."""
+    simulate_rocm(monkeypatch, "gfx906", build_archs=listed)
+    assert gate(detect()).reasons[0].endswith("this GPU is gfx906")
+    simulate_rocm(monkeypatch, "gfx942", build_archs=listed)
+    assert gate(detect()).ok
+
+
+def test_a_build_whose_targets_cannot_be_read_is_judged_by_the_fixed_list(monkeypatch):
+    simulate_rocm(monkeypatch, "gfx942")
+
+    def get_arch_list():
+        raise RuntimeError("HIP error: invalid device ordinal")
+
+    monkeypatch.setattr(torch.cuda, "get_arch_list", get_arch_list)
+    assert gate(detect()).ok
+
+
+def test_the_gate_reads_the_builds_targets_only_for_a_rocm_platform(monkeypatch):
+    """The probe's gate runs at discovery on every machine: off ROCm it asks torch nothing about the build."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: asked.append(1) or ["gfx942"])
+    for kind, arch in (("cpu", None), ("cuda", "sm_90"), ("npu", "Ascend910B3")):
+        assert not gate(dataclasses.replace(MI300X, kind=kind, arch=arch)).ok
+    assert asked == []
+    assert gate(MI300X).ok and asked == [1]
 
 
 def test_an_unreadable_architecture_is_refused(monkeypatch):
@@ -191,6 +266,85 @@ def test_a_replay_that_agrees_with_eager_passes_the_check(rocm_backend):
     captured = TorchCudaCapturedGraph(SilentlyBrokenGraph(), x * 2)  # outputs already hold the right answer
     rocm_backend.check_replay(captured, lambda: x * 2)
     torch.testing.assert_close(captured.outputs, x * 2)
+
+
+def bf16_block_stack(split_k: bool, blocks: int = 27, hidden: int = 128, tokens: int = 64) -> torch.Tensor:
+    """The output of ``blocks`` pre-norm MLP blocks in bfloat16 (products accumulated in float32, as on the GPU).
+    ``split_k``: each product's two halves of the reduction are added in the other order, as a GEMM whose partial sums
+    land by atomics (rocBLAS's, which PyTorch allows unless deterministic algorithms are on) may add them."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=generator).bfloat16()
+
+    def product(a, w):
+        if not split_k:
+            return (a.float() @ w.float()).bfloat16()
+        k = w.shape[0] // 2
+        return (a[:, k:].float() @ w[k:].float() + a[:, :k].float() @ w[:k].float()).bfloat16()
+
+    for _ in range(blocks):
+        up = (torch.randn(hidden, 4 * hidden, generator=generator) / hidden ** 0.5).bfloat16()
+        down = (torch.randn(4 * hidden, hidden, generator=generator) / (4 * hidden) ** 0.5).bfloat16()
+        h = torch.nn.functional.layer_norm(x, (hidden,))
+        x = x + product(torch.nn.functional.gelu(product(h, up)), down)
+    return x
+
+
+def test_a_replay_that_differs_from_eager_by_summation_order_alone_passes_the_check(rocm_backend):
+    """The check compared at ``assert_close``'s bf16 defaults (atol 1e-5 elementwise): outputs of 27 bf16 blocks whose
+    products only added their partial sums in another order failed it, so a good HIP graph was refused as broken
+    and its budget ran eagerly. Rounding is within the dtype's bound the manager's verification uses."""
+    replayed, eager = bf16_block_stack(split_k=True), bf16_block_stack(split_k=False)
+    assert not torch.equal(replayed, eager)  # the other order rounds some outputs differently
+    captured = TorchCudaCapturedGraph(SilentlyBrokenGraph(), replayed)
+    rocm_backend.check_replay(captured, lambda: eager)
+    assert captured.graph is not None and captured.outputs is replayed  # kept, not released
+
+
+def test_a_replay_with_stale_rows_is_refused_naming_its_error_and_the_bound(rocm_backend):
+    eager = bf16_block_stack(split_k=False)
+    stale = eager.clone()
+    stale[48:] = 0  # a quarter of the rows never written by the replay
+    graph = SilentlyBrokenGraph()
+    captured = TorchCudaCapturedGraph(graph, (eager.clone(), stale))
+    with pytest.raises(CaptureError, match=r"pytorch#155684.*AssertionError: output 1 of 2: relative error 0\.\d+ "
+                                           r"above 0\.03 for torch\.bfloat16"):
+        rocm_backend.check_replay(captured, lambda: (eager, eager))
+    assert graph.was_reset and captured.outputs is None
+
+
+def test_the_replay_check_wants_nan_in_the_same_places_and_exact_integers(rocm_backend):
+    values = torch.tensor([1.0, float("nan"), float("inf"), -2.0])
+    rocm_backend.check_replay(TorchCudaCapturedGraph(SilentlyBrokenGraph(), values.clone()), lambda: values)
+    moved = torch.tensor([float("nan"), 1.0, float("inf"), -2.0])
+    with pytest.raises(CaptureError, match="output 0 of 1: NaN in other places"):
+        rocm_backend.check_replay(TorchCudaCapturedGraph(SilentlyBrokenGraph(), moved), lambda: values)
+    lengths = torch.tensor([0, 4, 9], dtype=torch.int32)
+    with pytest.raises(CaptureError, match="output 0 of 1: 1 of 3 torch.int32 elements differ"):
+        rocm_backend.check_replay(TorchCudaCapturedGraph(SilentlyBrokenGraph(), lengths + (lengths == 9)),
+                                  lambda: lengths)
+
+
+@pytest.mark.rocm
+def test_a_bf16_block_stack_captures_on_an_amd_gpu_and_passes_the_replay_check():
+    """On the GPU itself: the replay of 27 bf16 blocks checked against an eager run on another stream, where rocBLAS
+    and hipBLASLt may sum in another order."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [((torch.randn(256, 1024, generator=generator) / 16).bfloat16().cuda(),
+                (torch.randn(1024, 256, generator=generator) / 32).bfloat16().cuda()) for _ in range(27)]
+    x = torch.randn(512, 256, generator=generator).bfloat16().cuda()
+
+    def blocks():
+        h = x
+        for up, down in weights:
+            h = h + torch.nn.functional.gelu(torch.nn.functional.layer_norm(h, (256,)) @ up) @ down
+        return h
+
+    backend = RocmGraphBackend(device="cuda:0")
+    captured = backend.capture(blocks)  # raises CaptureError where the check refuses it
+    captured.replay()
+    backend.synchronize()
+    assert replay_disagreement([captured.outputs], [blocks()]) is None
+    captured.release()
 
 
 def test_refused_on_a_supported_gpu_with_a_torch_older_than_the_backend_supports():
