@@ -250,7 +250,9 @@ class TorchCudaGraphBackend(GraphBackend):
             return mem_pool()
 
     def _release_pool_use(self):
-        """The runtime's call that drops one use of a pool, or None where this torch has none."""
+        """The runtime's call ``(device_index, pool_id)`` that drops one use of a pool, or None where this torch has
+        none: torch binds it as ``torch._C._cuda_releasePool`` (ROCm builds too). A plugin whose runtime binds it in
+        a module of its own overrides this (the NPU plugin: ``torch_npu._C._npu_releasePool``)."""
         return getattr(torch._C, f"_{self.runtime_name}_releasePool", None)
 
     def capture_stream(self):
@@ -408,11 +410,16 @@ class TorchCudaGraphBackend(GraphBackend):
         for the process once the manager had released its graphs. ``uses``: the count before the capture (None: a
         pool handle, whose count cannot be read; nothing is done)."""
         kept = 0 if uses is None else pool_uses(pool) - uses
-        if kept > 0:
-            log.debug("a failed capture kept %d use(s) of its graph pool: released", kept)
-            release = self._release_pool_use()
-            for _ in range(kept):
-                release(self.device.index, pool_id(pool))
+        if kept <= 0:
+            return
+        release = self._release_pool_use()
+        if release is None:  # a caller's own MemPool on a runtime that cannot release uses: the capture's error stands
+            log.warning("a failed capture kept %d use(s) of its graph pool, which this %s runtime cannot release: the "
+                        "pool stays reserved after its graphs are released", kept, self.runtime_name)
+            return
+        log.debug("a failed capture kept %d use(s) of its graph pool: released", kept)
+        for _ in range(kept):
+            release(self.device.index, pool_id(pool))
 
     def end_allocate_to_pool(self, pool) -> None:
         end = getattr(torch._C, f"_{self.runtime_name}_endAllocateToPool", None)

@@ -1,8 +1,9 @@
 """Ascend NPU graphs in two modes.
 
-- ``aclgraph``: ``torch.npu.NPUGraph`` captured with ``torch.npu.graph(g, pool=torch.npu.graph_pool_handle())``
-  after a warm-up on the capture stream. torch_npu mirrors ``torch.cuda``'s graph API, so this reuses the shared
-  implementation in ``hwgraph.graphs.torch_cuda`` with ``torch.npu`` as the runtime.
+- ``aclgraph``: ``torch.npu.NPUGraph`` captured with ``torch.npu.graph(g, pool=...)`` after a warm-up on the capture
+  stream. torch_npu mirrors ``torch.cuda``'s graph API, so this reuses the shared implementation in
+  ``hwgraph.graphs.torch_cuda`` with ``torch.npu`` as the runtime. The pool is a ``torch.npu.MemPool`` where torch_npu
+  can count and release its uses, so that what a failed capture kept is given back; else a graph pool handle.
 - ``torchair``: the callable compiled by ``torch.compile`` with torchair's NPU backend in its ``reduce-overhead``
   (aclgraph) execution mode; torchair manages its own graph memory, so ``pool`` is not used.
 
@@ -21,7 +22,7 @@ from hwgraph.capability import Capability, require_module
 from hwgraph.compile_mode import own_code_copy
 from hwgraph.graphs.base import CapturedGraph, CaptureError, Outputs
 from hwgraph.graphs.cpu import flat_tensors
-from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend
+from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend, pool_id
 from hwgraph.platform import detect, npu_module
 from hwgraph.registry import SelectionError
 
@@ -124,6 +125,18 @@ class NpuGraphBackend(TorchCudaGraphBackend):
     def new_graph(self):
         return self.runtime().NPUGraph()
 
+    def _release_pool_use(self):
+        """torch_npu binds the allocator's ``releasePool`` in its own module, as
+        ``torch_npu._C._npu_releasePool(device_index, pool_id)``, not in ``torch._C`` where the shared code looks (which
+        found nothing, so the NPU captured into a pool handle and a failed capture's kept uses were never given back).
+        None where this torch_npu lacks it, or has a ``torch.npu.MemPool`` without ``use_count`` (older releases):
+        there the kept uses cannot be counted, and a pool handle serves as well."""
+        release = getattr(getattr(npu_module(), "_C", None), "_npu_releasePool", None)
+        mem_pool = getattr(getattr(torch, "npu", None), "MemPool", None)
+        if release is None or not hasattr(mem_pool, "use_count"):
+            return None
+        return release
+
     def end_allocate_to_pool(self, pool) -> None:
         # torch_npu binds the allocator's call in its own module, not in torch._C where the shared code looks. Older
         # torch_npu make it in capture_end only after the capture ended cleanly: after a failed one the allocator kept
@@ -131,9 +144,10 @@ class NpuGraphBackend(TorchCudaGraphBackend):
         end = getattr(getattr(npu_module(), "_C", None), "_npu_endAllocateCurrentStreamToPool", None)
         if end is None:
             return
-        # Raises "not currently recording to mempool_id" when torch_npu already ended it.
+        # Raises "not currently recording to mempool_id" when torch_npu already ended it. It takes the pool's id, as the
+        # graph was given: given a MemPool it raises a TypeError, which would pass for that and leave the routing on.
         with contextlib.suppress(Exception):
-            end(self.device.index, pool)
+            end(self.device.index, pool_id(pool))
 
     def compile_support(self) -> Capability:
         """Inductor generates no NPU code; on Ascend the compiler is torchair, which graph mode 'torchair' applies

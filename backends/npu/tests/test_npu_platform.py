@@ -333,6 +333,170 @@ def test_a_failed_capture_ends_torch_npus_allocation_to_the_pool(npu, monkeypatc
     assert ended == [(0, ("pool", 7))]
 
 
+class GraphKeepingItsPool(FakeGraph):
+    """As torch_npu's NPUGraph, ported from torch's before pytorch#190348: capturing into a pool takes a use of it, and
+    ``reset`` gives that use back only after a capture that ended."""
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        super().capture_begin(pool)
+        self.pool = {mem_pool.id: mem_pool for mem_pool in self.runtime.mem_pools}.get(pool)
+        self.ended = False
+        if self.pool is not None:
+            self.pool.uses += 1
+
+    def capture_end(self):
+        super().capture_end()
+        self.ended = True
+
+    def reset(self):
+        super().reset()
+        if getattr(self, "ended", False) and self.pool is not None:
+            self.pool.uses -= 1
+            self.ended = False
+
+
+class NpuWithMemPools(FakeNpu):
+    """A ``torch.npu`` whose ``MemPool`` counts its uses (torch_npu binds ``_MemPool.use_count``): one for the object,
+    one per graph captured into it."""
+
+    def __init__(self, counts_uses: bool = True):
+        super().__init__()
+        runtime, self.mem_pools = self, []
+
+        class MemPool:
+            def __init__(self):
+                self.uses, self.id = 1, ("mempool", len(runtime.mem_pools) + 1)
+                runtime.mem_pools.append(self)
+
+        if counts_uses:
+            MemPool.use_count = lambda pool: pool.uses
+        self.MemPool = MemPool
+
+    def NPUGraph(self):  # noqa: N802 (torch.npu's spelling)
+        return GraphKeepingItsPool(self)
+
+
+def torch_npu_binds(monkeypatch, **functions) -> list:
+    """``functions`` as the fake torch_npu's ``torch_npu._C``, where torch_npu binds its allocator's calls; each call
+    is recorded, by name, in the list returned."""
+    calls = []
+
+    def recorded(name, function):
+        def call(*args):
+            calls.append((name, *args))
+            return function(*args)
+        return call
+
+    monkeypatch.setattr(sys.modules["torch_npu"], "_C",
+                        types.SimpleNamespace(**{name: recorded(name, f) for name, f in functions.items()}),
+                        raising=False)
+    return calls
+
+
+def invalidating(npu, value):
+    """A function whose capture is invalidated (a host read while capturing), so ending the capture fails."""
+    def fn():
+        if npu.capturing:
+            npu.invalidated = True
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return value + 1
+    return fn
+
+
+@pytest.fixture
+def npu_with_mem_pools(monkeypatch, simulated_npu_process):
+    return simulate_npu(monkeypatch, NpuWithMemPools())
+
+
+def test_a_failed_aclgraph_capture_gives_back_the_uses_of_the_mempool_its_graph_kept(npu_with_mem_pools, monkeypatch):
+    """torch_npu binds the allocator's releasePool as ``torch_npu._C._npu_releasePool(device, pool_id)``; the shared
+    code looked for ``torch._C._npu_releasePool``, which no torch has, so the NPU captured into a graph pool handle and
+    the use of the pool that a failed capture's graph kept after its reset was never given back: the shared pool, with
+    every budget's graph memory in it, stayed reserved for the process once the manager had released its graphs."""
+    npu = npu_with_mem_pools
+
+    def release_pool(device, pool_id):
+        {pool.id: pool for pool in npu.mem_pools}[pool_id].uses -= 1
+
+    calls = torch_npu_binds(monkeypatch, _npu_releasePool=release_pool,
+                            _npu_endAllocateCurrentStreamToPool=lambda device, pool_id: None)
+    assert not hasattr(torch._C, "_npu_releasePool")
+    backend, x = NpuGraphBackend(device="npu:0"), torch.ones(2)
+    pool = backend.new_pool()
+    assert isinstance(pool, npu.MemPool)
+    kept = backend.capture(lambda: x + 1, pool)
+    assert pool.use_count() == 2 and "capture begins on side1 into ('mempool', 1)" in npu.events
+    with pytest.raises(CaptureError, match="operation not permitted when stream is capturing"):
+        backend.capture(invalidating(npu, x), pool)
+    assert calls == [("_npu_endAllocateCurrentStreamToPool", 0, ("mempool", 1)),
+                     ("_npu_releasePool", 0, ("mempool", 1))]
+    assert pool.use_count() == 2  # the graph that captured, and the pool object: none left by the failed capture
+    kept.release()
+    assert pool.use_count() == 1
+
+
+@pytest.mark.parametrize("release_bound, counts_uses", [(False, True), (True, False)],
+                         ids=["no releasePool", "MemPool without use_count"])
+def test_the_npu_captures_into_a_pool_handle_where_torch_npu_cannot_release_a_pools_uses(monkeypatch,
+                                                                                        simulated_npu_process,
+                                                                                        release_bound, counts_uses):
+    """Older torch_npu lack ``_npu_releasePool``, or have a ``MemPool`` that cannot count its uses: what a failed
+    capture kept cannot be found or given back, so a graph pool handle serves as before."""
+    npu = simulate_npu(monkeypatch, NpuWithMemPools(counts_uses=counts_uses))
+    torch_npu_binds(monkeypatch, **({"_npu_releasePool": lambda device, pool_id: None} if release_bound else {}))
+    backend = NpuGraphBackend(device="npu:0")
+    assert backend._release_pool_use() is None
+    assert backend.new_pool() == ("pool", 7) and npu.mem_pools == []
+
+
+def test_a_failed_capture_into_a_callers_mempool_ends_the_routing_into_that_pools_id(npu_with_mem_pools, monkeypatch):
+    """torch_npu's ``_npu_endAllocateCurrentStreamToPool`` takes the pool's id, as the graph was given it; the NPU
+    cleanup passed the pool itself, whose MemPool the call refuses (its refusal was taken for "already ended"), so
+    the allocator kept routing into the failed capture's pool."""
+    npu = npu_with_mem_pools
+    calls = torch_npu_binds(monkeypatch, _npu_releasePool=lambda device, pool_id: None,
+                            _npu_endAllocateCurrentStreamToPool=lambda device, pool_id: None)
+    pool = npu.MemPool()
+    with pytest.raises(CaptureError, match="the capture was invalidated"):
+        NpuGraphBackend(device="npu:0").capture(invalidating(npu, torch.ones(2)), pool)
+    assert calls[0] == ("_npu_endAllocateCurrentStreamToPool", 0, ("mempool", 1))
+
+
+def test_a_use_kept_of_a_callers_mempool_that_torch_npu_cannot_release_leaves_the_captures_error(monkeypatch,
+                                                                                               simulated_npu_process,
+                                                                                               caplog):
+    """A caller's own counting MemPool on a torch_npu without ``_npu_releasePool``: releasing the kept use called
+    None, and its TypeError replaced the capture's error. The capture's error stands, and the pool left reserved is
+    logged."""
+    npu = simulate_npu(monkeypatch, NpuWithMemPools())
+    torch_npu_binds(monkeypatch)
+    pool = npu.MemPool()
+    with caplog.at_level(logging.WARNING), \
+            pytest.raises(CaptureError, match="operation not permitted when stream is capturing"):
+        NpuGraphBackend(device="npu:0").capture(invalidating(npu, torch.ones(2)), pool)
+    assert "kept 1 use(s) of its graph pool, which this npu runtime cannot release" in caplog.text
+    assert pool.use_count() == 2
+
+
+@pytest.mark.npu
+def test_on_an_ascend_npu_graphs_share_a_mempool_whose_uses_torch_npu_counts_and_releases():
+    """On the NPU itself: where torch_npu binds ``_npu_releasePool`` and a counting ``MemPool``, captures go into one,
+    each graph holding a use until it is released; elsewhere into a graph pool handle (a tuple of ints)."""
+    torch_npu = npu_module()
+    counted = (hasattr(getattr(torch_npu, "_C", None), "_npu_releasePool")
+               and hasattr(getattr(torch.npu, "MemPool", None), "use_count"))
+    backend = NpuGraphBackend(device="npu:0")
+    pool = backend.new_pool()
+    assert isinstance(pool, torch.npu.MemPool) if counted else isinstance(pool, tuple)
+    x = torch.ones(4, device="npu:0")
+    graph = backend.capture(lambda: x * 2, pool)
+    if counted:
+        assert pool.use_count() == 2
+    graph.release()
+    if counted:
+        assert pool.use_count() == 1
+
+
 def test_a_warm_up_failure_is_a_capture_error(npu):
     backend = NpuGraphBackend()
 
