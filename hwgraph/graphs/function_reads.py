@@ -8,10 +8,11 @@ read their tensor in the kernel (``torch.linspace(0, t, 5)``, ``torch.masked_fil
 tensor that an overload takes as an operand (``torch.clamp(x, max=t)``, ``torch.add(x, t)``) is read by none.
 
 Each replacement is made once for the function it wraps (``torch_replacement``), as the methods' are: not some 300 new
-ones each time a guard opens. torch.compile guards on the ``torch`` functions a compiled forward calls (on a
-replacement's code), so a forward that calls one is compiled again the first time it runs inside a guard, and that
-compilation serves every later guard. While torch.compile compiles, a replacement judges nothing: dynamo traces the
-function itself, and a tensor read back there is compiled into the forward, as it is outside a guard.
+ones each time a guard opens, nor a new one where a guard finds a function it wrapped before again. torch.compile guards
+on the ``torch`` functions a compiled forward calls (on a replacement's code), so a forward that calls one is compiled
+again the first time it runs inside a guard, and that compilation serves every later guard. While torch.compile
+compiles, a replacement judges nothing: dynamo traces the function itself, and a tensor read back there is compiled
+into the forward, as it is outside a guard.
 """
 
 from __future__ import annotations
@@ -38,20 +39,23 @@ NUMBER_READ = "with a tensor where a size, a dimension or a number is expected (
 _made: dict = {}  # (name, the function wrapped) -> its replacement: one each, for the life of the process
 
 
-def torch_function_replacements(own: dict) -> list:
-    """(torch, name, replacement) for each ``torch`` function that can read a tensor back as a number, and for those
-    the guard wraps itself (``own``: name -> its wrapper of the function as found now)."""
+def torch_function_wrappings(own: dict) -> list:
+    """(name, make) for each ``torch`` function that can read a tensor back as a number, and for those the guard wraps
+    itself: ``make(found)`` is the replacement of ``torch.name`` as found when a guard opens (``torch_replacement``).
+    ``own``: name -> the maker of the guard's own wrapper of the function found (its only reads)."""
     names = {name for name, _, _ in number_argument_functions()} | set(KERNEL_READS) | set(DATA_READS) | set(own)
-    return [(torch, name, torch_replacement(name, getattr(torch, name), own.get(name)))
+    return [(name, functools.partial(torch_replacement, name, wrap=own.get(name)))
             for name in sorted(names) if hasattr(torch, name)]
 
 
-def torch_replacement(name: str, found, inner=None):
-    """``torch.name`` inside a guard: it rejects a tensor read back as a number, then calls ``inner`` (the guard's
-    own wrapper of ``found``) or ``found`` (the function as found). Made once for each (name, found)."""
+def torch_replacement(name: str, found, wrap=None):
+    """``torch.name`` inside a guard: it rejects a tensor read back as a number, then calls ``wrap(found)`` (the
+    guard's own wrapper of ``found``, made with it) or ``found`` (the function as found). Made once for each (name,
+    found), so that a function found again after another stood in its place (a test's monkeypatch, undone) gets the
+    replacement torch.compile has already guarded on."""
     made = _made.get((name, found))
     if made is None:
-        made = _made.setdefault((name, found), rejecting_number_tensors(name, found if inner is None else inner))
+        made = _made.setdefault((name, found), rejecting_number_tensors(name, found if wrap is None else wrap(found)))
     return made
 
 

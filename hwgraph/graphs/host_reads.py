@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
+import operator
+import threading
 from typing import ClassVar
 
 import torch
 
 from hwgraph.graphs.base import CountedSwitch, HostSyncError
-from hwgraph.graphs.function_reads import torch_function_replacements
+from hwgraph.graphs.function_reads import torch_function_wrappings
 from hwgraph.graphs.host_copies import (
     blocking_copy_,
     blocking_copy_of_to,
@@ -41,7 +43,8 @@ class RejectHostReads:
     is switched off inside its own handler, so calls nested in Python-implemented ops (custom-op bodies among
     them) would slip through. Process-wide while active (other threads' reads are rejected too); re-entrant and
     safe to enter and leave from several threads: the first guard in replaces the methods, the last one out puts
-    them back. Public so that device backends without a runtime sync-debug mode reuse it as their sync guard. Replacing
+    them back. The replacements are made once and kept (``_replacements``): opening a guard only swaps attributes.
+    Public so that device backends without a runtime sync-debug mode reuse it as their sync guard. Replacing
     ``__getitem__`` and ``__setitem__`` would make every tensor a Python sequence, for good: the guard puts the tensor
     types' sequence slots back as it found them, on entering and on leaving (``put_back_sequence_slots``).
 
@@ -120,6 +123,12 @@ class RejectHostReads:
     #: The guards open now, in every thread: the first one in replaces the attributes, the last one out puts back
     #: what it found (set below the class, from its methods)
     switch: ClassVar[CountedSwitch]
+    #: One ``Wrapped`` for each attribute the guard replaces, listed by the first ``_replacements()``; the attributes
+    #: the last call found and the (owner, name, replacement) it gave for them; all three under ``_wrapped_lock``
+    _wrapped: ClassVar[list] = []
+    _last_found: ClassVar[list] = []
+    _last_replacements: ClassVar[list] = []
+    _wrapped_lock: ClassVar[threading.Lock] = threading.Lock()
 
     @staticmethod
     def _rejecting(fn, what: str):
@@ -186,82 +195,106 @@ class RejectHostReads:
         return fn if slots is None else cls._rejecting_number_tensors_of(fn, name, slots)
 
     @classmethod
-    def _replacements(cls) -> list:
-        """(owner, name, replacement) for every attribute the guard replaces, made from the attributes of now."""
+    def _wrappings(cls) -> list:
+        """(owner, name, make, look) for every attribute the guard replaces: ``make(found)`` is the replacement of the
+        attribute as ``look(owner, name, default)`` finds it (``getattr``; ``inspect.getattr_static`` for a
+        property)."""
         tensor = torch.Tensor
-        out = [(tensor, name, cls._rejecting(getattr(tensor, name), what)) for name, what in cls.FORBIDDEN.items()]
-        out.append((tensor, "to", cls._rejecting_host_copies(tensor.to)))
-        out.append((tensor, "device", reporting_tensors_cpu(inspect.getattr_static(tensor, "device"))))
-        out.append((tensor, "copy_", cls._rejecting_calls(
-            tensor.copy_, "copy_() between the host and a device without non_blocking=True (the host waits for the "
-            "device)", lambda self, *args, **kwargs: blocking_copy_(self, args, kwargs))))
-        out += [(tensor, name, cls._rejecting(getattr(tensor, name), what))
-                for name, what in cls.DATA_DEPENDENT.items()]
+
+        def rejecting(what: str):
+            return lambda fn: cls._rejecting(fn, what)
+
+        def rejecting_calls(what: str, reads):
+            return lambda fn: cls._rejecting_calls(fn, what, reads)
+
+        out = [(tensor, name, rejecting(what)) for name, what in cls.FORBIDDEN.items()]
+        out.append((tensor, "to", cls._rejecting_host_copies))
+        out.append((tensor, "copy_", rejecting_calls(
+            "copy_() between the host and a device without non_blocking=True (the host waits for the device)",
+            lambda self, *args, **kwargs: blocking_copy_(self, args, kwargs))))
+        out += [(tensor, name, rejecting(what)) for name, what in cls.DATA_DEPENDENT.items()]
         # in torch, each function's own wrapper, under the one rejecting a tensor read back as a number
-        own = {name: cls._rejecting(getattr(torch, name), what) for name, what in cls.DATA_DEPENDENT.items()
-               if hasattr(torch, name)}
-        out.append((tensor, "__getitem__", cls._rejecting_calls(
-            tensor.__getitem__, "a boolean-mask or 0-dim tensor index (its size or value is read back)",
+        own = {name: rejecting(what) for name, what in cls.DATA_DEPENDENT.items() if hasattr(torch, name)}
+        out.append((tensor, "__getitem__", rejecting_calls(
+            "a boolean-mask or 0-dim tensor index (its size or value is read back)",
             lambda self, index: any(is_mask(i) or is_scalar_index(i) for i in index_parts(index)))))
-        out.append((tensor, "__setitem__", cls._rejecting_calls(
-            tensor.__setitem__, "an assignment through a 0-dim tensor index or a boolean mask, other than one mask "
-            "given a Python number (its size or value is read back)",
-            lambda self, index, value: assignment_reads_back(index, value))))
-        out += [(tensor, name, cls._rejecting_calls(
-            getattr(tensor, name), f"{name}() with a boolean-mask index (its size is read back)",
+        out.append((tensor, "__setitem__", rejecting_calls(
+            "an assignment through a 0-dim tensor index or a boolean mask, other than one mask given a Python number "
+            "(its size or value is read back)", lambda self, index, value: assignment_reads_back(index, value))))
+        out += [(tensor, name, rejecting_calls(
+            f"{name}() with a boolean-mask index (its size is read back)",
             lambda self, *args, **kwargs: holds_a_mask(args[0] if args else kwargs.get("indices"))))
             for name in ("index_put_", "index_put")]
-        out += [(tensor, name, cls._rejecting_calls(
-            getattr(tensor, name), f"{name}() with a tensor where a size or a number is expected (its value is read "
-            f"back)", lambda self, *args, **kwargs: holds_a_tensor((*args, *kwargs.values()))))
+        out += [(tensor, name, rejecting_calls(
+            f"{name}() with a tensor where a size or a number is expected (its value is read back)",
+            lambda self, *args, **kwargs: holds_a_tensor((*args, *kwargs.values()))))
             for name in cls.SIZE_METHODS]
-        out += [(tensor, name, cls._rejecting_calls(
-            getattr(tensor, name), f"{name}() with a tensor value (its value is read back)",
+        out += [(tensor, name, rejecting_calls(
+            f"{name}() with a tensor value (its value is read back)",
             lambda self, *args, **kwargs: isinstance(args[1] if len(args) > 1 else kwargs.get("value"),
                                                      torch.Tensor)))
             for name in ("masked_fill", "masked_fill_")]
         # copies to the host that torch makes in C++ (t.numpy(force=True), t.type("torch.FloatTensor"))
-        out.append((tensor, "numpy", cls._rejecting_calls(
-            tensor.numpy, "numpy(force=True) (a copy to the host)",
+        out.append((tensor, "numpy", rejecting_calls(
+            "numpy(force=True) (a copy to the host)",
             lambda self, *args, **kwargs: forced(kwargs.get("force", False)))))
-        out.append((tensor, "type", cls._rejecting_calls(
-            tensor.type, "type() naming a host tensor type (a blocking copy to the host)",
+        out.append((tensor, "type", rejecting_calls(
+            "type() naming a host tensor type (a blocking copy to the host)",
             lambda self, *args, **kwargs: host_type_copy(args, kwargs))))
         # each tensor in a list of data is read back in C++ (Tensor::item()), as torch.tensor([a, b]) reads them
-        out.append((tensor, "new_tensor", cls._rejecting_calls(
-            tensor.new_tensor, "new_tensor() with a list holding a tensor (its value is read back)",
+        out.append((tensor, "new_tensor", rejecting_calls(
+            "new_tensor() with a list holding a tensor (its value is read back)",
             lambda self, *args, **kwargs: isinstance(data := args[0] if args else kwargs.get("data"), (list, tuple))
             and holds_a_tensor(data))))
         # ops that size their result, or pick its range, by a value they read back with item() in C++ (CUDA's kernels)
-        own["bincount"] = cls._rejecting_calls(
-            torch.bincount, BINCOUNT_READ, lambda *args, **kwargs: nonempty(args[0] if args else kwargs.get("input")))
-        own["histc"] = cls._rejecting_calls(
-            torch.histc, HISTC_READ, lambda *args, **kwargs: histc_reads_range(
-                args[0] if args else kwargs.get("input"), args[1:], kwargs))
-        out.append((torch.nn.functional, "one_hot", cls._rejecting_calls(
-            torch.nn.functional.one_hot, "one_hot() without num_classes (its size, the largest value, is read back)",
+        own["bincount"] = rejecting_calls(
+            BINCOUNT_READ, lambda *args, **kwargs: nonempty(args[0] if args else kwargs.get("input")))
+        own["histc"] = rejecting_calls(HISTC_READ, lambda *args, **kwargs: histc_reads_range(
+            args[0] if args else kwargs.get("input"), args[1:], kwargs))
+        out.append((torch.nn.functional, "one_hot", rejecting_calls(
+            "one_hot() without num_classes (its size, the largest value, is read back)",
             lambda *args, **kwargs: one_hot_reads_size(args[0] if args else kwargs.get("input"), args[1:], kwargs))))
         # repeat_interleave, bincount and histc below, with their number arguments too
         replaced = {name for owner, name, _ in out if owner is tensor} | {"repeat_interleave", "histc", "bincount"}
-        out += [(tensor, name, cls._rejecting_number_tensors(getattr(tensor, name), name, slots))
+        out += [(tensor, name, functools.partial(cls._rejecting_number_tensors, name=name, slots=slots))
                 for name, slots in number_argument_methods() if name not in replaced]
-        out.append((tensor, "bincount", cls._with_number_slots("bincount", cls._rejecting_calls(
-            tensor.bincount, BINCOUNT_READ, lambda self, *args, **kwargs: nonempty(self)))))
-        out.append((tensor, "histc", cls._with_number_slots("histc", cls._rejecting_calls(
-            tensor.histc, HISTC_READ, lambda self, *args, **kwargs: histc_reads_range(self, args, kwargs)))))
-        own["where"] = cls._rejecting_calls(
-            torch.where, "torch.where(condition) (its size is read back)",
-            lambda *args, **kwargs: len(args) + len(kwargs) == 1)
-        repeats = cls._rejecting_calls(
-            tensor.repeat_interleave, "repeat_interleave() with tensor repeats and no output_size (its size is read "
-            "back)", lambda self, *args, **kwargs: repeats_read_back(args[0] if args else kwargs.get("repeats"),
-                                                                     kwargs))
-        out.append((tensor, "repeat_interleave", cls._with_number_slots("repeat_interleave", repeats)))
-        own["repeat_interleave"] = cls._rejecting_calls(
-            torch.repeat_interleave, "repeat_interleave() with tensor repeats and no output_size (its size is read "
-            "back)", lambda *args, **kwargs: repeats_read_back(
+        out.append((tensor, "bincount", lambda fn: cls._with_number_slots("bincount", cls._rejecting_calls(
+            fn, BINCOUNT_READ, lambda self, *args, **kwargs: nonempty(self)))))
+        out.append((tensor, "histc", lambda fn: cls._with_number_slots("histc", cls._rejecting_calls(
+            fn, HISTC_READ, lambda self, *args, **kwargs: histc_reads_range(self, args, kwargs)))))
+        own["where"] = rejecting_calls(
+            "torch.where(condition) (its size is read back)", lambda *args, **kwargs: len(args) + len(kwargs) == 1)
+        out.append((tensor, "repeat_interleave", lambda fn: cls._with_number_slots(
+            "repeat_interleave", cls._rejecting_calls(
+                fn, "repeat_interleave() with tensor repeats and no output_size (its size is read back)",
+                lambda self, *args, **kwargs: repeats_read_back(args[0] if args else kwargs.get("repeats"), kwargs)))))
+        own["repeat_interleave"] = rejecting_calls(
+            "repeat_interleave() with tensor repeats and no output_size (its size is read back)",
+            lambda *args, **kwargs: repeats_read_back(
                 args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None), kwargs))
-        return out + torch_function_replacements(own)
+        out = [(owner, name, make, getattr) for owner, name, make in out]
+        out.append((tensor, "device", reporting_tensors_cpu, inspect.getattr_static))  # the property, not its value
+        return out + [(torch, name, make, getattr) for name, make in torch_function_wrappings(own)]
+
+    @classmethod
+    def _replacements(cls) -> list:
+        """(owner, name, replacement) for every attribute the guard replaces, each made for the attribute found now.
+
+        The makers (``_wrappings``) are listed once, by the first call, and each replacement is kept with the attribute
+        it was made for: a later call makes one again only for an attribute that is no longer that one (another
+        library's or a test's stand-in, or the original once that is undone), so that no guard wraps a stale attribute
+        nor puts one back (``_replace`` saves the attributes of now). An attribute that is the guard's own replacement
+        (a guard is open) keeps it rather than being wrapped twice."""
+        with cls._wrapped_lock:
+            if not cls._wrapped:
+                cls._wrapped = [Wrapped(*wrapping) for wrapping in cls._wrappings()]
+            found = [wrapped.look(wrapped.owner, wrapped.name, _NOTHING) for wrapped in cls._wrapped]
+            # the common case, every attribute found as the last call found it, compared in one pass
+            if len(found) != len(cls._last_found) or not all(map(operator.is_, found, cls._last_found)):
+                cls._last_replacements = [(wrapped.owner, wrapped.name, wrapped.replacement_for(now))
+                             for wrapped, now in zip(cls._wrapped, found, strict=True) if now is not _NOTHING]
+                cls._last_found = found
+            return list(cls._last_replacements)
 
     @classmethod
     def _replace(cls) -> tuple[list, dict]:
@@ -298,6 +331,25 @@ class RejectHostReads:
 
 
 RejectHostReads.switch = CountedSwitch(RejectHostReads._replace, RejectHostReads._put_back)
+
+_NOTHING = object()  # what Wrapped holds before it has wrapped anything, and what look() gives for no attribute
+
+
+class Wrapped:
+    """One attribute a guard replaces: the attribute it last found (``found``) and the replacement made for it."""
+
+    __slots__ = ("owner", "name", "make", "look", "found", "replacement")
+
+    def __init__(self, owner, name: str, make, look):
+        self.owner, self.name, self.make, self.look = owner, name, make, look
+        self.found = self.replacement = _NOTHING
+
+    def replacement_for(self, found):
+        """The replacement for the attribute ``found`` now, made again only where that is neither the attribute last
+        wrapped nor its replacement (a guard is open)."""
+        if found is not self.found and found is not self.replacement:
+            self.replacement, self.found = self.make(found), found
+        return self.replacement
 
 
 def is_mask(index) -> bool:
