@@ -1,11 +1,16 @@
 """What the conformance suite runs: one case per (graph backend, attention kernel, dtype), gated on capabilities.
 
 A case is skipped, with the gate's own reasons, when the backend or the kernel reports itself unavailable here; the
-suite never looks at device names. The one exception: a backend that refuses a machine of the kind it serves (the
+suite never looks at device names. The exceptions: a backend that refuses a machine of the kind it serves (the
 cuda backend on a CUDA machine) errs in every check, at setup, with its reasons, since a vendor's CI on its own
-hardware would otherwise pass with nothing checked. For the same reason a backend name that no installed plugin has
-(a typo, or a plugin that failed to load), as ``HWGRAPH_BACKEND`` or in ``HWGRAPH_TEST_BACKENDS``, is a collection
-error naming it. Settings come from, in order: the test class, the test module, the environment.
+hardware would otherwise pass with nothing checked. So does an attention kernel the settings select by name
+(``HWGRAPH_ATTENTION``) whose gate refuses the devices of a kind it runs on, when the backend serving them is available
+here (FLASH_ATTN on a GPU too old for it, TRITON_ATTN on a CPU without the Triton interpreter): its checks err with the
+gate's reasons, as ``hwgraph validate --attention`` fails it, where they were all skipped. A selected kernel for
+another accelerator than the backend's devices (FLASH_ATTN on a CPU machine) is still a skip: this machine lacks its
+hardware. For the same reason a backend name that no installed plugin has (a typo, or a plugin that failed to load),
+as ``HWGRAPH_BACKEND`` or in ``HWGRAPH_TEST_BACKENDS``, is a collection error naming it. Settings come from, in order:
+the test class, the test module, the environment.
 
 =========================  ==============================  =============================================
 setting                    class/module attribute          environment
@@ -92,8 +97,9 @@ def settings_for(cls, module) -> SuiteSettings:
 
 @dataclass(frozen=True)
 class UnservedCase:
-    """The case of a backend that refuses to run on a machine of the kind it serves: every check errs with
-    ``reason`` (``ConformanceSuite`` fails it before building anything)."""
+    """The case of a backend that refuses to run on a machine of the kind it serves, or of a selected attention kernel
+    that refuses the devices of a kind it runs on: every check errs with ``reason`` (``ConformanceSuite`` fails it
+    before building anything)."""
 
     reason: str
 
@@ -103,9 +109,10 @@ def skipped(case_id: str, reason: str):
 
 
 def conformance_params(settings: SuiteSettings, graph_safe_only: bool = True) -> list:
-    """``pytest.param`` per case: runnable ones carry a ``ConformanceCase``; the others are skips with reasons.
-    A kernel that is not graph-safe is a skip only for checks that capture it (``graph_safe_only``): the manager
-    still runs it eagerly, so a check of the kernel itself runs it.
+    """``pytest.param`` per case: runnable ones carry a ``ConformanceCase``; the others are skips with reasons, or an
+    ``UnservedCase`` where the backend or a selected kernel refuses hardware of its own kind (see the module's
+    docstring). A kernel that is not graph-safe is a skip only for checks that capture it (``graph_safe_only``): the
+    manager still runs it eagerly, so a check of the kernel itself runs it.
 
     Raises ValueError for a graph backend (``HWGRAPH_BACKEND``, or a name in ``$HWGRAPH_TEST_BACKENDS``) that is not
     installed or failed to load, for a selected kernel name no installed kernel has (case ignored), for an unknown
@@ -180,7 +187,15 @@ def conformance_params(settings: SuiteSettings, graph_safe_only: bool = True) ->
                                            f"(selected: {', '.join(selected)})"))
             continue
         kcap = kernel.capability(kernel_platform, dtype, head_dim)
-        if not kcap.ok:
+        if not kcap.ok and kernel.name in selected:
+            # named by the vendor's settings, for devices of a kind this machine has and the backend runs on: a
+            # refusing gate is a broken install or a machine unfit for it, and a skip passed the run with nothing
+            # checked while `hwgraph validate --attention` failed it
+            reason = f"attention kernel {kernel.name} is unavailable: {kcap.describe()}"
+            params.append(pytest.param(UnservedCase(f"{reason} (selected by HWGRAPH_ATTENTION or {ATTENTION_ENV}, "
+                                                    f"on the {name} graph backend's {kernel_platform.kind} devices)"),
+                                       id=case.id))
+        elif not kcap.ok:
             params.append(skipped(case.id, f"attention kernel {kernel.name} is unavailable: {kcap.describe()}"))
         elif graph_safe_only and not kernel.graph_safe:
             params.append(skipped(case.id, f"attention kernel {kernel.name} is not graph-safe: "

@@ -2,8 +2,10 @@
 
 Each class checks one behaviour of ``EncoderGraphManager`` on the backend under test, for every attention kernel that
 backend's platform offers (see ``hwgraph.testing.cases``: unavailable backends and kernels are skipped with the
-reasons their gates give, except a backend refusing a machine of the kind it serves, whose checks all err). A backend
-distribution declares itself and may override a check by subclassing::
+reasons their gates give, except a backend refusing a machine of the kind it serves, and a kernel named in
+``HWGRAPH_ATTENTION`` refusing the backend's devices, whose checks all err). A backend distribution declares itself and
+may override a check by subclassing (``budgets`` and ``max_images`` too: a check whose case the budgets cannot form,
+such as a padded image where each budget is one token above the one below, is skipped saying so)::
 
     from hwgraph.testing.suite import *  # noqa: F401,F403
 
@@ -58,6 +60,7 @@ class ConformanceSuite:
     """Fixtures and comparisons shared by every check; parametrised over ``case`` at collection."""
 
     budgets: tuple[int, ...] = (16, 32, 64)
+    #: Images one graph takes; the checks use at most the smallest budget of them (``images_per_graph``).
     max_images: int = 4
     #: dtype -> dict(rtol=..., atol=...) for assert_close; absent: torch.testing's defaults for the dtype.
     # bf16 bounds from the 27-block real preset on the H200: a padded replay against an unpadded eager call showed a
@@ -109,10 +112,24 @@ class ConformanceSuite:
 
     def make_manager(self, tower, case) -> EncoderGraphManager:
         return EncoderGraphManager(tower, device=case.device, dtype=case.dtype, budgets=list(self.budgets),
-                                   max_images_per_graph=self.max_images, graph_backend=case.backend,
+                                   max_images_per_graph=self.images_per_graph, graph_backend=case.backend,
                                    graph_mode=case.mode, attention=case.kernel)
 
     # ---------------------------------------------------------------- helpers
+    @property
+    def images_per_graph(self) -> int:
+        """``max_images``, but at most the smallest budget: every image has at least one token, so a graph of budget
+        ``b`` holds at most ``b`` images and the manager refuses more (a vendor's budgets of (1, 2, 3) with the
+        default ``max_images`` of 4 erred in every check at setup)."""
+        return min(self.max_images, min(self.budgets))
+
+    def padded_tokens(self, budget: int) -> int | None:
+        """Tokens of one image that ``budget`` holds with padding, yet more than the budget below it holds (a quarter
+        short of it, at least one), or None where there is no such count: the budget is one token above the budget
+        below it (budgets of (1, 2, 3)), or is 1."""
+        tokens = max(budget - max(1, budget // 4), self.budget_below(budget) + 1)
+        return tokens if tokens < budget else None
+
     def budget_for(self, tokens: int) -> int | None:
         """The budget the single-replay policy must pick for a group of ``tokens``, or None (eager)."""
         return min((b for b in self.budgets if b >= tokens), default=None)
@@ -211,9 +228,13 @@ class TestCapture(ConformanceSuite):
 class TestReplayEqualsEager(ConformanceSuite):
     @pytest.mark.parametrize("fill", ["full", "padded"])
     def test_single_image_replays_at_each_budget_and_equals_eager(self, manager, tower, fill):
-        for i, budget in enumerate(sorted(self.budgets)):
-            # padded, yet more than the budget below holds (budgets of (16, 24, 32): 24 tokens replayed budget 24)
-            tokens = budget if fill == "full" else max(budget - budget // 4, self.budget_below(budget) + 1)
+        # padded, yet more than the budget below holds (budgets of (16, 24, 32): 24 tokens replayed budget 24)
+        sizes = {b: b if fill == "full" else self.padded_tokens(b) for b in sorted(self.budgets)}
+        sizes = {b: tokens for b, tokens in sizes.items() if tokens is not None}
+        if not sizes:  # budgets of (1, 2, 3): the check found each "padded" image filling its budget
+            pytest.skip(f"no budget of {tuple(self.budgets)} holds a padded image: each is 1 or one token above the "
+                        f"budget below it, which holds any image of fewer tokens")
+        for i, (budget, tokens) in enumerate(sizes.items()):
             grid = self.grid(tower, tokens)
             before = dict(manager.stats()["replays_per_budget"])
             self.encode_and_check(manager, tower, grid, seed=100 + i, what=f"budget {budget} ({fill})")
@@ -238,7 +259,10 @@ class TestReplayEqualsEager(ConformanceSuite):
 
 class TestMultiImageGroups(ConformanceSuite):
     def test_several_images_share_one_replay_in_caller_order(self, manager, tower):
-        tokens = self.uneven((4, 1, 16, 2)[: self.max_images], max(self.budgets))  # a reordering shows
+        if self.images_per_graph < 2:  # the check's group was one image, checking no sharing and no order
+            pytest.skip(f"a graph takes one image here (max_images={self.max_images}, smallest budget "
+                        f"{min(self.budgets)}): no group of several images replays")
+        tokens = self.uneven((4, 1, 16, 2)[: self.images_per_graph], max(self.budgets))  # a reordering shows
         grid = self.grid(tower, *tokens)
         out = self.encode_and_check(manager, tower, grid, seed=200, what=f"group of {len(grid)}")
         assert [o.embeds.shape[0] for o in out] == list(image_tokens(grid, tower.spatial_merge_size))
@@ -247,8 +271,9 @@ class TestMultiImageGroups(ConformanceSuite):
         assert stats["padding_tokens"] == self.budget_for(sum(tokens)) - sum(tokens)
 
     def test_the_largest_budget_holds_a_full_group(self, manager, tower):
-        budget = max(self.budgets)
-        grid = self.grid(tower, *([budget // self.max_images] * self.max_images))
+        budget, n = max(self.budgets), self.images_per_graph
+        # the budget's every token (budgets of (2, 3) with two images a graph: 3 // 2 tokens each replayed budget 2)
+        grid = self.grid(tower, *(budget // n + (i < budget % n) for i in range(n)))
         self.encode_and_check(manager, tower, grid, seed=201, what="full group")
         assert manager.stats()["replays_per_budget"] == {budget: 1}
 
@@ -256,9 +281,10 @@ class TestMultiImageGroups(ConformanceSuite):
         """A budget captured once per sequence-slot count, the graphs sharing its static buffers (what a slot-bound
         kernel gets by default), asked for explicitly so that it runs with every kernel: a backend whose graphs of
         one pool all replayed the first passed every other check where the kernel is not slot-bound (TORCH_SDPA)."""
-        budget, counts = min(self.budgets), sorted({c for c in (1, 2, self.max_images) if c <= self.max_images})
+        most = self.images_per_graph
+        budget, counts = min(self.budgets), sorted({c for c in (1, 2, most) if c <= most})
         m = self.captured(EncoderGraphManager(
-            tower, device=case.device, dtype=case.dtype, budgets=[budget], max_images_per_graph=self.max_images,
+            tower, device=case.device, dtype=case.dtype, budgets=[budget], max_images_per_graph=most,
             slot_counts=counts, graph_backend=case.backend, graph_mode=case.mode, attention=case.kernel))
         try:
             calls = [counts[-1], *counts, *reversed(counts)]  # each count after each other one
@@ -329,7 +355,7 @@ class TestEagerFallback(ConformanceSuite):
         elif kind == "video":
             grid = self.grid(tower, 4, frames=2)
         else:
-            grid = self.grid(tower, *([1] * (self.max_images + 1)))
+            grid = self.grid(tower, *([1] * (self.images_per_graph + 1)))
         self.encode_and_check(manager, tower, grid, seed=300, what=f"eager fallback ({kind})")
         stats = manager.stats()
         assert stats["replays"] == 0 and stats["hits"] == 0
@@ -340,10 +366,14 @@ class TestEagerFallback(ConformanceSuite):
 class TestBudgetChanges(ConformanceSuite):
     def test_consecutive_calls_switch_budgets_without_stale_inputs(self, manager, tower):
         small, middle, large = sorted(self.budgets)[0], sorted(self.budgets)[len(self.budgets) // 2], max(self.budgets)
-        calls = [(large,), (small // 2,), (middle // 2, middle // 2), (small,), (large - 3,), (2, 1), (large + 1,),
-                 (small // 2,)]
-        # groups a graph takes (max_images = 1: the two-image groups ran eagerly, failing a correct backend)
-        calls = [tokens[: self.max_images] for tokens in calls]
+
+        def fitted(tokens: tuple[int, ...]) -> tuple[int, ...]:
+            # groups a graph takes (max_images = 1: the two-image groups ran eagerly, failing a correct backend), of
+            # at least one token an image (budgets of 3 or less: small // 2 and large - 3 were 0 or below)
+            return self.uneven(tuple(max(1, n) for n in tokens[: self.images_per_graph]), large)
+
+        calls = [*map(fitted, [(large,), (small // 2,), (middle // 2, middle // 2), (small,), (large - 3,), (2, 1)]),
+                 (large + 1,), fitted((small // 2,))]
         for i, tokens in enumerate(calls):
             self.encode_and_check(manager, tower, self.grid(tower, *tokens), seed=400 + i, what=f"call {i + 1}")
         want: dict = {}
@@ -366,22 +396,28 @@ class TestBudgetChanges(ConformanceSuite):
     def test_a_non_finite_request_leaves_later_requests_in_its_graph_unharmed(self, manager, tower):
         """Rows past a smaller call keep the larger call's pixels in the graph's buffer: the attention kernel must
         never multiply them into real rows (a masked key's weight is 0, and 0 times NaN is NaN)."""
-        large = max(self.budgets)
+        # the largest budget holding a later, smaller request (in the same graph, so more than the budget below)
+        fits = {b: max(b // 2, self.budget_below(b) + 1) for b in sorted(self.budgets, reverse=True)}
+        fits = {b: tokens for b, tokens in fits.items() if tokens < b}
+        if not fits:  # budgets of (1, 2, 3): the later request filled the graph, leaving no NaN row to read
+            pytest.skip(f"no budget of {tuple(self.budgets)} holds a request smaller than another in its graph: each "
+                        f"is 1 or one token above the budget below it")
+        large, tokens = next(iter(fits.items()))
         grid = self.grid(tower, large)
         pixels = pixels_for(tower, grid, 420)
-        pixels[-4 * tower.spatial_merge_size**2:] = float("nan")  # the last four tokens' patches
+        pixels[-min(4, large - tokens) * tower.spatial_merge_size**2:] = float("nan")  # the last tokens' patches
         manager.encode(pixels, grid)
-        later = self.grid(tower, max(large // 2, self.budget_below(large)) + 1)  # in the largest graph too
-        out = self.encode_and_check(manager, tower, later, seed=421, what="the call after a NaN request")
+        out = self.encode_and_check(manager, tower, self.grid(tower, tokens), seed=421,
+                                    what="the call after a NaN request")
         assert all(bool(torch.isfinite(o.embeds).all()) for o in out)
-        assert manager.stats()["replays_per_budget"] == {large: 2}, "both calls must replay the largest graph"
+        assert manager.stats()["replays_per_budget"] == {large: 2}, f"both calls must replay budget {large}'s graph"
 
 
 class TestDeepStack(ConformanceSuite):
     def test_every_deepstack_slice_of_every_image_equals_eager(self, manager, tower):
         # as many images and tokens as a graph takes: with max_images = 2 the group of three ran eagerly, checking no
         # replay, as did its 16 tokens with budgets of (4, 8)
-        grid = self.grid(tower, *self.uneven((6, 9, 1)[: self.max_images], max(self.budgets)))
+        grid = self.grid(tower, *self.uneven((6, 9, 1)[: self.images_per_graph], max(self.budgets)))
         out = self.encode_and_check(manager, tower, grid, seed=500, what="DeepStack group")
         assert manager.stats()["replays"] == 1, f"the DeepStack group {grid} must replay: {manager.stats()}"
         for o, n in zip(out, image_tokens(grid, tower.spatial_merge_size), strict=True):
@@ -434,7 +470,7 @@ class TestNoHostSync(ConformanceSuite):
     def test_replay_and_fallback_read_nothing_back_from_the_device(self, manager, tower):
         # as many images and tokens as a graph takes (max_images = 1, or budgets of (4, 8): the group ran eagerly, and
         # the hits check failed)
-        grid = self.grid(tower, *self.uneven((8, 4)[: self.max_images], max(self.budgets)))
+        grid = self.grid(tower, *self.uneven((8, 4)[: self.images_per_graph], max(self.budgets)))
         video = self.grid(tower, 4, frames=2)
         pixels, video_pixels = pixels_for(tower, grid, 700), pixels_for(tower, video, 701)
         with manager.backend.sync_guard():
@@ -462,7 +498,9 @@ class TestPoolRelease(ConformanceSuite):
             self.captured(m)
             held = m.backend.memory_in_use()
             assert held > before, f"capture held no memory: memory_in_use {before} -> {held} bytes"
-            self.encode_and_check(m, tower, self.grid(tower, 8), seed=800, what="before close")
+            # a replay (8 tokens fit no budget of (1, 2, 3): the call ran eagerly)
+            self.encode_and_check(m, tower, self.grid(tower, min(8, max(self.budgets))), seed=800,
+                                  what="before close")
         finally:
             m.close()
         after = m.backend.memory_in_use()
