@@ -3,7 +3,10 @@
 Capture runs the callable once to warm it up, then records it and the output tensors of its second run; replay
 reruns the callable and copies the results into those same tensors. Inputs are whatever the captured static
 buffers hold at replay time, so stale inputs, outputs overwritten by the next replay, and padding leaking out show
-up on CPU exactly as they would on a device.
+up on CPU exactly as they would on a device. A rerun would read a tensor the caller put in place of a captured one
+(``holder.x = new`` instead of ``holder.x.copy_(new)``), where a device graph keeps reading the captured buffer: the
+second run notes the tensors it reads and where the callable finds them, and a replay that would read another tensor
+there raises ``CaptureError`` instead (``hwgraph.graphs.capture_reads``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from hwgraph.capability import Capability
 from hwgraph.graphs.base import CapturedGraph, CaptureError, GraphBackend, Outputs, as_capture_error
+from hwgraph.graphs.capture_reads import ReadPaths, captured_reads
 from hwgraph.graphs.host_reads import RejectHostReads
 
 __all__ = ["CpuCapturedGraph", "CpuGraphBackend", "CpuPool", "RejectHostReads", "flat_tensors"]
@@ -50,14 +54,18 @@ class CpuPool:
 
 
 class CpuCapturedGraph(CapturedGraph):
-    def __init__(self, fn: Callable[[], Outputs], outputs: Outputs):
+    def __init__(self, fn: Callable[[], Outputs], outputs: Outputs, reads: ReadPaths | None = None):
         self.fn = fn
         self.outputs = outputs
         self.pool: CpuPool | None = None  # set by the capture
+        #: where ``fn`` finds the tensors its capture read; None: not checked
+        self.reads = reads
 
     def replay(self) -> None:
         if self.outputs is None:
             raise RuntimeError("replay() of a released graph")
+        if self.reads is not None:  # before the rerun: a device graph would not read the tensor put in place
+            self.reads.check()
         # The static outputs were made under inference_mode at capture, so they may only be written inside it.
         with torch.inference_mode():
             fresh = flat_tensors(self.fn())
@@ -81,6 +89,7 @@ class CpuCapturedGraph(CapturedGraph):
         self.fn = None
         self.outputs = None
         self.pool = None
+        self.reads = None
 
 
 class CpuGraphBackend(GraphBackend):
@@ -112,9 +121,9 @@ class CpuGraphBackend(GraphBackend):
             with as_capture_error("warm-up before capture failed"):
                 flat_tensors(fn())  # warm-up, as a device backend does before capturing
             with as_capture_error("capture failed"):
-                outputs = fn()
+                outputs, reads = captured_reads(fn)
         flat_tensors(outputs)
-        graph = CpuCapturedGraph(fn, outputs)
+        graph = CpuCapturedGraph(fn, outputs, reads)
         graph.pool = pool  # kept while the graph is, as a device graph keeps its pool's memory
         pool.graphs.add(graph)
         self._pools.add(pool)

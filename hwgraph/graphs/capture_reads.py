@@ -1,0 +1,382 @@
+"""Which tensors from outside itself a captured callable reads, and whether a replay would still read those.
+
+A device graph reads, at every replay, the buffers its capture read. Where the caller replaces a tensor the callable
+reads (``holder.x = torch.randn(...)``, a parameter given a new tensor or new ``.data``) instead of copying new values
+into it (``copy_``), a device graph keeps reading the old buffer (stale values, or freed memory), while the CPU
+reference backend's replay, which reruns the callable, read the new tensor and passed. ``captured_reads`` and
+``ReadPaths.check`` let that replay refuse instead.
+
+Before the capture's run, the objects the callable reaches are searched for tensors, keeping the way to each
+(``holder.x``, ``tower.blocks.0.attn.qkv.weight``): closure cells, the globals its code names, defaults, a bound
+method's ``self``, a wrapped function, and through them modules, plain objects, dicts, lists and tuples. The run goes
+under a ``TorchDispatchMode`` (``ReadRecorder``) that notes the storages its ops read without having made them in the
+run: its inputs, parameters and buffers. A replay follows the ways to those storages again before it reruns the
+callable: where every way to one now leads to another tensor, the callable would read that tensor where a device
+graph reads the captured buffer, and the replay raises ``CaptureError`` naming both.
+
+Checking every op of every replay under such a mode would see every read, but the mode alone costs about 15 us an op
+(the tiny tower's replay: 290 ops, 2.7 ms without a mode, 7 ms under one that does nothing), and dynamo runs no
+compiled frame under it; following the ways costs about 70 us a replay. What the ways miss: a tensor reached otherwise
+(through a class, a C++ object, or the module of a method the callable calls), a switch between two tensors that both
+existed at capture (an index into a list of buffers), and a replaced tensor whose storage is still reached by another
+way (a second reference left unchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import types
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hwgraph.graphs.base import CaptureError
+
+#: ops whose tensor argument torch made just before the call, outside any op (``torch.tensor(...)``,
+#: ``torch.from_numpy``): new in the run, not read from outside it
+FRESH_INPUT_OPS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy, torch.ops.aten.lift)
+#: bounds of the search for the ways to the tensors read: objects looked into, ways kept per storage, and the items
+#: looked at in one dict, list or tuple
+MAX_OBJECTS = 20_000
+MAX_WAYS = 8
+MAX_ITEMS = 4096
+#: packages whose objects the search does not look into (their tensors are not the caller's to replace), beyond the
+#: standard library; their modules (``torch.nn``) and functions wrapping a caller's function are still followed
+SKIPPED_PACKAGES = frozenset({"torch", "numpy", "triton", "transformers", "sympy"})
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s storage (shared by its views), or None where it has none (a sparse tensor)."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def tensors_in(values) -> Iterator[torch.Tensor]:
+    """The tensors among ``values`` and in the lists and tuples among them (how ops take them: ``torch.cat``)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (item for item in value if isinstance(item, torch.Tensor))
+
+
+class ReadRecorder(TorchDispatchMode):
+    """Notes the storages that the ops run under it read without an op under it having made them: what the run reads
+    from outside (``read``: storage address -> weak reference). A view or an in-place result of such a tensor shares
+    its storage, so it is that tensor's."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: set[int] = set()
+        self.read: dict[int, StorageWeakRef] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        fresh = func.overloadpacket in FRESH_INPUT_OPS
+        for tensor in tensors_in((*args, *kwargs.values())):
+            key = storage_key(tensor)
+            if key is None:
+                continue
+            if fresh:
+                self.made.add(key)
+            elif key not in self.made and key not in self.read:
+                self.read[key] = StorageWeakRef(tensor.untyped_storage())
+        out = func(*args, **kwargs)
+        for tensor in tensors_in(out if isinstance(out, (list, tuple)) else (out,)):
+            key = storage_key(tensor)
+            if key is not None:
+                self.made.add(key)
+        return out
+
+
+def captured_reads(fn: Callable) -> tuple[object, ReadPaths]:
+    """``fn()`` under a ``ReadRecorder``: its result, and the ways from ``fn`` to the tensors it read from outside,
+    searched before it runs (a tensor it reads may be one it replaces: ``state.prev = state.prev + 1``).
+
+    Compiled code (``fn`` itself or a ``torch.compile``'d function it calls) runs eagerly here, under
+    ``set_stance("force_eager")``, for the whole process while it runs (a capture must not overlap other threads'
+    work): dynamo runs no compiled frame under a dispatch mode, and the eager code reads the same tensors."""
+    ways = ways_to_tensors(fn)
+    recorder = ReadRecorder()
+    with eager_stance(), recorder:
+        out = fn()
+    return out, ReadPaths.of(fn, ways, recorder.read)
+
+
+def eager_stance() -> contextlib.AbstractContextManager:
+    """``torch.compiler.set_stance("force_eager")`` where dynamo is loaded (without it nothing is compiled), unless the
+    capture runs inside a compiled function (between its graph breaks), where dynamo refuses a new stance."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    try:
+        return torch.compiler.set_stance("force_eager")
+    except RuntimeError:  # "attempted to set_stance in a torch.compile region"
+        return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- the ways from a callable to the tensors it read
+# A way is a tuple of steps from the callable; each step (kind, key, name) follows one reference, as FOLLOW[kind] does
+ATTR, KEY, ITEM, CELL, GLOBAL, DEFAULT, KWDEFAULT, SELF, FUNC, WRAPPED, ARG, KEYWORD = range(12)
+GONE = object()  # a dict's entry that is no longer there
+
+FOLLOW = {
+    ATTR: lambda obj, key: obj.__dict__[key],  # the instance's own attributes: no property or __getattr__ runs
+    KEY: lambda obj, key: dict.get(obj, key, GONE),  # a defaultdict's __missing__ would add the entry
+    ITEM: lambda obj, key: obj[key],  # a list's or a tuple's
+    CELL: lambda obj, key: obj.__closure__[key].cell_contents,
+    GLOBAL: lambda obj, key: obj.__globals__[key],
+    DEFAULT: lambda obj, key: obj.__defaults__[key],
+    KWDEFAULT: lambda obj, key: obj.__kwdefaults__[key],
+    SELF: lambda obj, key: obj.__self__,
+    FUNC: lambda obj, key: obj.__func__ if isinstance(obj, types.MethodType) else obj.func,
+    WRAPPED: lambda obj, key: getattr(obj, key),
+    ARG: lambda obj, key: obj.args[key],
+    KEYWORD: lambda obj, key: obj.keywords[key],
+}
+
+
+MODULE_DICTS = ("_parameters", "_buffers", "_modules")
+VARIABLES = {CELL: "closure", GLOBAL: "global", DEFAULT: "default", KWDEFAULT: "default"}
+
+
+def way_text(way: tuple) -> str:
+    """A way as the caller would write it: ``holder.x``, ``tower.blocks.0.norm1.weight``, ``cache['rope']``;
+    ``self.weight`` from a callable object (a module)."""
+    text = "self" if way and way[0][0] == ATTR else ""
+    for kind, key, name in way:
+        if kind in VARIABLES:  # the callable's own variable, or one of a function reached through it
+            text = f"{text}.<{VARIABLES[kind]}>.{name}" if text else name
+        elif kind == KEY and name == "module":  # an entry of a module's _parameters, _buffers or _modules
+            text = f"{text}.{key}"
+        elif kind in (KEY, ITEM):
+            text = f"{text}[{key!r}]"
+        elif kind == ATTR and key not in MODULE_DICTS:
+            text = f"{text}.{key}"
+        elif kind == SELF:
+            text = f"{text}.__self__" if text else "self"
+        elif kind in (ARG, KEYWORD):
+            text = f"{text or 'partial'}.{'args' if kind == ARG else 'keywords'}[{key!r}]"
+        # FUNC and WRAPPED: a method's or a partial's function, a wrapper's: the same callable
+    return text or "the callable"
+
+
+@functools.lru_cache(maxsize=1024)
+def names_in(code: types.CodeType) -> tuple[str, ...]:
+    """The global names ``code`` and the functions defined in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(names_in(const))
+    return tuple(sorted(names))
+
+
+def searched(obj) -> bool:
+    """Whether the search looks into ``obj``: dicts, lists, tuples, functions, bound methods, partials, modules and
+    other objects with attributes, but not classes, modules of code, nor objects of the standard library or of the
+    packages in ``SKIPPED_PACKAGES`` (other than ``nn.Module``s and ``SimpleNamespace``s)."""
+    if isinstance(obj, (dict, list, tuple, types.FunctionType, types.MethodType, functools.partial, torch.nn.Module)):
+        return True
+    if isinstance(obj, (type, types.ModuleType, torch.Tensor)) or type(obj) is types.SimpleNamespace:
+        return type(obj) is types.SimpleNamespace
+    package = (getattr(type(obj), "__module__", None) or "").partition(".")[0]
+    try:
+        has_attributes = hasattr(obj, "__dict__")
+    except Exception:  # noqa: BLE001 - an object whose attributes cannot be read is not searched
+        return False
+    return has_attributes and package not in SKIPPED_PACKAGES and package not in sys.stdlib_module_names
+
+
+@functools.cache
+def module_internals() -> frozenset[str]:
+    """The attributes every ``nn.Module`` has (hooks, flags), which hold none of its tensors; its parameters, buffers
+    and submodules are in ``_parameters``, ``_buffers`` and ``_modules``."""
+    return frozenset(vars(torch.nn.Module())) - {"_parameters", "_buffers", "_modules"}
+
+
+def references(obj) -> Iterator[tuple[tuple, object]]:
+    """(step, object) for each reference the search follows out of ``obj``."""
+    if isinstance(obj, dict):
+        module_entries = "module" if getattr(obj, "_hwgraph_module_dict", False) else None
+        for i, (key, value) in enumerate(obj.items()):
+            if i == MAX_ITEMS:
+                break
+            if isinstance(key, (str, int)):
+                yield (KEY, key, module_entries), value
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj[:MAX_ITEMS]):
+            yield (ITEM, i, None), value
+        return
+    if isinstance(obj, types.MethodType):
+        yield (SELF, None, None), obj.__self__
+        yield (FUNC, None, None), obj.__func__
+        return
+    if isinstance(obj, functools.partial):
+        yield (FUNC, None, None), obj.func
+        for i, value in enumerate(obj.args):
+            yield (ARG, i, None), value
+        for key, value in obj.keywords.items():
+            yield (KEYWORD, key, None), value
+        return
+    if isinstance(obj, types.FunctionType):
+        # a torch.compile'd function or a functools.wraps wrapper: the function it wraps
+        for name in ("_torchdynamo_orig_callable", "__wrapped__"):
+            wrapped = getattr(obj, name, None)
+            if wrapped is not None:
+                yield (WRAPPED, name, None), wrapped
+        if (obj.__module__ or "").partition(".")[0] in SKIPPED_PACKAGES:
+            return
+        code = obj.__code__
+        for i, cell in enumerate(obj.__closure__ or ()):
+            try:
+                yield (CELL, i, code.co_freevars[i]), cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+        for i, value in enumerate(obj.__defaults__ or ()):
+            yield (DEFAULT, i, code.co_varnames[code.co_argcount - len(obj.__defaults__) + i]), value
+        for key, value in (obj.__kwdefaults__ or {}).items():
+            yield (KWDEFAULT, key, key), value
+        for name in names_in(code):
+            if name in obj.__globals__:
+                yield (GLOBAL, name, name), obj.__globals__[name]
+        return
+    attributes = getattr(obj, "__dict__", None)
+    if isinstance(attributes, dict):
+        internals = module_internals() if isinstance(obj, torch.nn.Module) else ()
+        for key, value in list(attributes.items())[:MAX_ITEMS]:
+            if key in MODULE_DICTS and internals:
+                yield (ATTR, key, key), ModuleEntries(value)
+            elif isinstance(key, str) and key not in internals:
+                yield (ATTR, key, key), value
+
+
+class ModuleEntries(dict):
+    """An nn.Module's ``_parameters``, ``_buffers`` or ``_modules`` as the search sees it: entries written as
+    attributes (``tower.blocks.0``). Only the search holds one; a replay follows the module's own dict."""
+
+    _hwgraph_module_dict = True
+
+
+def describe(tensor: torch.Tensor) -> str:
+    return described(tensor_facts(tensor))
+
+
+def tensor_facts(tensor: torch.Tensor) -> tuple:
+    """(shape, dtype, address) of ``tensor``; address None where it has none (a sparse tensor)."""
+    try:
+        address = tensor.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        address = None
+    return tuple(tensor.shape), tensor.dtype, address
+
+
+def described(facts: tuple) -> str:
+    shape, dtype, address = facts
+    return f"a tensor of shape {shape}, {dtype}, at {'no address' if address is None else hex(address)}"
+
+
+def ways_to_tensors(fn: Callable) -> dict[int, list[tuple[tuple, tuple]]]:
+    """Storage address -> (way, the tensor found there: shape, dtype, address) for the tensors reachable from ``fn``,
+    searched breadth first (shortest ways first) through at most ``MAX_OBJECTS`` objects."""
+    found: dict[int, list] = {}
+    seen: dict[int, object] = {}  # held, so that no id is reused by an object made while searching
+    queue = deque([(fn, ())])
+    looked = 0
+    while queue and looked < MAX_OBJECTS:
+        obj, way = queue.popleft()
+        looked += 1
+        try:
+            for step, value in references(obj):
+                if isinstance(value, torch.Tensor):
+                    key = storage_key(value)
+                    if key is not None:
+                        found.setdefault(key, []).append(((*way, step), tensor_facts(value)))
+                elif id(value) not in seen and searched(value):
+                    seen[id(value)] = value
+                    queue.append((value, (*way, step)))
+        except Exception:  # noqa: BLE001 - an object that cannot be looked into is not searched further
+            continue
+    return found
+
+
+@dataclass
+class Read:
+    """One storage the capture read from outside, the ways from the callable to it, and the tensor each led to."""
+
+    storage: StorageWeakRef
+    ways: tuple[tuple, ...]
+    captured: tuple[tuple, ...]  # (shape, dtype, address)
+
+
+@dataclass
+class ReadPaths:
+    """The ways from a captured callable to the tensors its capture read from outside (``captured_reads``);
+    ``check()`` raises ``CaptureError`` where a replay would read another tensor in place of one of them."""
+
+    fn: Callable
+    reads: list[Read]
+    tree: dict  # the ways as a tree: step -> (subtree, [(read index, way index, storage address) ending here])
+
+    @classmethod
+    def of(cls, fn: Callable, ways: dict[int, list], read: dict[int, StorageWeakRef]) -> ReadPaths:
+        """The ways (``ways_to_tensors(fn)``) to the storages ``fn`` read (``ReadRecorder.read``)."""
+        kept = [Read(ref, *zip(*ways[key][:MAX_WAYS], strict=True)) for key, ref in read.items() if key in ways]
+        tree: dict = {}
+        for i, r in enumerate(kept):
+            for j, way in enumerate(r.ways):
+                node = tree
+                for step in way[:-1]:
+                    node = node.setdefault(plain(step), ({}, []))[0]
+                node.setdefault(plain(way[-1]), ({}, []))[1].append((i, j, r.storage.cdata))
+        return cls(fn, kept, tree)
+
+    def check(self) -> None:
+        """Raise ``CaptureError`` where every way to a storage the capture read now leads to another tensor: the
+        callable would read it, where a device graph reads the captured buffer."""
+        same = [False] * len(self.reads)  # a way still leads to the storage read
+        other: dict[int, tuple[int, torch.Tensor]] = {}  # read -> (way, the other tensor it leads to)
+        self._follow(self.fn, self.tree, same, other)
+        for i, (j, tensor) in other.items():
+            if not same[i]:
+                r = self.reads[i]
+                raise CaptureError(stale_read_message(self.fn, way_text(r.ways[j]), tensor, r.captured[j],
+                                                      not r.storage.expired()))
+
+    def _follow(self, obj, tree: dict, same: list, other: dict) -> None:
+        for step, (subtree, ends) in tree.items():
+            try:
+                value = FOLLOW[step[0]](obj, step[1])
+            except Exception:  # noqa: BLE001 - a way that no longer leads anywhere reads nothing
+                continue
+            if ends and isinstance(value, torch.Tensor):
+                # Our weak reference keeps a storage's address from being reused: the same address is the same storage
+                key = storage_key(value)
+                for i, j, storage in ends:
+                    if key == storage:
+                        same[i] = True
+                    elif i not in other:
+                        other[i] = (j, value)
+            if subtree:
+                self._follow(value, subtree, same, other)
+
+
+def plain(step: tuple) -> tuple:
+    """A step as a replay follows it: by kind and key (the name is only for the message)."""
+    return step[0], step[1]
+
+
+def stale_read_message(fn: Callable, where: str, tensor: torch.Tensor, captured: tuple, alive: bool) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    since = "" if alive else ", freed since"
+    return (f"replay of {name} would read {where}, now {describe(tensor)}, which existed before the replay but was not "
+            f"read by the capture: the capture read {described(captured)} there{since}. A device graph would read the "
+            f"captured buffer instead ({'stale values' if alive else 'freed memory'}). Copy new values into the "
+            f"captured tensor (copy_) instead of replacing it, or capture again")
