@@ -45,16 +45,18 @@ ACTIVE: ProductChooser | None = None
 
 def active_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` as the chooser active now runs it (ATen's without one)."""
-    return F.linear(x, weight, bias) if ACTIVE is None else ACTIVE.linear(x, weight, bias)
+    chooser = ACTIVE
+    return F.linear(x, weight, bias) if chooser is None else chooser.linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the active chooser if there is one (``chosen_linear`` while
     torch.compile traces) and autograd does not record the call (``records_grad``: neither a chooser's kernels nor
     the custom ops have a backward)."""
-    if ACTIVE is None or records_grad(x, weight, bias):
+    chooser = ACTIVE  # read once: another thread's chosen_by block may close between two reads
+    if chooser is None or records_grad(x, weight, bias):
         return F.linear(x, weight, bias)
-    return eager_or_op(chosen_linear, ACTIVE.linear)(x, weight, bias)
+    return eager_or_op(chosen_linear, chooser.linear)(x, weight, bias)
 
 
 def aten_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -70,15 +72,17 @@ def aten_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 def active_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``aten_linear_gelu_tanh`` as the chooser active now runs it (ATen's without one)."""
-    return aten_linear_gelu_tanh(x, weight, bias) if ACTIVE is None else ACTIVE.linear_gelu_tanh(x, weight, bias)
+    chooser = ACTIVE
+    return aten_linear_gelu_tanh(x, weight, bias) if chooser is None else chooser.linear_gelu_tanh(x, weight, bias)
 
 
 def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``aten_linear_gelu_tanh``, through the active chooser if there is one (``chosen_linear_gelu_tanh`` while
     torch.compile traces) and autograd does not record the call, as ``linear``."""
-    if ACTIVE is None or records_grad(x, weight, bias):
+    chooser = ACTIVE  # read once: another thread's chosen_by block may close between two reads
+    if chooser is None or records_grad(x, weight, bias):
         return aten_linear_gelu_tanh(x, weight, bias)
-    return eager_or_op(chosen_linear_gelu_tanh, ACTIVE.linear_gelu_tanh)(x, weight, bias)
+    return eager_or_op(chosen_linear_gelu_tanh, chooser.linear_gelu_tanh)(x, weight, bias)
 
 
 def product_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -286,3 +286,36 @@ def test_products_that_autograd_records_are_atens_with_a_chooser_active(compiled
         assert chooser.calls == 2
     f(x, w, b).square().sum().backward()
     torch.testing.assert_close(grad, w.grad)
+
+
+@pytest.mark.parametrize("name", ["linear", "linear_gelu_tanh"])
+def test_a_chooser_closed_by_another_thread_mid_call_leaves_the_call_on_the_chooser_it_read(monkeypatch, name):
+    """The products read ``ACTIVE`` once to decide and again to call: another thread's ``chosen_by`` block closing
+    between the two reads made an eager call fail with AttributeError on None."""
+    calls = []
+
+    class Chooser:
+        def linear(self, x, weight, bias):
+            calls.append("linear")
+            return F.linear(x, weight, bias)
+
+        def linear_gelu_tanh(self, x, weight, bias):
+            calls.append("linear_gelu_tanh")
+            return products.aten_linear_gelu_tanh(x, weight, bias)
+
+    monkeypatch.setattr(products, "ACTIVE", Chooser())
+    real_records_grad = products.records_grad
+
+    def records_grad_then_the_block_closes(*tensors):
+        out = real_records_grad(*tensors)
+        products.ACTIVE = None  # what the other thread's exit leaves
+        return out
+
+    monkeypatch.setattr(products, "records_grad", records_grad_then_the_block_closes)
+    x, w, b = torch.randn(2, 4), torch.randn(3, 4), torch.randn(3)
+    with torch.inference_mode():
+        out = getattr(products, name)(x, w, b)
+    want = F.linear(x, w, b)
+    torch.testing.assert_close(out, want if "gelu" not in name else F.gelu(want, approximate="tanh"))
+    assert calls == [name]
+
