@@ -107,7 +107,7 @@ def memory_table(result: dict) -> str:
 
 def startup_table(result: dict) -> str:
     """Seconds per budget at startup: compiling (compiled captures), the whole capture, and plain capture where it
-    was captured beside; a budget that failed has none."""
+    was captured beside; a budget whose capture failed says so, as the memory table does."""
     budgets = result["budgets"]
     before = [step for step, on in (("compiling", compiled_anywhere(result)),
                                     ("measuring products", measured_anywhere(result))) if on]
@@ -124,7 +124,7 @@ def startup_table(result: dict) -> str:
     rows = []
     for kernel, data in result["per_kernel"].items():
         rows += [row(kernel, "compiling", data["stats"].get("compile_seconds_per_budget")),
-                 row(kernel, main, data["stats"]["capture_seconds_per_budget"]),
+                 row(kernel, main, data["stats"]["capture_seconds_per_budget"], data["stats"].get("capture_failures")),
                  row(kernel, "plain capture", data.get("plain_capture_seconds"), data.get("plain_capture_failures"))]
     return md_table(["attention", "startup", *[str(b) for b in budgets], "total"], [r for r in rows if r])
 

@@ -203,6 +203,11 @@ def test_startup_table_gives_compile_capture_and_plain_seconds_per_budget():
     plain = startup_table(result(False, False, {"compile_seconds_per_budget": {},
                                                 "capture_seconds_per_budget": {256: 1.5}}, None)).splitlines()
     assert plain[2:] == ["| K | capturing | - | 1.5 | 1.5 |"]
+    # one whose failure is recorded says so, as the memory table and the plain capture row do (it said "-")
+    failed = startup_table(result(False, False, {"capture_seconds_per_budget": {256: 1.5},
+                                                 "capture_failures": {"64": "CaptureError: out of memory"}},
+                                  None)).splitlines()
+    assert failed[2:] == ["| K | capturing | failed | 1.5 | 1.5 |"]
     measured = startup_table(result(False, True, {"capture_seconds_per_budget": {64: 20.0, 256: 1.0},
                                                   "products_measured": True}, {64: 0.5, 256: 0.5})).splitlines()
     assert [line.split(" | ")[1] for line in measured[2:]] == ["measuring products and capturing", "plain capture"]
