@@ -91,6 +91,14 @@ def check_mode(backend: str, mode: str | None) -> None:
         raise ValueError(f"--graph-mode {mode!r}: {refusal}")
 
 
+def run_mode(backend: str, mode: str | None) -> str:
+    """The graph mode the suite and the benchmark ran ``backend`` in: ``mode``, else the backend's first (the report
+    said none where ``--graph-mode`` was left out)."""
+    from hwgraph.registry import spec_named
+
+    return mode or spec_named(backend).modes[0]
+
+
 def bench_refusal(backend: str, device: torch.device) -> str | None:
     """Why the benchmark cannot run ``backend`` on ``device`` (it is unavailable here), or None. The report says so
     instead of building a tower only to have the manager refuse the backend. The backend is judged on this machine's
@@ -222,7 +230,7 @@ def cmd_validate(args) -> int:
         with contextlib.suppress(OSError):
             (out / "latency.png").unlink(missing_ok=True)
     report = {"verdict": summary, "ok": ok, "backend": backend, "backend_reason": why,
-              "graph_mode": args.graph_mode, "preset": args.preset,
+              "graph_mode": run_mode(backend, args.graph_mode), "preset": args.preset,
               "attention": args.attention, "environment": environment(), "info": info_data(),
               "conformance": conformance, "bench": bench, "bench_error": bench_error,
               "plot": {"path": "latency.png"} if plot_note is None else {"skipped": plot_note},

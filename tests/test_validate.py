@@ -574,6 +574,15 @@ def test_validate_hands_its_graph_mode_to_the_suite_and_the_benchmark_and_report
     assert 'HWGRAPH_GRAPH_MODE = \'emulated\'' in suite_module("cpu", "tiny", None, None, "emulated")
 
 
+def test_validate_without_a_graph_mode_reports_the_mode_the_backend_ran_in(validate_in_process, tmp_path, capsys):
+    """Left out, ``--graph-mode`` made the report say no mode (``"graph_mode": null``), though the suite and the
+    benchmark ran the backend's first one ("emulated" on cpu), as ``hwgraph bench``'s heading says."""
+    out = tmp_path / "report"
+    code, _ = validate_in_process(["--backend", "cpu", "--report", str(out), "--no-bench", *FAST], None, capsys)
+    assert code == 0
+    assert json.loads((out / "report.json").read_text())["graph_mode"] == "emulated"
+    assert "- graph backend cpu (mode emulated), preset" in (out / "report.md").read_text()
+
 def test_a_benchmark_that_crashes_is_reported_with_its_error_and_the_suites_verdict_stands(validate_in_process,
                                                                                             tmp_path, capsys):
     out = tmp_path / "report"
