@@ -101,7 +101,12 @@ def capture_budget(tower, backend, pool, budget: int, *, device: torch.device, s
             torch._dynamo.mark_dynamic(meta.cu_seqlens, 0)
 
         def forward() -> torch.Tensor:
-            out = tower.forward_with_metadata(pixels, meta, block_forward=block_forward)
+            # Under dynamo's limits and inductor's rounding at every call, not only while capturing: a backend that
+            # replays by running forward again (the CPU reference backend) recompiles there when the process's state
+            # moved since (torch.set_num_threads, deterministic algorithms), and that compilation rounded bf16 unlike
+            # eager and fell back to eager silently past the recompile limit.
+            with compile_limits(num_budgets) if compiled else contextlib.nullcontext():
+                out = tower.forward_with_metadata(pixels, meta, block_forward=block_forward)
             return torch.stack(out.tensors())
         return forward
 
