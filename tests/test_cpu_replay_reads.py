@@ -2,7 +2,9 @@
 
 A device graph reads, at every replay, the buffers its capture read: a caller who replaces a tensor the captured
 callable reads (``holder.x = new``) instead of copying into it (``holder.x.copy_(new)``) gets the old buffer's values
-on a device (or freed memory), while the CPU backend's rerun read the new tensor and passed.
+on a device (or freed memory), while the CPU backend's rerun read the new tensor and passed. The check must not fail
+what works without it: captures of higher-order ops (``torch.cond``, ``flex_attention``), replays of a callable that
+puts the captured tensor back itself, overlapping captures (the compiler stance they force and put back).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hwgraph.graphs import CaptureError, HostSyncError
+from hwgraph.graphs.capture_reads import ReadRecorder, storage_key
 from hwgraph.graphs.cpu import CpuGraphBackend
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
@@ -45,7 +48,7 @@ def test_a_replay_refuses_a_tensor_put_in_place_of_a_captured_input_before_writi
                               f"was not read by the capture: the capture read a tensor of shape (4, 8), torch.float32, "
                               f"at {hex(captured)} there, freed since"), message
     assert REPLACED in message.lower() and "(freed memory)" in message and "copy_" in message
-    torch.testing.assert_close(graph.outputs, torch.full((4, 3), 16.0))  # refused before the rerun wrote them
+    torch.testing.assert_close(graph.outputs, torch.full((4, 3), 16.0))  # refused before the replay wrote them
 
 
 def test_a_replaced_tensor_that_is_still_alive_is_refused_as_stale_values(backend):
@@ -217,3 +220,255 @@ def test_a_manager_replay_refuses_weights_given_new_data_that_its_own_check_miss
     with pytest.raises(CaptureError, match=r"would read tower\.blocks\.0\.mlp\.linear_fc1\.weight, now a tensor of "
                                            r"shape \(\d+, \d+\), torch\.float32"):
         manager.encode(pixels, grid)
+
+
+# ---------------------------------------------------------------- higher-order ops
+def flex_attention_of(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("op", [
+    pytest.param("cond", id="torch.cond"),
+    pytest.param("flex", id="flex_attention"),
+    pytest.param("compiled-flex", id="torch.compile(flex_attention)"),
+])
+def test_a_higher_order_op_captures_replays_as_eager_and_refuses_a_replaced_operand(backend, op):
+    """A higher-order op comes to the recorder whole (torch refused it under a mode without
+    ``supports_higher_order_operators``, failing the capture): its operands are its reads, at any depth of its
+    arguments. A compiled flex_attention runs eagerly while the capture records, and compiled at replay."""
+    torch.manual_seed(0)
+    holder = types.SimpleNamespace(q=torch.randn(1, 2, 16, 8), k=torch.randn(1, 2, 16, 8), v=torch.randn(1, 2, 16, 8))
+    if op == "cond":
+        def fn():
+            return torch.cond(holder.q.sum() > 0, lambda q, k: q * 2 + k, lambda q, k: q - k, (holder.q, holder.k))
+
+        def eager():
+            return holder.q * 2 + holder.k if holder.q.sum() > 0 else holder.q - holder.k
+    else:
+        flex = flex_attention_of(op == "compiled-flex")
+
+        def fn():
+            return flex(holder.q, holder.k, holder.v)
+
+        def eager():
+            return flex_attention_of(False)(holder.q, holder.k, holder.v)
+
+    with torch.inference_mode():
+        graph = backend.capture(fn)
+    assert graph.reads is not None and len(graph.reads.reads) >= 2, "the capture noted none of the op's operands"
+    for sign in (1.0, -1.0):  # both branches of the cond: the captured graph's is the one its predicate picks now
+        for name in ("q", "k", "v"):
+            getattr(holder, name).copy_(sign * torch.randn(1, 2, 16, 8).abs())
+        graph.replay()
+        with torch.inference_mode():
+            torch.testing.assert_close(graph.outputs, eager(), atol=1e-5, rtol=1e-5)
+    holder.k = torch.randn(1, 2, 16, 8)
+    with pytest.raises(CaptureError, match=r"would read holder\.k, now a tensor of shape \(1, 2, 16, 8\)"):
+        graph.replay()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_the_tensors_of_a_block_mask_are_reads_of_flex_attention():
+    """flex_attention takes its block mask as a tuple of tensors, among its other arguments: each is a read."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q = torch.randn(1, 1, 128, 8)
+    mask = create_block_mask(lambda b, h, i, j: i >= j, 1, 1, 128, 128, device="cpu")
+    recorder = ReadRecorder()
+    with torch.inference_mode(), torch.compiler.set_stance("force_eager"), recorder:  # as a capture records
+        flex_attention(q, q, q, block_mask=mask)
+    for name in ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices"):
+        assert storage_key(getattr(mask, name)) in recorder.read, name
+    assert storage_key(q) in recorder.read
+
+
+def test_a_failure_the_recording_causes_leaves_the_replay_unchecked_instead_of_failing_the_capture(
+        backend, monkeypatch, caplog):
+    """Under the recording torch takes other paths: a mode it refuses (here: the recorder without higher-order-op
+    support), ``torch.cond``'s eager path, which refuses nested operands that its compiled path (the warm-up's) takes.
+    The callable runs again without the recording, and its replays go unchecked."""
+    from hwgraph.graphs import capture_reads
+
+    holder = types.SimpleNamespace(x=torch.ones(4), y=torch.ones(4))
+
+    def nested():
+        operands = ((holder.x, {"y": [holder.y]}),)
+        return torch.cond(holder.x.sum() > 0, lambda t: t[0] + t[1]["y"][0], lambda t: t[0] - t[1]["y"][0], operands)
+
+    def flat():
+        return torch.cond(holder.x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (holder.x,))
+
+    with caplog.at_level("DEBUG", logger="hwgraph.graphs.capture_reads"):
+        graph = backend.capture(nested)
+    assert graph.reads is None
+    assert "not checked" in caplog.text and "AssertionError" in caplog.text
+    holder.y.fill_(2.0)
+    graph.replay()
+    torch.testing.assert_close(graph.outputs, torch.full((4,), 3.0))
+
+    monkeypatch.setattr(capture_reads.ReadRecorder, "supports_higher_order_operators", False)
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="hwgraph.graphs.capture_reads"):
+        graph = backend.capture(flat)
+    assert graph.reads is None and "no rule registered for HigherOrderOperator cond" in caplog.text
+    monkeypatch.undo()
+
+    monkeypatch.setattr(capture_reads, "tensors_in", capture_reads.storage_key)  # raises in this module: a bug of ours
+    graph = backend.capture(lambda: holder.x * 2)
+    assert graph.reads is None
+    holder.x.fill_(3.0)
+    graph.replay()
+    torch.testing.assert_close(graph.outputs, torch.full((4,), 6.0))
+
+
+def raises_boom(x):
+    raise ValueError("boom")
+
+
+@pytest.mark.parametrize("fails", [pytest.param(raises_boom, id="its-own-code"),
+                                   pytest.param(lambda x: x.view(3), id="an-op")])
+def test_a_callable_that_fails_only_in_the_recorded_run_fails_the_capture_without_another_run(backend, fails):
+    """As a device backend's capture fails on it: the callable's own error, or an op's, is no failure of the
+    recording, and the callable gets no second run that might pass."""
+    x, calls = torch.ones(2), []
+
+    def fn():
+        calls.append(1)
+        return fails(x) if len(calls) == 2 else x * 2  # the capture's run; the first is the warm-up
+
+    with pytest.raises(CaptureError, match=r"^capture failed: (ValueError: boom|RuntimeError: shape '\[3\]')"):
+        backend.capture(fn)
+    assert len(calls) == 2, "the callable ran again after the recorded run failed"
+
+
+# ---------------------------------------------------------------- a callable that puts the captured tensor back itself
+@functools.lru_cache(maxsize=8)
+def position_table(rows: int, cols: int) -> torch.Tensor:
+    return torch.arange(rows, dtype=torch.float32)[:, None].expand(rows, cols).contiguous()
+
+
+class CachedTable(torch.nn.Module):
+    def forward(self, x):
+        self.table = position_table(*x.shape)  # set on every call, before it is read
+        return x * self.table
+
+
+class TupleKeyedTables(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tables = {}  # (rows, cols) -> table: keys the search does not follow
+
+    def forward(self, x):
+        key = tuple(x.shape)
+        if key not in self.tables:
+            self.tables[key] = torch.arange(key[0], dtype=torch.float32)[:, None].expand(*key).contiguous()
+        self.current = self.tables[key]
+        return x * self.current
+
+
+@pytest.mark.parametrize("make", [CachedTable, TupleKeyedTables])
+def test_a_callable_that_sets_an_attribute_before_reading_it_replays_though_another_call_changed_it(backend, make):
+    """An eager call of another shape leaves another table in the attribute; the rerun sets the captured one back
+    before reading it, as a device graph reads it: the replay goes on."""
+    module, x = make(), torch.ones(4, 8)
+    with torch.inference_mode():
+        graph = backend.capture(lambda: module(x))
+        module(torch.ones(6, 8))
+    x.fill_(2.0)
+    graph.replay()
+    torch.testing.assert_close(graph.outputs[:, 0], torch.tensor([0.0, 2.0, 4.0, 6.0]))
+
+
+def test_graphs_whose_callables_point_a_shared_holder_at_their_own_buffers_replay_in_any_order(backend):
+    weight = torch.randn(8, 3)
+    holder = types.SimpleNamespace(buffers={(16, 1): torch.zeros(4, 8), (32, 2): torch.zeros(6, 8)}, current=None)
+
+    def forward_for(key):
+        def forward():
+            holder.current = holder.buffers[key]
+            return holder.current @ weight
+        return forward
+
+    with torch.inference_mode():
+        a = backend.capture(forward_for((16, 1)))
+        b = backend.capture(forward_for((32, 2)))
+    holder.buffers[16, 1].copy_(torch.ones(4, 8))
+    holder.buffers[32, 2].copy_(torch.full((6, 8), 2.0))
+    for graph in (a, b, a, a, b):
+        graph.replay()
+    torch.testing.assert_close(a.outputs, torch.ones(4, 8) @ weight)
+    torch.testing.assert_close(b.outputs, torch.full((6, 8), 2.0) @ weight)
+    holder.buffers[16, 1] = torch.ones(4, 8)  # replaced where the callable finds it: stale after the rerun too
+    with pytest.raises(CaptureError, match=r"would read holder\.current, now a tensor of shape \(6, 8\)"):
+        a.replay()
+
+
+def test_a_replaced_tensor_of_another_shape_is_refused_though_the_rerun_fails_on_it(backend):
+    """The rerun runs before the refusal now: where it fails on the tensor put in place, the refusal is the error."""
+    holder, weight = types.SimpleNamespace(x=torch.zeros(4, 8)), torch.ones(8, 3)
+    graph = backend.capture(lambda: holder.x @ weight)
+    holder.x = torch.ones(4, 5)
+    with pytest.raises(CaptureError, match=r"would read holder\.x, now a tensor of shape \(4, 5\)") as refused:
+        graph.replay()
+    assert isinstance(refused.value.__context__, RuntimeError)  # the rerun's own error, kept
+    torch.testing.assert_close(graph.outputs, torch.zeros(4, 3))
+
+
+# ---------------------------------------------------------------- captures overlapping in two threads
+@pytest.mark.parametrize("fails, stance", [(None, "default"), ("first", "default"), ("second", "default"),
+                                           (None, "eager_on_recompile")])
+def test_overlapping_captures_in_two_threads_put_the_compiler_stance_back_when_the_last_one_ends(fails, stance):
+    """The first capture in sets ``force_eager`` and the last one out puts back the stance it found: each putting back
+    what it found would leave ``force_eager`` for good (the second found the first's), or end it under the other."""
+    import threading
+
+    import torch._dynamo  # noqa: F401 - the stance is set only where dynamo is loaded
+    from torch._dynamo import eval_frame
+
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen, errors = {}, {}
+
+    def make(name):
+        calls = []
+
+        def fn():
+            calls.append(1)
+            if len(calls) == 2:  # the capture's run; the first is the warm-up
+                if name == "first":
+                    first_in.set()
+                    assert second_in.wait(10)
+                else:
+                    second_in.set()
+                    assert first_out.wait(10)
+                seen[name] = eval_frame._stance.stance  # the first one has left: still forced for the second
+                if fails == name:
+                    raise ValueError(f"{name} failed")
+            return torch.ones(2) * 2
+        return fn
+
+    def capture(name):
+        try:
+            CpuGraphBackend().capture(make(name))
+        except CaptureError as exc:
+            errors[name] = str(exc)
+        finally:
+            if name == "first":
+                first_out.set()
+
+    threads = {name: threading.Thread(target=capture, args=(name,)) for name in ("first", "second")}
+    with torch.compiler.set_stance(stance):
+        threads["first"].start()
+        assert first_in.wait(10)
+        threads["second"].start()
+        for thread in threads.values():
+            thread.join(20)
+        assert seen == {"first": "force_eager", "second": "force_eager"}
+        assert errors == ({} if fails is None else {fails: f"capture failed: ValueError: {fails} failed"})
+        assert eval_frame._stance.stance == stance
+    assert eval_frame._stance.stance == "default"
+    from hwgraph.graphs.capture_reads import FORCED_EAGER
+
+    assert FORCED_EAGER.depth == 0

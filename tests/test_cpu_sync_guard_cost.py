@@ -73,13 +73,18 @@ def test_a_guard_makes_no_replacement_again_until_an_attribute_changes(monkeypat
 def test_an_attribute_replaced_between_guards_is_the_one_the_next_guard_wraps_and_puts_back(monkeypatch):
     """A stand-in set between two guards (another library's wrapper, a test's monkeypatch) is called inside the next
     guard, under the guard's checks, and is what that guard puts back; once the stand-in is undone, the guard after
-    wraps the original again (the replacement it made for it before: torch.compile guards on its identity) and puts
-    the original back, not the stand-in it last found."""
+    wraps the original again and puts the original back, not the stand-in it last found.
+
+    The replacement made for the original before is reused only where replacements are kept per function wrapped:
+    for the ``torch`` functions (``torch_replacement``; torch.compile guards on their identity) and the tensor methods
+    judged only by their number arguments (``flip``). The guard's other wrappers (``copy_``, ``item``,
+    ``__getitem__``, ``to``, ``F.one_hot``...) are made again for the original, once (``Wrapped`` keeps only the last
+    one made); for the tensor methods among them, which carry no compile guard, that costs only the making."""
     real_zeros, real_one_hot = torch.zeros, F.one_hot
     tensor_flip = vars(torch.Tensor).get("flip")  # None: Tensor.flip is TensorBase's
     x, n = torch.arange(4.0), torch.tensor(2)
     with RejectHostReads():  # made for the originals
-        zeros_replacement = torch.zeros
+        zeros_replacement, flip_replacement = torch.zeros, vars(torch.Tensor)["flip"]
     calls = []
 
     def zeros(*args, **kwargs):
@@ -111,7 +116,7 @@ def test_an_attribute_replaced_between_guards_is_the_one_the_next_guard_wraps_an
 
     monkeypatch.undo()
     with RejectHostReads():
-        assert torch.zeros is zeros_replacement
+        assert torch.zeros is zeros_replacement and vars(torch.Tensor)["flip"] is flip_replacement
         assert torch.zeros(2).shape == (2,) and x.flip(0).shape == (4,) and F.one_hot(n, 3).shape == (3,)
         with pytest.raises(HostSyncError, match=r"torch\.zeros\(\) with a tensor where a size"):
             torch.zeros(n)

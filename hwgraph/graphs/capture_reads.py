@@ -4,28 +4,41 @@ A device graph reads, at every replay, the buffers its capture read. Where the c
 reads (``holder.x = torch.randn(...)``, a parameter given a new tensor or new ``.data``) instead of copying new values
 into it (``copy_``), a device graph keeps reading the old buffer (stale values, or freed memory), while the CPU
 reference backend's replay, which reruns the callable, read the new tensor and passed. ``captured_reads`` and
-``ReadPaths.check`` let that replay refuse instead.
+``ReadPaths`` let that replay refuse instead.
 
 Before the capture's run, the objects the callable reaches are searched for tensors, keeping the way to each
 (``holder.x``, ``tower.blocks.0.attn.qkv.weight``): closure cells, the globals its code names, defaults, a bound
 method's ``self``, a wrapped function, and through them modules, plain objects, dicts, lists and tuples. The run goes
 under a ``TorchDispatchMode`` (``ReadRecorder``) that notes the storages its ops read without having made them in the
-run: its inputs, parameters and buffers. A replay follows the ways to those storages again before it reruns the
-callable: where every way to one now leads to another tensor, the callable would read that tensor where a device
-graph reads the captured buffer, and the replay raises ``CaptureError`` naming both.
+run: its inputs, parameters and buffers; a higher-order op (``torch.cond``, ``flex_attention``) comes to it whole and
+runs with it popped, its tensor operands its reads. Compiled code runs eagerly meanwhile (dynamo runs no compiled
+frame under a mode): the first capture recording sets the ``force_eager`` stance for the process, the last one out
+puts back the stance found (``FORCED_EAGER``). Where the recorded run fails and a run without the recording does not
+(torch takes other paths under a mode), the capture goes on unchecked (``captured_reads``).
+
+A replay follows the ways to those storages again before it reruns the callable (``ReadPaths.stale``): where every way
+to one now leads to another tensor, the callable would read that tensor where a device graph reads the captured
+buffer. As the callable may itself put the captured tensor back before reading it (``self.table = cached(...)``, a
+holder that another graph's callable pointed at its own buffer), the replay reruns it and follows the ways again, and
+raises ``CaptureError`` naming both tensors, before it writes any output, only for a read stale both times
+(``ReadPaths.check(before=...)``); a replay that finds nothing stale follows the ways once.
 
 Checking every op of every replay under such a mode would see every read, but the mode alone costs about 15 us an op
 (the tiny tower's replay: 290 ops, 2.7 ms without a mode, 7 ms under one that does nothing), and dynamo runs no
 compiled frame under it; following the ways costs about 70 us a replay. What the ways miss: a tensor reached otherwise
-(through a class, a C++ object, or the module of a method the callable calls), a switch between two tensors that both
-existed at capture (an index into a list of buffers), and a replaced tensor whose storage is still reached by another
-way (a second reference left unchanged).
+(through a class, a C++ object, an object of torch's such as a ``BlockMask``, or the module of a method the callable
+calls), a switch between two tensors that both existed at capture (an index into a list of buffers), a replaced tensor
+whose storage is still reached by another way (a second reference left unchanged), a tensor that a higher-order op's
+functions read other than as its operands (a ``torch.cond`` branch's closure: its dense kernel refuses a mode), and a
+replaced tensor read by a callable that then puts the captured one back itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import os
 import sys
 import types
 from collections import deque
@@ -34,9 +47,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hwgraph.graphs.base import CaptureError
+from hwgraph.graphs.base import CaptureError, CountedSwitch
+
+log = logging.getLogger(__name__)
 
 #: ops whose tensor argument torch made just before the call, outside any op (``torch.tensor(...)``,
 #: ``torch.from_numpy``): new in the run, not read from outside it
@@ -71,7 +87,14 @@ def tensors_in(values) -> Iterator[torch.Tensor]:
 class ReadRecorder(TorchDispatchMode):
     """Notes the storages that the ops run under it read without an op under it having made them: what the run reads
     from outside (``read``: storage address -> weak reference). A view or an in-place result of such a tensor shares
-    its storage, so it is that tensor's."""
+    its storage, so it is that tensor's.
+
+    A higher-order op (``torch.cond``, ``flex_attention``; a ``HigherOrderOperator``, which has no overloadpacket)
+    comes here whole, with this mode popped: without ``supports_higher_order_operators`` torch refuses it under the
+    mode, and its dense kernels refuse to run under any mode, so the ops inside it are not seen. Its tensor operands,
+    at any depth of its arguments (a ``BlockMask``'s tuple), are its reads, and its outputs are made in the run."""
+
+    supports_higher_order_operators = True
 
     def __init__(self):
         super().__init__()
@@ -80,46 +103,109 @@ class ReadRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        fresh = func.overloadpacket in FRESH_INPUT_OPS
-        for tensor in tensors_in((*args, *kwargs.values())):
-            key = storage_key(tensor)
-            if key is None:
-                continue
-            if fresh:
-                self.made.add(key)
-            elif key not in self.made and key not in self.read:
-                self.read[key] = StorageWeakRef(tensor.untyped_storage())
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            self.note_reads(leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor))
+            out = func(*args, **kwargs)  # torch popped this mode for the call: a caller's mode below still sees it
+            self.note_made(leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor))
+            return out
+        if func.overloadpacket in FRESH_INPUT_OPS:
+            self.note_made(tensors_in((*args, *kwargs.values())))
+        else:
+            self.note_reads(tensors_in((*args, *kwargs.values())))
         out = func(*args, **kwargs)
-        for tensor in tensors_in(out if isinstance(out, (list, tuple)) else (out,)):
+        self.note_made(tensors_in(out if isinstance(out, (list, tuple)) else (out,)))
+        return out
+
+    def note_reads(self, tensors) -> None:
+        for tensor in tensors:
+            key = storage_key(tensor)
+            if key is not None and key not in self.made and key not in self.read:
+                self.read[key] = StorageWeakRef(tensor.untyped_storage())
+
+    def note_made(self, tensors) -> None:
+        for tensor in tensors:
             key = storage_key(tensor)
             if key is not None:
                 self.made.add(key)
-        return out
 
 
-def captured_reads(fn: Callable) -> tuple[object, ReadPaths]:
+def captured_reads(fn: Callable) -> tuple[object, ReadPaths | None]:
     """``fn()`` under a ``ReadRecorder``: its result, and the ways from ``fn`` to the tensors it read from outside,
     searched before it runs (a tensor it reads may be one it replaces: ``state.prev = state.prev + 1``).
 
-    Compiled code (``fn`` itself or a ``torch.compile``'d function it calls) runs eagerly here, under
-    ``set_stance("force_eager")``, for the whole process while it runs (a capture must not overlap other threads'
-    work): dynamo runs no compiled frame under a dispatch mode, and the eager code reads the same tensors."""
+    Compiled code (``fn`` itself or a ``torch.compile``'d function it calls) runs eagerly here, under the
+    ``force_eager`` stance (``forced_eager``), for the whole process while any capture records (other threads'
+    compiled code runs eagerly meanwhile): dynamo runs no compiled frame under a dispatch mode, and the eager code
+    reads the same tensors.
+
+    Where the run fails in a way the recording may cause (``failed_for_the_recording``: in this module's code, in
+    torch's code that runs otherwise under a mode and the eager stance, or torch refusing the recorder), ``fn`` runs
+    once more, without the recording, as a capture without the check would: if that succeeds, the result comes with
+    no ways (None: its replays are not checked; logged at debug); if it fails, that failure is raised. Any other error
+    (the callable's own, an op's) is raised at once, as a device backend's capture fails on it: a callable that fails
+    only in the capture's run is not given another."""
     ways = ways_to_tensors(fn)
     recorder = ReadRecorder()
-    with eager_stance(), recorder:
+    try:
+        with forced_eager(), recorder:
+            out = fn()
+    except Exception as exc:
+        if not failed_for_the_recording(exc):
+            raise
         out = fn()
+        log.debug("recording the reads of %s failed where a run without it did not, so its replays are not checked "
+                  "for replaced tensors", callable_name(fn), exc_info=exc)
+        return out, None
     return out, ReadPaths.of(fn, ways, recorder.read)
 
 
-def eager_stance() -> contextlib.AbstractContextManager:
-    """``torch.compiler.set_stance("force_eager")`` where dynamo is loaded (without it nothing is compiled), unless the
-    capture runs inside a compiled function (between its graph breaks), where dynamo refuses a new stance."""
-    if "torch._dynamo" not in sys.modules:
-        return contextlib.nullcontext()
-    try:
-        return torch.compiler.set_stance("force_eager")
-    except RuntimeError:  # "attempted to set_stance in a torch.compile region"
-        return contextlib.nullcontext()
+#: torch's code that runs otherwise under a dispatch mode and the ``force_eager`` stance than in a plain run: a
+#: higher-order op's eager path (``torch.cond``'s refuses nested operands, which its compiled path takes), dynamo
+RECORDING_PATHS = tuple(os.path.join(os.path.dirname(torch.__file__), name) + os.sep
+                        for name in ("_higher_order_ops", "_dynamo"))
+
+
+def failed_for_the_recording(exc: BaseException) -> bool:
+    """Whether ``exc`` may come from the recording rather than from the callable: its innermost frame is this
+    module's or in ``RECORDING_PATHS``, or it names the recorder (torch refusing a mode names it). Not an op's error
+    (raised where torch calls the op, ``torch/_ops.py``) nor one the callable's own code raises."""
+    if ReadRecorder.__name__ in str(exc):
+        return True
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        last, tb = tb.tb_frame, tb.tb_next
+    return last is not None and (last.f_code.co_filename == __file__
+                                 or last.f_code.co_filename.startswith(RECORDING_PATHS))
+
+
+def _force_eager():
+    """Sets the ``force_eager`` stance now; the object returned puts back the stance it found (its ``__exit__``)."""
+    return torch.compiler.set_stance("force_eager")
+
+
+#: The captures recording now, in every thread: the first one in sets ``force_eager``, the last one out puts back the
+#: stance the first one found (each putting back what it found would leave ``force_eager`` for good where two overlap)
+FORCED_EAGER = CountedSwitch(_force_eager, lambda stance: stance.__exit__(None, None, None))
+
+
+@contextlib.contextmanager
+def forced_eager():
+    """Inside: the ``force_eager`` stance, process-wide (``FORCED_EAGER``), where dynamo is loaded (without it nothing
+    is compiled), unless this thread runs inside a compiled function (between its graph breaks), where dynamo refuses
+    a new stance: there the stance is left as it is."""
+    if "torch._dynamo" not in sys.modules or in_compiled_region():
+        yield
+        return
+    with FORCED_EAGER:
+        yield
+
+
+def in_compiled_region() -> bool:
+    """Whether this thread runs inside a ``torch.compile``'d function (dynamo's frame callback is set), where
+    ``set_stance`` raises."""
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    return get_eval_frame_callback() not in (None, False)
 
 
 # ---------------------------------------------------------------- the ways from a callable to the tensors it read
@@ -319,7 +405,8 @@ class Read:
 @dataclass
 class ReadPaths:
     """The ways from a captured callable to the tensors its capture read from outside (``captured_reads``);
-    ``check()`` raises ``CaptureError`` where a replay would read another tensor in place of one of them."""
+    ``stale()`` lists the reads a replay would find another tensor in place of, and ``check()`` raises ``CaptureError``
+    for them (after a rerun: for those that were stale before it too)."""
 
     fn: Callable
     reads: list[Read]
@@ -338,17 +425,28 @@ class ReadPaths:
                 node.setdefault(plain(way[-1]), ({}, []))[1].append((i, j, r.storage.cdata))
         return cls(fn, kept, tree)
 
-    def check(self) -> None:
-        """Raise ``CaptureError`` where every way to a storage the capture read now leads to another tensor: the
-        callable would read it, where a device graph reads the captured buffer."""
+    def stale(self) -> dict[int, tuple[int, torch.Tensor]]:
+        """The reads every way to which now leads to another tensor: read index -> (way index, that tensor). Empty
+        where the callable would read what its capture read."""
         same = [False] * len(self.reads)  # a way still leads to the storage read
         other: dict[int, tuple[int, torch.Tensor]] = {}  # read -> (way, the other tensor it leads to)
         self._follow(self.fn, self.tree, same, other)
-        for i, (j, tensor) in other.items():
-            if not same[i]:
-                r = self.reads[i]
-                raise CaptureError(stale_read_message(self.fn, way_text(r.ways[j]), tensor, r.captured[j],
-                                                      not r.storage.expired()))
+        return {i: found for i, found in other.items() if not same[i]}
+
+    def check(self, before: dict[int, tuple[int, torch.Tensor]] | None = None) -> None:
+        """Raise ``CaptureError`` where every way to a storage the capture read now leads to another tensor: the
+        callable would read it, where a device graph reads the captured buffer.
+
+        ``before``: what ``stale()`` found before a rerun of the callable; then only a read stale both before and now
+        is refused, named by the tensor found before (what the rerun found there). A read the rerun made agree again is
+        one the callable put back itself before reading it (``self.table = cached(...)``), as it does on a device."""
+        now = self.stale()
+        if before is not None:
+            now = {i: before[i] for i in now if i in before}
+        for i, (j, tensor) in now.items():
+            r = self.reads[i]
+            raise CaptureError(stale_read_message(self.fn, way_text(r.ways[j]), tensor, r.captured[j],
+                                                  not r.storage.expired()))
 
     def _follow(self, obj, tree: dict, same: list, other: dict) -> None:
         for step, (subtree, ends) in tree.items():
@@ -373,8 +471,12 @@ def plain(step: tuple) -> tuple:
     return step[0], step[1]
 
 
+def callable_name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
 def stale_read_message(fn: Callable, where: str, tensor: torch.Tensor, captured: tuple, alive: bool) -> str:
-    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    name = callable_name(fn)
     since = "" if alive else ", freed since"
     return (f"replay of {name} would read {where}, now {describe(tensor)}, which existed before the replay but was not "
             f"read by the capture: the capture read {described(captured)} there{since}. A device graph would read the "

@@ -5,8 +5,10 @@ reruns the callable and copies the results into those same tensors. Inputs are w
 buffers hold at replay time, so stale inputs, outputs overwritten by the next replay, and padding leaking out show
 up on CPU exactly as they would on a device. A rerun would read a tensor the caller put in place of a captured one
 (``holder.x = new`` instead of ``holder.x.copy_(new)``), where a device graph keeps reading the captured buffer: the
-second run notes the tensors it reads and where the callable finds them, and a replay that would read another tensor
-there raises ``CaptureError`` instead (``hwgraph.graphs.capture_reads``).
+second run notes the tensors it reads and where the callable finds them, and a replay that finds another tensor there
+before its rerun, and again after it (the callable did not put the captured one back itself), raises ``CaptureError``
+before writing its outputs (``hwgraph.graphs.capture_reads``). A higher-order op (``torch.cond``, ``flex_attention``)
+is noted by its operands; a capture whose noting fails where a plain run does not replays unchecked.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ class CpuPool:
 
 
 class CpuCapturedGraph(CapturedGraph):
+    """``replay()`` reruns ``fn`` and copies its results into ``outputs``. Where ``reads`` (the ways to the tensors the
+    capture read) finds another tensor in place of one before the rerun, the rerun goes on, and the replay raises
+    ``CaptureError`` before writing any output unless the rerun put the captured tensor back (``ReadPaths.check``):
+    then the callable reads what a device graph reads. Where the rerun fails on the tensor put in place, the refusal
+    is raised, with the rerun's error as its context."""
+
     def __init__(self, fn: Callable[[], Outputs], outputs: Outputs, reads: ReadPaths | None = None):
         self.fn = fn
         self.outputs = outputs
@@ -64,11 +72,20 @@ class CpuCapturedGraph(CapturedGraph):
     def replay(self) -> None:
         if self.outputs is None:
             raise RuntimeError("replay() of a released graph")
-        if self.reads is not None:  # before the rerun: a device graph would not read the tensor put in place
-            self.reads.check()
+        # Before the rerun, one pass over the ways; a read found stale is refused only if the rerun leaves it stale:
+        # a callable may put the captured tensor back itself before reading it (``self.table = cached(...)``, or a
+        # holder another graph's callable pointed at its own buffer), and a device graph reads that tensor too.
+        stale = self.reads.stale() if self.reads is not None else None
         # The static outputs were made under inference_mode at capture, so they may only be written inside it.
         with torch.inference_mode():
-            fresh = flat_tensors(self.fn())
+            try:
+                fresh = flat_tensors(self.fn())
+            except Exception:
+                if stale:  # the rerun failed on the tensor put in place (another shape): that is the error to name
+                    self.reads.check(before=stale)
+                raise
+            if stale:  # before any output is written
+                self.reads.check(before=stale)
             static = flat_tensors(self.outputs)
             if len(fresh) != len(static):
                 raise CaptureError(f"the captured callable returned a different number of outputs on replay: "
