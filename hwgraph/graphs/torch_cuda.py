@@ -429,8 +429,15 @@ class TorchCudaGraphBackend(GraphBackend):
         with contextlib.suppress(Exception):
             end(self.device.index, pool_id(pool))
 
+    def compare_replay(self, replayed: list[torch.Tensor], eager: list[torch.Tensor]) -> None:
+        """Raise ``AssertionError`` saying how ``replayed`` (the graph's outputs) differ from ``eager`` (a rerun's);
+        here ``torch.testing.assert_close``'s closeness. A backend whose libraries round differently from run to run
+        overrides it (ROCm)."""
+        torch.testing.assert_close(replayed, eager, equal_nan=True)
+
     def check_replay(self, captured: TorchCudaCapturedGraph, fn) -> None:
-        """Replay once and compare with an eager run of the same inputs; a mismatch is a ``CaptureError``.
+        """Replay once and compare with an eager run of the same inputs (``compare_replay``); a mismatch is a
+        ``CaptureError``.
 
         A host sync here is fine: this runs once at capture time, never on the replay path.
         """
@@ -441,7 +448,7 @@ class TorchCudaGraphBackend(GraphBackend):
             with torch.inference_mode():
                 eager = flat_tensors(fn())
             self.synchronize()
-            torch.testing.assert_close(replayed, eager, equal_nan=True)
+            self.compare_replay(replayed, eager)
         except Exception as exc:
             captured.release()
             raise CaptureError(f"the {self.name} graph's replay disagrees with an eager run of the same inputs, so the "
