@@ -487,6 +487,23 @@ def test_a_wall_clock_sample_includes_waiting_for_the_device(monkeypatch):
     assert order == ["call", "sync"] and ms == pytest.approx(5.0)
 
 
+def fake_cuda_devices(monkeypatch, state: dict, event_cls) -> None:
+    """``torch.cuda.Event`` as ``event_cls``, and ``torch.cuda.device(d)`` making ``d``'s index ``state["device"]``
+    while it is entered."""
+    class FakeDevice:
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            self.previous, state["device"] = state["device"], self.index
+
+        def __exit__(self, *exc):
+            state["device"] = self.previous
+
+    monkeypatch.setattr(torch.cuda, "Event", event_cls)
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+
+
 def test_a_cuda_sample_records_both_events_on_the_timed_device(monkeypatch):
     state = {"device": 0, "clock": 0.0}
     events = []
@@ -506,23 +523,11 @@ def test_a_cuda_sample_records_both_events_on_the_timed_device(monkeypatch):
         def elapsed_time(self, end):
             return end.at[1] - self.at[1]
 
-    class FakeDevice:
-        def __init__(self, device):
-            self.index = torch.device(device).index
-
-        def __enter__(self):
-            self.previous, state["device"] = state["device"], self.index
-
-        def __exit__(self, *exc):
-            state["device"] = self.previous
-
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    fake_cuda_devices(monkeypatch, state, FakeEvent)
     ms = timing.one_sample(lambda: state.update(clock=state["clock"] + 2.5), torch.device("cuda:1"))
     assert ms == 2.5  # start to end, not end to start
     assert [e.at for e in events] == [(1, 0.0), (1, 2.5)]  # both on cuda:1, though cuda:0 is current
     assert state["device"] == 0
-
 
 
 def test_warm_ups_run_on_the_timed_device_as_the_samples_do(monkeypatch):
@@ -544,18 +549,7 @@ def test_warm_ups_run_on_the_timed_device_as_the_samples_do(monkeypatch):
         def elapsed_time(self, end):
             return 1.0
 
-    class FakeDevice:
-        def __init__(self, device):
-            self.index = torch.device(device).index
-
-        def __enter__(self):
-            self.previous, state["device"] = state["device"], self.index
-
-        def __exit__(self, *exc):
-            state["device"] = self.previous
-
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    fake_cuda_devices(monkeypatch, state, FakeEvent)
     monkeypatch.setattr(timing, "synchronize", lambda device: seen.append(("sync", state["device"])))
     timed = timing.measure_interleaved({"a": lambda: seen.append(("a", state["device"])),
                                         "b": lambda: seen.append(("b", state["device"]))},
