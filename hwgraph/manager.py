@@ -167,6 +167,10 @@ class EncoderGraphManager:
         if max_images_per_graph is None:
             max_images_per_graph = min([budget_rules.DEFAULT_MAX_IMAGES, *budgets])
         self.budgets = budget_rules.validate_budgets(budgets, max_images_per_graph)
+        # refused now, not as a logged capture failure of that budget once capture() runs
+        too_large = budget_rules.patch_rows_refusal(self.budgets[-1], tower.spatial_merge_size)
+        if too_large:
+            raise ValueError(f"budget {self.budgets[-1]} is too large: {too_large}")
         self.max_images = max_images_per_graph = int(max_images_per_graph)
         if slot_counts is not None:
             slot_counts = budget_rules.validate_slot_counts(slot_counts, max_images_per_graph)

@@ -253,6 +253,8 @@ def test_close_frees_the_graph_memory(tower):
     ([16, 32], 17, r"max_images_per_graph \(17\) must not be above the smallest budget \(16\)"),
     ([16.0], 1, "must be ints"),
     ([16], 0, "positive int"),
+    # past int32 cu_seqlens: refused here, where it was a logged capture failure at capture()
+    ([16, 2**30], 1, r"budget 1073741824 is too large: 1073741824 tokens are 4294967296 patch rows"),
 ])
 def test_bad_budgets_raise_naming_the_rule_and_values(tower, budgets, max_images, match):
     with pytest.raises(ValueError, match=match):
