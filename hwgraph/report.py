@@ -3,6 +3,7 @@ dispatch."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 MIB = 2**20
@@ -289,10 +290,13 @@ def bench_markdown(result: dict) -> str:
 def write_reports(out: Path, texts: dict[str, str]) -> None:
     """Write each of ``texts`` (file name -> text) into ``out`` through a temporary file beside it, every one before
     any is renamed into place: a failure (a full disk) leaves neither a truncated report nor one without the other."""
-    partials = {name: out / f".{name}.partial" for name in texts}
+    partials: dict[str, Path] = {}
     try:
-        for name, partial in partials.items():
-            partial.write_text(texts[name])
+        for name, text in texts.items():
+            # named for this process: another run writing into the same folder had its partial file overwritten,
+            # and deleted before its rename (not mkstemp's: its files are private, and so would the reports be)
+            partials[name] = out / f".{name}.{os.getpid()}.partial"
+            partials[name].write_text(text, encoding="utf-8")
         for name, partial in partials.items():
             partial.replace(out / name)
     finally:

@@ -82,6 +82,21 @@ def test_the_reports_are_written_whole_and_replace_an_earlier_pair(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]
 
 
+
+def test_another_runs_partial_report_in_the_same_folder_is_left_alone(tmp_path):
+    """Every run wrote ``.report.md.partial``: a second validate into the same folder overwrote the first one's, and
+    deleted it before the first could rename it into place."""
+    from hwgraph.validate import write_reports
+
+    other = {name: tmp_path / f".{name}.partial" for name in ("report.json", "report.md")}
+    other |= {f"{name} (pid 1)": tmp_path / f".{name}.1.partial" for name in ("report.json", "report.md")}
+    for path in other.values():
+        path.write_text("another run's, mid-write")
+    write_reports(tmp_path, {"report.json": json.dumps({"ok": True}), "report.md": "**PASS** µs\n"})
+    assert all(path.read_text() == "another run's, mid-write" for path in other.values())
+    assert (tmp_path / "report.md").read_text(encoding="utf-8") == "**PASS** µs\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["report.json", "report.md"]
+
 class BrokenMatplotlib:
     """A finder that makes ``import matplotlib`` fail as a matplotlib built for another numpy does."""
 
