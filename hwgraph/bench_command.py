@@ -26,7 +26,7 @@ from hwgraph.bench import (
 )
 from hwgraph.cli import at_least, check_kernels, check_patch_rows, parsed
 from hwgraph.platform import checked_device
-from hwgraph.report import write_reports
+from hwgraph.report import partial_path, write_reports
 
 
 def parse_device(spec: str) -> torch.device:
@@ -155,7 +155,7 @@ def write_json(path: Path, text: str) -> None:
         path.write_text(text)
         return
     try:
-        path.with_name(f".{path.name}.partial").touch()
+        partial_path(path).touch()
     except OSError:  # writable_path checked the path itself, not its folder
         path.write_text(text)
         return

@@ -287,15 +287,20 @@ def bench_markdown(result: dict) -> str:
     return "\n\n".join(parts)
 
 
+def partial_path(path: Path) -> Path:
+    """The temporary file ``write_reports`` writes ``path``'s text into before renaming it into place: named for this
+    process, since another run writing into the same folder had its partial file overwritten, and deleted before its
+    rename (not ``mkstemp``'s: its files are private, and so the reports would be)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.partial")
+
+
 def write_reports(out: Path, texts: dict[str, str]) -> None:
     """Write each of ``texts`` (file name -> text) into ``out`` through a temporary file beside it, every one before
     any is renamed into place: a failure (a full disk) leaves neither a truncated report nor one without the other."""
     partials: dict[str, Path] = {}
     try:
         for name, text in texts.items():
-            # named for this process: another run writing into the same folder had its partial file overwritten,
-            # and deleted before its rename (not mkstemp's: its files are private, and so would the reports be)
-            partials[name] = out / f".{name}.{os.getpid()}.partial"
+            partials[name] = partial_path(out / name)
             partials[name].write_text(text, encoding="utf-8")
         for name, partial in partials.items():
             partial.replace(out / name)
