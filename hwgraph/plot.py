@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hwgraph.report import partial_path
+
 
 def matplotlib_missing() -> str | None:
     """Why no plot can be drawn here, or None."""
@@ -40,7 +42,7 @@ def draw(result: dict, rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")
+    partial = partial_path(path)  # this process's: another run plotting into the same folder keeps its own
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     try:
         kernels = list(dict.fromkeys(r["kernel"] for r in rows))
