@@ -101,10 +101,12 @@ def capture_budget(tower, backend, pool, budget: int, *, device: torch.device, s
             torch._dynamo.mark_dynamic(meta.cu_seqlens, 0)
 
         def forward() -> torch.Tensor:
-            # Under dynamo's limits and inductor's rounding at every call, not only while capturing: a backend that
-            # replays by running forward again (the CPU reference backend) recompiles there when the process's state
-            # moved since (torch.set_num_threads, deterministic algorithms), and that compilation rounded bf16 unlike
-            # eager and fell back to eager silently past the recompile limit.
+            # A compiled forward runs under dynamo's limits and inductor's rounding at every call: the first, which
+            # compiles, each capture, and each replay of a backend that replays by running forward again (the CPU
+            # reference backend), which recompiles there when the process's state moved since (torch.set_num_threads,
+            # deterministic algorithms); that compilation rounded bf16 unlike eager and fell back to eager silently
+            # past the recompile limit. A plain forward never reads them (that imports dynamo: 1-5 s counted as the
+            # first plain budget's capture time).
             with compile_limits(num_budgets) if compiled else contextlib.nullcontext():
                 out = tower.forward_with_metadata(pixels, meta, block_forward=block_forward)
             return torch.stack(out.tensors())
@@ -126,10 +128,7 @@ def capture_budget(tower, backend, pool, budget: int, *, device: torch.device, s
     # (``products.chosen_by``); compiled graphs call it through its custom ops.
     choice = products.chosen_by(chooser) if chooser is not None else contextlib.nullcontext()
     try:
-        # (dynamo's limits only for a compiled capture: reading them imports dynamo, 1-5 s counted as the
-        # first plain budget's capture time)
-        limits = compile_limits(num_budgets) if compiled else contextlib.nullcontext()
-        with torch.inference_mode(), limits, choice:
+        with torch.inference_mode(), choice:
             if compiled:
                 # The first call traces and compiles (or loads inductor's cached graphs). Made here, before
                 # capturing, it is the budget's compile time, less what a product chooser spent measuring
