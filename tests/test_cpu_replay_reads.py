@@ -17,8 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hwgraph.graphs import CaptureError, HostSyncError
-from hwgraph.graphs.capture_reads import ReadRecorder, storage_key
 from hwgraph.graphs.cpu import CpuGraphBackend
+from hwgraph.graphs.read_recording import ReadRecorder, storage_key
 from hwgraph.manager import EncoderGraphManager
 from hwgraph.models.qwen3_omni import Qwen3OmniVisionTower
 from hwgraph.testing.towers import grid_of, pixels_for
@@ -290,7 +290,7 @@ def test_a_failure_the_recording_causes_leaves_the_replay_unchecked_instead_of_f
     """Under the recording torch takes other paths: a mode it refuses (here: the recorder without higher-order-op
     support), ``torch.cond``'s eager path, which refuses nested operands that its compiled path (the warm-up's) takes.
     The callable runs again without the recording, and its replays go unchecked."""
-    from hwgraph.graphs import capture_reads
+    from hwgraph.graphs import read_recording
 
     holder = types.SimpleNamespace(x=torch.ones(4), y=torch.ones(4))
 
@@ -309,14 +309,14 @@ def test_a_failure_the_recording_causes_leaves_the_replay_unchecked_instead_of_f
     graph.replay()
     torch.testing.assert_close(graph.outputs, torch.full((4,), 3.0))
 
-    monkeypatch.setattr(capture_reads.ReadRecorder, "supports_higher_order_operators", False)
+    monkeypatch.setattr(read_recording.ReadRecorder, "supports_higher_order_operators", False)
     caplog.clear()
     with caplog.at_level("DEBUG", logger="hwgraph.graphs.capture_reads"):
         graph = backend.capture(flat)
     assert graph.reads is None and "no rule registered for HigherOrderOperator cond" in caplog.text
     monkeypatch.undo()
 
-    monkeypatch.setattr(capture_reads, "tensors_in", capture_reads.storage_key)  # raises in this module: a bug of ours
+    monkeypatch.setattr(read_recording, "tensors_in", read_recording.storage_key)  # raises in our recorder
     graph = backend.capture(lambda: holder.x * 2)
     assert graph.reads is None
     holder.x.fill_(3.0)
@@ -469,6 +469,6 @@ def test_overlapping_captures_in_two_threads_put_the_compiler_stance_back_when_t
         assert errors == ({} if fails is None else {fails: f"capture failed: ValueError: {fails} failed"})
         assert eval_frame._stance.stance == stance
     assert eval_frame._stance.stance == "default"
-    from hwgraph.graphs.capture_reads import FORCED_EAGER
+    from hwgraph.graphs.read_recording import FORCED_EAGER
 
     assert FORCED_EAGER.depth == 0

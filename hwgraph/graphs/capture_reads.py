@@ -9,12 +9,9 @@ reference backend's replay, which reruns the callable, read the new tensor and p
 Before the capture's run, the objects the callable reaches are searched for tensors, keeping the way to each
 (``holder.x``, ``tower.blocks.0.attn.qkv.weight``): closure cells, the globals its code names, defaults, a bound
 method's ``self``, a wrapped function, and through them modules, plain objects, dicts, lists and tuples. The run goes
-under a ``TorchDispatchMode`` (``ReadRecorder``) that notes the storages its ops read without having made them in the
-run: its inputs, parameters and buffers; a higher-order op (``torch.cond``, ``flex_attention``) comes to it whole and
-runs with it popped, its tensor operands its reads. Compiled code runs eagerly meanwhile (dynamo runs no compiled
-frame under a mode): the first capture recording sets the ``force_eager`` stance for the process, the last one out
-puts back the stance found (``FORCED_EAGER``). Where the recorded run fails and a run without the recording does not
-(torch takes other paths under a mode), the capture goes on unchecked (``captured_reads``).
+under a recording that notes the storages it reads from outside (``read_recording``: ``ReadRecorder``, under the
+``force_eager`` stance). Where the recorded run fails and a run without the recording does not (torch takes other
+paths under a mode), the capture goes on unchecked (``captured_reads``).
 
 A replay follows the ways to those storages again before it reruns the callable (``ReadPaths.stale``): where every way
 to one now leads to another tensor, the callable would read that tensor where a device graph reads the captured
@@ -35,7 +32,6 @@ replaced tensor read by a callable that then puts the captured one back itself.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -47,16 +43,13 @@ from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from hwgraph.graphs.base import CaptureError, CountedSwitch
+from hwgraph.graphs import read_recording
+from hwgraph.graphs.base import CaptureError
+from hwgraph.graphs.read_recording import ReadRecorder, forced_eager, storage_key
 
 log = logging.getLogger(__name__)
 
-#: ops whose tensor argument torch made just before the call, outside any op (``torch.tensor(...)``,
-#: ``torch.from_numpy``): new in the run, not read from outside it
-FRESH_INPUT_OPS = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy, torch.ops.aten.lift)
 #: bounds of the search for the ways to the tensors read: objects looked into, ways kept per storage, and the items
 #: looked at in one dict, list or tuple
 MAX_OBJECTS = 20_000
@@ -65,68 +58,6 @@ MAX_ITEMS = 4096
 #: packages whose objects the search does not look into (their tensors are not the caller's to replace), beyond the
 #: standard library; their modules (``torch.nn``) and functions wrapping a caller's function are still followed
 SKIPPED_PACKAGES = frozenset({"torch", "numpy", "triton", "transformers", "sympy"})
-
-
-def storage_key(tensor: torch.Tensor) -> int | None:
-    """The address of ``tensor``'s storage (shared by its views), or None where it has none (a sparse tensor)."""
-    try:
-        return tensor.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
-def tensors_in(values) -> Iterator[torch.Tensor]:
-    """The tensors among ``values`` and in the lists and tuples among them (how ops take them: ``torch.cat``)."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (item for item in value if isinstance(item, torch.Tensor))
-
-
-class ReadRecorder(TorchDispatchMode):
-    """Notes the storages that the ops run under it read without an op under it having made them: what the run reads
-    from outside (``read``: storage address -> weak reference). A view or an in-place result of such a tensor shares
-    its storage, so it is that tensor's.
-
-    A higher-order op (``torch.cond``, ``flex_attention``; a ``HigherOrderOperator``, which has no overloadpacket)
-    comes here whole, with this mode popped: without ``supports_higher_order_operators`` torch refuses it under the
-    mode, and its dense kernels refuse to run under any mode, so the ops inside it are not seen. Its tensor operands,
-    at any depth of its arguments (a ``BlockMask``'s tuple), are its reads, and its outputs are made in the run."""
-
-    supports_higher_order_operators = True
-
-    def __init__(self):
-        super().__init__()
-        self.made: set[int] = set()
-        self.read: dict[int, StorageWeakRef] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            self.note_reads(leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor))
-            out = func(*args, **kwargs)  # torch popped this mode for the call: a caller's mode below still sees it
-            self.note_made(leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor))
-            return out
-        if func.overloadpacket in FRESH_INPUT_OPS:
-            self.note_made(tensors_in((*args, *kwargs.values())))
-        else:
-            self.note_reads(tensors_in((*args, *kwargs.values())))
-        out = func(*args, **kwargs)
-        self.note_made(tensors_in(out if isinstance(out, (list, tuple)) else (out,)))
-        return out
-
-    def note_reads(self, tensors) -> None:
-        for tensor in tensors:
-            key = storage_key(tensor)
-            if key is not None and key not in self.made and key not in self.read:
-                self.read[key] = StorageWeakRef(tensor.untyped_storage())
-
-    def note_made(self, tensors) -> None:
-        for tensor in tensors:
-            key = storage_key(tensor)
-            if key is not None:
-                self.made.add(key)
 
 
 def captured_reads(fn: Callable) -> tuple[object, ReadPaths | None]:
@@ -138,7 +69,7 @@ def captured_reads(fn: Callable) -> tuple[object, ReadPaths | None]:
     compiled code runs eagerly meanwhile): dynamo runs no compiled frame under a dispatch mode, and the eager code
     reads the same tensors.
 
-    Where the run fails in a way the recording may cause (``failed_for_the_recording``: in this module's code, in
+    Where the run fails in a way the recording may cause (``failed_for_the_recording``: in our code, in
     torch's code that runs otherwise under a mode and the eager stance, or torch refusing the recorder), ``fn`` runs
     once more, without the recording, as a capture without the check would: if that succeeds, the result comes with
     no ways (None: its replays are not checked; logged at debug); if it fails, that failure is raised. Any other error
@@ -163,49 +94,21 @@ def captured_reads(fn: Callable) -> tuple[object, ReadPaths | None]:
 #: higher-order op's eager path (``torch.cond``'s refuses nested operands, which its compiled path takes), dynamo
 RECORDING_PATHS = tuple(os.path.join(os.path.dirname(torch.__file__), name) + os.sep
                         for name in ("_higher_order_ops", "_dynamo"))
+#: our code that runs in the recorded run: this module and the recorder's
+RECORDING_FILES = (__file__, read_recording.__file__)
 
 
 def failed_for_the_recording(exc: BaseException) -> bool:
-    """Whether ``exc`` may come from the recording rather than from the callable: its innermost frame is this
-    module's or in ``RECORDING_PATHS``, or it names the recorder (torch refusing a mode names it). Not an op's error
-    (raised where torch calls the op, ``torch/_ops.py``) nor one the callable's own code raises."""
+    """Whether ``exc`` may come from the recording rather than from the callable: its innermost frame is in
+    ``RECORDING_FILES`` or ``RECORDING_PATHS``, or it names the recorder (torch refusing a mode names it). Not an op's
+    error (raised where torch calls the op, ``torch/_ops.py``) nor one the callable's own code raises."""
     if ReadRecorder.__name__ in str(exc):
         return True
     tb, last = exc.__traceback__, None
     while tb is not None:
         last, tb = tb.tb_frame, tb.tb_next
-    return last is not None and (last.f_code.co_filename == __file__
+    return last is not None and (last.f_code.co_filename in RECORDING_FILES
                                  or last.f_code.co_filename.startswith(RECORDING_PATHS))
-
-
-def _force_eager():
-    """Sets the ``force_eager`` stance now; the object returned puts back the stance it found (its ``__exit__``)."""
-    return torch.compiler.set_stance("force_eager")
-
-
-#: The captures recording now, in every thread: the first one in sets ``force_eager``, the last one out puts back the
-#: stance the first one found (each putting back what it found would leave ``force_eager`` for good where two overlap)
-FORCED_EAGER = CountedSwitch(_force_eager, lambda stance: stance.__exit__(None, None, None))
-
-
-@contextlib.contextmanager
-def forced_eager():
-    """Inside: the ``force_eager`` stance, process-wide (``FORCED_EAGER``), where dynamo is loaded (without it nothing
-    is compiled), unless this thread runs inside a compiled function (between its graph breaks), where dynamo refuses
-    a new stance: there the stance is left as it is."""
-    if "torch._dynamo" not in sys.modules or in_compiled_region():
-        yield
-        return
-    with FORCED_EAGER:
-        yield
-
-
-def in_compiled_region() -> bool:
-    """Whether this thread runs inside a ``torch.compile``'d function (dynamo's frame callback is set), where
-    ``set_stance`` raises."""
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback
-
-    return get_eval_frame_callback() not in (None, False)
 
 
 # ---------------------------------------------------------------- the ways from a callable to the tensors it read

@@ -7,8 +7,9 @@ up on CPU exactly as they would on a device. A rerun would read a tensor the cal
 (``holder.x = new`` instead of ``holder.x.copy_(new)``), where a device graph keeps reading the captured buffer: the
 second run notes the tensors it reads and where the callable finds them, and a replay that finds another tensor there
 before its rerun, and again after it (the callable did not put the captured one back itself), raises ``CaptureError``
-before writing its outputs (``hwgraph.graphs.capture_reads``). A higher-order op (``torch.cond``, ``flex_attention``)
-is noted by its operands; a capture whose noting fails where a plain run does not replays unchecked.
+before writing its outputs (``hwgraph.graphs.capture_reads``; the noting: ``hwgraph.graphs.read_recording``). A
+higher-order op (``torch.cond``, ``flex_attention``) is noted by its operands; a capture whose noting fails where a
+plain run does not replays unchecked.
 """
 
 from __future__ import annotations
