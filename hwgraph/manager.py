@@ -62,8 +62,10 @@ class ManagerStats:
     compile_seconds_per_budget: dict = field(default_factory=dict)  # compiled captures: the first compiled forward,
     # less the product chooser's measuring in it; a process's first compiled budget also pays dynamo's and
     # inductor's one-time start-up there
-    capture_failures: dict = field(default_factory=dict)  # budget -> reason
+    capture_failures: dict = field(default_factory=dict)  # budget -> reason; like compile_failures, it keeps the
+    # budgets calibration removed: why they were not timed (the bench's calibration section says so)
     compile_skipped: str | None = None  # compile=True on a backend without inductor: why it captured uncompiled
+    # (None once no graph it captured so is held)
     compile_failures: dict = field(default_factory=dict)  # budget -> why its compiled capture fell back to plain
     products: str | None = None  # measure_products=True: what chose the products' kernels, or why ATen did
     products_measured: bool = False  # measure_products=True and the backend's chooser ran the captures' products
@@ -306,6 +308,11 @@ class EncoderGraphManager:
                 log.warning("capture of budget %d failed on %s/%s, it stays eager: %s", budget,
                             self.backend.name, self.tower.attention_kernel, reason)
                 self.backend.synchronize()
+        if compiled and not any(entry.compile_seconds is None and budget not in self._stats.compile_failures
+                                for budget, entry in self.graphs.items()):
+            # an earlier capture() skipped compiling (e.g. under TORCH_COMPILE_DISABLE=1); no graph it captured plain
+            # is held now
+            self._stats.compile_skipped = None
         if self._chooser is not None:
             self._stats.products = self._chooser.describe(since=self._products_mark)
             log.info("matrix products on %s: %s", self.backend.name, self._stats.products)

@@ -416,6 +416,33 @@ def test_the_triton_cache_folder_is_pinned_before_the_rounding_probe_compiles(mo
     assert order == ["pin", "probe"] and m.stats()["compile_skipped"] == "not probed in this test"
 
 
+def test_compile_skipped_goes_once_no_graph_captured_uncompiled_for_it_is_held(monkeypatch):
+    """compile_skipped ("all budgets captured uncompiled, because ...") stayed after a later capture() had captured
+    every budget again, compiled or after a failed compiled capture."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # what is checked here is the bookkeeping
+    tower = Qwen3OmniVisionTower.from_preset("tiny", depth=2, deepstack_visual_indexes=[0]).eval()
+    m = EncoderGraphManager(tower, budgets=[8, 16], max_images_per_graph=2, graph_backend="cpu", compile=True)
+    monkeypatch.setattr(m.backend, "compile_support", lambda: Capability.unavailable("no inductor today"))
+    m.capture()
+    assert m.stats()["compile_skipped"] == "no inductor today"
+    monkeypatch.setattr(m.backend, "compile_support", Capability.available)
+    m.capture()  # captures nothing: the plain graphs are still the ones held
+    assert m.stats()["compile_skipped"] == "no inductor today"
+    real_numerics, real_capture = m.backend.numerics_settings, m._capture_budget
+
+    def capture_budget(budget, compiled=False):
+        if compiled and budget == 16:
+            raise RuntimeError("inductor exploded")
+        return real_capture(budget, compiled)
+
+    monkeypatch.setattr(m.backend, "numerics_settings", lambda dtype: (*real_numerics(dtype), ("test", "changed")))
+    monkeypatch.setattr(m, "_capture_budget", capture_budget)
+    m.capture()  # both budgets again: 8 compiled, 16 plain after its compiled capture failed
+    s = m.stats()
+    assert s["compile_skipped"] is None and list(s["compile_seconds_per_budget"]) == [8]
+    assert list(s["compile_failures"]) == [16] and sorted(m.graphs) == [8, 16]
+
+
 # ------------------------------------------------------------------ compiled vs plain parity (an audit's findings)
 def tiny_tower(seed=0, **kw):
     torch.manual_seed(seed)
