@@ -18,12 +18,86 @@ from hwgraph.capability import Capability
 from hwgraph.graphs.torch_cuda import TorchCudaGraphBackend
 from hwgraph.platform import detect, platform_for
 
+#: A replayed row (the output read as rows over its last dimension, the hidden size) may be this many times the dtype's
+#: whole-output ``VERIFY_TOLERANCE`` off in relative L2 (bf16: 0.12): rounding concentrates in the few rows where an
+#: early rounding went the other way (27 bf16 blocks summed in another order: whole output 2e-3, worst row 1.6e-2),
+#: while a stale row is off by far more (zeros: 1; another image's row: tens of percent even where images share most
+#: of each row).
+ROW_SLACK = 4.0
+
+#: A row's error is relative to its own norm or to this fraction of the tensor's typical row norm (its RMS times
+#: sqrt(hidden)), whichever is larger: a near-zero row (a residual that cancels) carries rounding at its inputs' scale.
+ROW_FLOOR = 0.25
+
+
+def row_name(row: int, leading: tuple[int, ...]) -> str:
+    """Row ``row`` of the flattened leading dimensions ``leading``, named by its index: ``row 7``, ``row (1, 3)``."""
+    if len(leading) <= 1:
+        return f"row {row}"
+    index = []
+    for size in reversed(leading):
+        row, i = divmod(row, size)
+        index.append(i)
+    return f"row {tuple(reversed(index))}"
+
+
+def misplaced(got: torch.Tensor, want: torch.Tensor, what: str, leading: tuple[int, ...]) -> str | None:
+    """Where the masks ``got`` and ``want`` (rows x hidden: NaN, +inf or -inf) differ: the first such row, or None."""
+    rows = (got != want).any(dim=-1)
+    if not bool(rows.any()):
+        return None
+    row = int(rows.nonzero()[0, 0])
+    return (f"{what} in other places: {row_name(row, leading)} has {int(got[row].sum())} {what} replayed, "
+            f"{int(want[row].sum())} from the eager run ({int(rows.sum())} of {rows.numel()} rows differ)")
+
+
+def float_disagreement(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """Why floating-point ``got`` is not ``want`` up to rounding (same shape and dtype), or None.
+
+    Read as rows over the last dimension (``[..., hidden]``; a 0-d tensor is one row of one): NaN and infinities in the
+    same places; the whole output's relative L2 error within ``VERIFY_TOLERANCE[dtype]``; each row's within
+    ``ROW_SLACK`` times that, a row's norm floored at ``ROW_FLOOR`` of the typical row's. The whole-output bound alone
+    let a few stale rows through: 4 rows of 4096 are 3% of the norm, bf16's bound is 3%."""
+    if want.numel() == 0:
+        return None
+    hidden = want.shape[-1] if want.dim() else 1
+    leading = tuple(want.shape[:-1])
+    got, want = got.reshape(-1, hidden), want.reshape(-1, hidden)
+    for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        if (reason := misplaced(test(got), test(want), what, leading)) is not None:
+            return reason
+    # float64 keeps float64's bound meaningful (1e-10 is below float32's resolution); the rest compare in float32
+    wide = torch.promote_types(want.dtype, torch.float32)
+    same = (got == want) | want.isnan()  # NaN and infinities in the same places: equal there, their difference is NaN
+    diff = torch.where(same, 0.0, got.to(wide) - want.to(wide))
+    scale = torch.where(want.isfinite(), want.to(wide), 0.0)
+    diff_rows = torch.linalg.vector_norm(diff, dim=-1)
+    scale_rows = torch.linalg.vector_norm(scale, dim=-1)
+    total = torch.linalg.vector_norm(scale_rows)
+    typical_row = total / len(scale_rows) ** 0.5
+    row_errors = diff_rows / torch.maximum(scale_rows, ROW_FLOOR * typical_row).clamp_min(1e-30)
+    worst = int(row_errors.argmax())
+    worst_error = float(row_errors[worst])
+    error = float(torch.linalg.vector_norm(diff_rows) / total.clamp_min(1e-30))
+    bound = VERIFY_TOLERANCE.get(want.dtype, 1e-4)
+    row_bound = ROW_SLACK * bound
+    worst_row = f"{row_name(worst, leading)} of {len(row_errors)}"
+    if not error <= bound:
+        return (f"relative error {error:.3g} above {bound} for {want.dtype} (worst {worst_row}: relative error "
+                f"{worst_error:.3g})")
+    if not worst_error <= row_bound:
+        above = int((row_errors > row_bound).sum())
+        return (f"{worst_row} has relative error {worst_error:.3g}, above the per-row bound {row_bound:.3g} for "
+                f"{want.dtype} ({above} rows above it; a row replayed stale or unwritten, though the whole output's "
+                f"{error:.3g} is within {bound})")
+    return None
+
 
 def replay_disagreement(replayed: list[torch.Tensor], eager: list[torch.Tensor]) -> str | None:
     """Why the replayed outputs are not the eager ones up to rounding, or None when they are. Per output: the same shape
-    and dtype; NaN in the same places (as ``assert_close(equal_nan=True)``); a floating-point output within its dtype's
-    ``VERIFY_TOLERANCE``, the relative L2 error the manager's verification allows every backend's replay (rounding:
-    bf16 3e-2, float32 1e-4; a stale or unwritten output is off by about 1); any other output exactly equal."""
+    and dtype; a floating-point output within ``float_disagreement``'s bounds, the relative L2 error the manager's
+    verification allows every backend's replay (``VERIFY_TOLERANCE``: bf16 3e-2, float32 1e-4) over the whole output
+    and a few times that in every row (a stale or unwritten row is off by about 1); any other output exactly equal."""
     if len(replayed) != len(eager):
         return f"{len(replayed)} outputs replayed, {len(eager)} from the eager run"
     for i, (got, want) in enumerate(zip(replayed, eager, strict=True)):
@@ -35,15 +109,8 @@ def replay_disagreement(replayed: list[torch.Tensor], eager: list[torch.Tensor])
             if not torch.equal(got, want):
                 return f"{where}: {int((got != want).sum())} of {want.numel()} {want.dtype} elements differ"
             continue
-        if not torch.equal(got.isnan(), want.isnan()):
-            return f"{where}: NaN in other places"
-        same = (got == want) | want.isnan()  # equal infinities too, whose difference would be NaN
-        diff = torch.where(same, 0.0, got.float() - want.float())
-        scale = torch.where(want.isfinite(), want.float(), 0.0)
-        error = float(torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(scale).clamp_min(1e-30))
-        bound = VERIFY_TOLERANCE.get(want.dtype, 1e-4)
-        if not error <= bound:
-            return f"{where}: relative error {error:.3g} above {bound} for {want.dtype}"
+        if (reason := float_disagreement(got, want)) is not None:
+            return f"{where}: {reason}"
     return None
 
 

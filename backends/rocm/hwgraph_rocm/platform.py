@@ -7,6 +7,8 @@ on every machine, so nothing here touches a device or imports aiter. The gate re
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hwgraph.capability import Capability, gfx_name
@@ -22,13 +24,66 @@ SUPPORTED_ARCHS = frozenset({
 })
 
 
+#: LLVM's generic targets and the processors each runs on (AMDGPUUsage, "AMDGPU Generic Processors"): a build made
+#: for ``gfx11-generic`` has one code object for all of RDNA 3 and 3.5. Generic code objects carry a version, and a
+#: processor added to a family later needs a code object of that version or newer; get_arch_list() does not say which
+#: version a build has, so every listed member is taken to run.
+GENERIC_TARGETS = {
+    "gfx9-generic": frozenset({"gfx900", "gfx902", "gfx904", "gfx906", "gfx909", "gfx90c"}),
+    "gfx9-4-generic": frozenset({"gfx942", "gfx950"}),
+    "gfx10-1-generic": frozenset({"gfx1010", "gfx1011", "gfx1012", "gfx1013"}),
+    "gfx10-3-generic": frozenset({"gfx1030", "gfx1031", "gfx1032", "gfx1033", "gfx1034", "gfx1035", "gfx1036"}),
+    "gfx11-generic": frozenset({"gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1152",
+                                "gfx1153"}),
+    "gfx12-generic": frozenset({"gfx1200", "gfx1201"}),
+}
+
+
+@dataclass(frozen=True)
+class TargetId:
+    """An AMDGPU target ID, a GPU's ``gcnArchName`` or a build's target: ``'gfx90a:sramecc+:xnack-'`` is processor
+    gfx90a with sramecc on and xnack off. A feature it does not name is "any" (LLVM's target-ID rules)."""
+
+    processor: str
+    features: tuple[tuple[str, bool], ...] = ()  # (name, on) in the order named
+
+    @classmethod
+    def parse(cls, text: str | None) -> TargetId | None:
+        """None where ``text`` names no gfx processor (empty, ``sm_90``); a part that is not ``name+`` or ``name-``
+        is dropped."""
+        processor = gfx_name(text)
+        if processor is None:
+            return None
+        parts = (part.strip() for part in text.split(":")[1:])
+        return cls(processor, tuple((part[:-1], part[-1] == "+") for part in parts
+                                    if len(part) > 1 and part[-1] in "+-"))
+
+    def __str__(self) -> str:
+        return ":".join([self.processor, *(f"{name}{'+' if on else '-'}" for name, on in self.features)])
+
+    def covers(self, processor: str) -> bool:
+        """This target's code is for ``processor``: the same processor, or a member of this generic target."""
+        return processor == self.processor or processor in GENERIC_TARGETS.get(self.processor, ())
+
+    def conflicts(self, device: TargetId) -> tuple[str, ...]:
+        """The device's settings (``'xnack+'``) of the features this target sets otherwise; a feature either side does
+        not name matches any setting."""
+        wanted = dict(self.features)
+        return tuple(f"{name}{'+' if on else '-'}" for name, on in device.features
+                     if name in wanted and wanted[name] != on)
+
+    def runs_on(self, device: TargetId) -> bool:
+        return self.covers(device.processor) and not self.conflicts(device)
+
+
 def build_archs() -> tuple[str, ...]:
-    """The gfx targets this torch build has kernels for, as bare names in the build's order.
+    """The gfx targets this torch build has kernels for, as target IDs in the build's order.
 
     ``torch.cuda.get_arch_list()`` lists them on a ROCm build (``['gfx900', 'gfx906', 'gfx908', 'gfx90a', 'gfx942',
-    ...]``); a build made with ``PYTORCH_ROCM_ARCH='gfx90a:xnack-'`` lists the features too, which are dropped here as
-    the GPU's are. Empty where it lists none: a CPU build; a torch whose list depends on a visible GPU (older releases
-    ask ``torch.cuda.is_available()`` first); a CUDA build, whose ``sm_*`` entries say nothing about AMD GPUs.
+    ...]``); a build made with ``PYTORCH_ROCM_ARCH='gfx90a:xnack-'`` lists the features too, which are kept (that code
+    runs only with XNACK off), as are LLVM's generic targets (``gfx11-generic``). Empty where it lists none: a CPU
+    build; a torch whose list depends on a visible GPU (older releases ask ``torch.cuda.is_available()`` first); a
+    CUDA build, whose ``sm_*`` entries say nothing about AMD GPUs.
 
     Reading it initialises nothing new on a ROCm machine: the list is compiled in, and the availability check that
     older torch makes first is the one ``detect()`` has already made. A failure to read it is an empty list (the gate
@@ -38,7 +93,7 @@ def build_archs() -> tuple[str, ...]:
         listed = torch.cuda.get_arch_list()
     except Exception:
         return ()
-    return tuple(dict.fromkeys(name for name in map(gfx_name, listed) if name is not None))
+    return tuple(dict.fromkeys(str(target) for target in map(TargetId.parse, listed) if target is not None))
 
 
 def not_rocm_reason(platform: PlatformInfo) -> str:
@@ -57,24 +112,36 @@ def not_rocm_reason(platform: PlatformInfo) -> str:
 
 
 def arch_capability(arch: str | None, targets: tuple[str, ...] = ()) -> Capability:
-    """Gate on the architecture named by ``gcnArchName`` (``'gfx942:sramecc+:xnack-'``: the part before ':').
+    """Gate on the GPU's ``gcnArchName`` (``'gfx942:sramecc+:xnack-'``: its processor, then its features' settings).
 
-    ``targets``: the gfx targets the torch build was compiled for (``build_archs``). Where it lists any, it decides:
-    torch has kernels for those GPUs and no others, so a GPU outside it fails at its first kernel
-    (``hipErrorNoBinaryForGpu``) whatever this plugin lists, and one inside it runs. Only where the build lists none
-    does the fixed ``SUPPORTED_ARCHS`` decide.
+    ``targets``: the gfx target IDs the torch build was compiled for (``build_archs``). Where it lists any, it decides:
+    torch has kernels for those GPUs and no others, so a GPU none of them runs on fails at its first kernel
+    (``hipErrorNoBinaryForGpu``) whatever this plugin lists, and one that some target runs on runs. A target runs on the
+    GPU when it is for the GPU's processor, or a generic target of its family (``GENERIC_TARGETS``), and each feature
+    it sets (``gfx90a:xnack-``) has that setting on the GPU. Only where the build lists none does the fixed
+    ``SUPPORTED_ARCHS`` decide, by processor.
     """
-    name = gfx_name(arch)
-    if name is None:
+    device = TargetId.parse(arch)
+    if device is None:
         return Capability.unavailable(f"could not read the AMD GPU architecture (gcnArchName {arch!r}); "
                                       f"update the ROCm driver and torch")
+    name = device.processor
     if targets:
-        if name not in targets:
-            full = f" ({arch})" if arch.strip() != name else ""
-            return Capability.unavailable(f"this GPU is {name}{full}, but torch {torch.__version__} was built for "
-                                          f"{', '.join(targets)} only (torch.cuda.get_arch_list()); install a ROCm "
-                                          f"build of torch that targets {name}")
-        return Capability.available()
+        built = [target for target in map(TargetId.parse, targets) if target is not None]
+        if any(target.runs_on(device) for target in built):
+            return Capability.available()
+        full = f" ({arch.strip()})" if arch.strip() != name else ""
+        refused = (f"this GPU is {name}{full}, but torch {torch.__version__} was built for {', '.join(targets)} only "
+                   f"(torch.cuda.get_arch_list())")
+        covering = [target for target in built if target.covers(name)]
+        if not covering:
+            return Capability.unavailable(f"{refused}; install a ROCm build of torch that targets {name}")
+        settings = tuple(dict.fromkeys(setting for target in covering for setting in target.conflicts(device)))
+        xnack = [f"HSA_XNACK={'0' if setting == 'xnack+' else '1'}" for setting in settings if setting[:-1] == "xnack"]
+        return Capability.unavailable(
+            f"{refused}: its {name} code ({', '.join(map(str, covering))}) does not run with this GPU's "
+            f"{', '.join(settings)}; install a ROCm build of torch that targets {name} or {device}"
+            + (f", or run with {xnack[0]}" if xnack else ""))
     if name not in SUPPORTED_ARCHS:
         return Capability.unavailable(f"the rocm graph backend supports {', '.join(sorted(SUPPORTED_ARCHS))}; "
                                       f"this GPU is {name}")

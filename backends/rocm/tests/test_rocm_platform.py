@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 from hwgraph_rocm.graphs import RocmGraphBackend, replay_disagreement
-from hwgraph_rocm.platform import gate, probe
+from hwgraph_rocm.platform import build_archs, gate, probe
 
 from hwgraph.graphs import CaptureError
 from hwgraph.graphs.torch_cuda import TorchCudaCapturedGraph
@@ -107,13 +107,80 @@ def test_a_gpu_the_torch_build_does_not_target_is_refused_naming_it_and_the_buil
     assert choose_backend().spec.name == "cpu"
 
 
-def test_features_are_dropped_from_the_builds_targets_as_from_the_gpus_architecture(monkeypatch):
+def test_a_build_listing_features_with_its_targets_serves_a_gpu_with_those_settings(monkeypatch):
     """A build made with ``PYTORCH_ROCM_ARCH='gfx90a:xnack-;gfx942:sramecc+'`` lists the features with the targets."""
     simulate_rocm(monkeypatch, "gfx90a:sramecc+:xnack-", build_archs=("gfx90a:xnack-", "gfx942:sramecc+"))
+    assert build_archs() == ("gfx90a:xnack-", "gfx942:sramecc+")
     assert gate(detect()).ok
     simulate_rocm(monkeypatch, "gfx1100", build_archs=("gfx90a:xnack-", "gfx942:sramecc+"))
-    assert gate(detect()).reasons[0].startswith(f"this GPU is gfx1100, but torch {torch.__version__} was built for "
-                                                f"gfx90a, gfx942 only")
+    assert gate(detect()).reasons == (
+        f"this GPU is gfx1100, but torch {torch.__version__} was built for gfx90a:xnack-, gfx942:sramecc+ only "
+        f"(torch.cuda.get_arch_list()); install a ROCm build of torch that targets gfx1100",)
+
+
+@pytest.mark.parametrize("arch, target", [
+    ("gfx90a:sramecc+:xnack-", "gfx90a:xnack-"),  # the setting the target asks for
+    ("gfx90a:sramecc+:xnack+", "gfx90a"),  # a target that names no feature runs with either setting
+    ("gfx90a:sramecc+:xnack+", "gfx90a:sramecc+"),  # ... and one that names another feature, with this one's either
+    ("gfx90a:xnack-", "gfx90a:xnack-"),
+    ("gfx90a", "gfx90a:xnack-"),  # a GPU that reports no setting is "any"
+])
+def test_a_target_with_features_serves_a_gpu_with_the_same_settings(monkeypatch, arch, target):
+    simulate_rocm(monkeypatch, arch, build_archs=(target,))
+    assert gate(detect()).ok
+    assert choose_backend().spec.name == "rocm"
+
+
+def test_a_gpu_whose_xnack_setting_no_target_has_is_refused_naming_its_features_and_the_builds_targets(monkeypatch):
+    """Code built for ``gfx90a:xnack-`` does not load on an MI250X running with XNACK on (HSA_XNACK=1): HIP fails
+    with ``hipErrorNoBinaryForGpu`` at the first kernel. The gate judged the processor alone and chose the backend."""
+    simulate_rocm(monkeypatch, "gfx90a:sramecc+:xnack+", build_archs=("gfx90a:xnack-", "gfx942"))
+    assert gate(detect()).reasons == (
+        f"this GPU is gfx90a (gfx90a:sramecc+:xnack+), but torch {torch.__version__} was built for gfx90a:xnack-, "
+        f"gfx942 only (torch.cuda.get_arch_list()): its gfx90a code (gfx90a:xnack-) does not run with this GPU's "
+        f"xnack+; install a ROCm build of torch that targets gfx90a or gfx90a:sramecc+:xnack+, or run with "
+        f"HSA_XNACK=0",)
+    assert choose_backend().spec.name == "cpu"
+    simulate_rocm(monkeypatch, "gfx942:sramecc-:xnack-", build_archs=("gfx942:sramecc+",))
+    (reason,) = gate(detect()).reasons
+    assert "its gfx942 code (gfx942:sramecc+) does not run with this GPU's sramecc-;" in reason
+    assert "HSA_XNACK" not in reason
+
+
+@pytest.mark.parametrize("arch, generic", [
+    ("gfx1101", "gfx11-generic"), ("gfx1100", "gfx11-generic"), ("gfx1151", "gfx11-generic"),
+    ("gfx906:sramecc+:xnack-", "gfx9-generic"), ("gfx900:xnack-", "gfx9-generic"),
+    ("gfx942:sramecc+:xnack-", "gfx9-4-generic"), ("gfx950:sramecc+:xnack-", "gfx9-4-generic"),
+    ("gfx1012:xnack-", "gfx10-1-generic"), ("gfx1032", "gfx10-3-generic"), ("gfx1201", "gfx12-generic"),
+])
+def test_a_build_for_a_generic_target_serves_every_processor_of_its_family(monkeypatch, arch, generic):
+    """Code for an LLVM generic target (``gfx11-generic``) runs on every processor of its family; the gate compared
+    names and refused, say, a Radeon RX 7800 XT (gfx1101) under a build made for gfx11-generic alone."""
+    simulate_rocm(monkeypatch, arch, build_archs=(generic,))
+    assert build_archs() == (generic,)
+    assert gate(detect()).ok
+    assert choose_backend().spec.name == "rocm"
+
+
+@pytest.mark.parametrize("arch, generic", [
+    ("gfx90a:sramecc+:xnack-", "gfx11-generic"), ("gfx908:sramecc+:xnack-", "gfx9-generic"),  # CDNA 1-2: no generic
+    ("gfx1100", "gfx12-generic"), ("gfx1030", "gfx10-1-generic"), ("gfx942:sramecc+:xnack-", "gfx9-generic"),
+])
+def test_a_gpu_outside_the_generic_targets_family_is_refused_naming_it_and_the_builds_targets(monkeypatch, arch,
+                                                                                            generic):
+    simulate_rocm(monkeypatch, arch, build_archs=(generic, "gfx1201"))
+    name = arch.split(":")[0]
+    full = f" ({arch})" if arch != name else ""
+    assert gate(detect()).reasons == (
+        f"this GPU is {name}{full}, but torch {torch.__version__} was built for {generic}, gfx1201 only "
+        f"(torch.cuda.get_arch_list()); install a ROCm build of torch that targets {name}",)
+
+
+def test_a_generic_target_with_features_runs_only_with_those_settings(monkeypatch):
+    simulate_rocm(monkeypatch, "gfx942:sramecc+:xnack+", build_archs=("gfx9-4-generic:xnack-",))
+    assert "its gfx942 code (gfx9-4-generic:xnack-) does not run with this GPU's xnack+" in gate(detect()).reasons[0]
+    simulate_rocm(monkeypatch, "gfx942:sramecc+:xnack-", build_archs=("gfx9-4-generic:xnack-",))
+    assert gate(detect()).ok
 
 
 def test_each_gpu_is_judged_against_the_builds_targets(monkeypatch):
