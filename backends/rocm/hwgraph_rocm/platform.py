@@ -30,12 +30,13 @@ SUPPORTED_ARCHS = frozenset({
 #: version a build has, so every listed member is taken to run.
 GENERIC_TARGETS = {
     "gfx9-generic": frozenset({"gfx900", "gfx902", "gfx904", "gfx906", "gfx909", "gfx90c"}),
-    "gfx9-4-generic": frozenset({"gfx942", "gfx950"}),
+    "gfx9-4-generic": frozenset({"gfx940", "gfx941", "gfx942", "gfx950"}),
     "gfx10-1-generic": frozenset({"gfx1010", "gfx1011", "gfx1012", "gfx1013"}),
     "gfx10-3-generic": frozenset({"gfx1030", "gfx1031", "gfx1032", "gfx1033", "gfx1034", "gfx1035", "gfx1036"}),
     "gfx11-generic": frozenset({"gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1152",
                                 "gfx1153"}),
     "gfx12-generic": frozenset({"gfx1200", "gfx1201"}),
+    "gfx12-5-generic": frozenset({"gfx1250", "gfx1251"}),
 }
 
 
@@ -135,13 +136,22 @@ def arch_capability(arch: str | None, targets: tuple[str, ...] = ()) -> Capabili
                    f"(torch.cuda.get_arch_list())")
         covering = [target for target in built if target.covers(name)]
         if not covering:
+            unknown = [str(t) for t in built if t.processor.endswith("-generic") and t.processor not in GENERIC_TARGETS]
+            if unknown:  # a family newer than the table: whether it serves this GPU is not known here
+                return Capability.unavailable(
+                    f"{refused}; this plugin does not know which processors the generic target(s) "
+                    f"{', '.join(unknown)} serve (it knows {', '.join(GENERIC_TARGETS)}), so it cannot tell whether "
+                    f"they serve {name}; update hwgraph-backend-rocm, or install a ROCm build of torch that targets "
+                    f"{name}")
             return Capability.unavailable(f"{refused}; install a ROCm build of torch that targets {name}")
         settings = tuple(dict.fromkeys(setting for target in covering for setting in target.conflicts(device)))
-        xnack = [f"HSA_XNACK={'0' if setting == 'xnack+' else '1'}" for setting in settings if setting[:-1] == "xnack"]
+        # HSA_XNACK only helps where the xnack setting is a target's one conflict
+        xnack = [conflict[0] for conflict in (target.conflicts(device) for target in covering)
+                 if len(conflict) == 1 and conflict[0][:-1] == "xnack"]
         return Capability.unavailable(
             f"{refused}: its {name} code ({', '.join(map(str, covering))}) does not run with this GPU's "
             f"{', '.join(settings)}; install a ROCm build of torch that targets {name} or {device}"
-            + (f", or run with {xnack[0]}" if xnack else ""))
+            + (f", or run with HSA_XNACK={'0' if xnack[0] == 'xnack+' else '1'}" if xnack else ""))
     if name not in SUPPORTED_ARCHS:
         return Capability.unavailable(f"the rocm graph backend supports {', '.join(sorted(SUPPORTED_ARCHS))}; "
                                       f"this GPU is {name}")

@@ -145,6 +145,31 @@ def test_a_gpu_whose_xnack_setting_no_target_has_is_refused_naming_its_features_
     (reason,) = gate(detect()).reasons
     assert "its gfx942 code (gfx942:sramecc+) does not run with this GPU's sramecc-;" in reason
     assert "HSA_XNACK" not in reason
+    # xnack conflicts too, but flipping it leaves sramecc's: HSA_XNACK=0 would not help, so it is not offered
+    simulate_rocm(monkeypatch, "gfx90a:sramecc+:xnack+", build_archs=("gfx90a:sramecc-:xnack-",))
+    (reason,) = gate(detect()).reasons
+    assert "does not run with this GPU's sramecc+, xnack+;" in reason and "HSA_XNACK" not in reason
+
+
+@pytest.mark.parametrize("arch, generic", [("gfx940:sramecc+:xnack-", "gfx9-4-generic"),
+                                           ("gfx941:sramecc+:xnack-", "gfx9-4-generic"),
+                                           ("gfx1250", "gfx12-5-generic"), ("gfx1251", "gfx12-5-generic")])
+def test_generic_targets_cover_the_members_llvm_lists(monkeypatch, arch, generic):
+    """LLVM's generic processor table lists gfx940 and gfx941 under gfx9-4-generic, and gfx12-5-generic for
+    gfx1250/gfx1251; the table here lacked them and refused these GPUs as untargeted."""
+    simulate_rocm(monkeypatch, arch, build_archs=("gfx90a", generic))
+    assert gate(detect()).ok
+
+
+def test_a_generic_target_this_plugin_does_not_know_is_named_not_taken_as_no_target(monkeypatch):
+    """A family newer than the table (``gfx11-7-generic``) was refused with "install a build that targets gfx1171",
+    though the build may well serve it."""
+    simulate_rocm(monkeypatch, "gfx1171", build_archs=("gfx942", "gfx11-7-generic"))
+    (reason,) = gate(detect()).reasons
+    assert reason.startswith(f"this GPU is gfx1171, but torch {torch.__version__} was built for gfx942, "
+                             f"gfx11-7-generic only (torch.cuda.get_arch_list()); this plugin does not know which "
+                             f"processors the generic target(s) gfx11-7-generic serve"), reason
+    assert "update hwgraph-backend-rocm" in reason
 
 
 @pytest.mark.parametrize("arch, generic", [

@@ -121,3 +121,40 @@ def test_zero_dimensional_and_empty_outputs():
     scalar = torch.tensor(2.5)
     assert replay_disagreement([scalar.clone(), torch.empty(0, 3)], [scalar, torch.empty(0, 3)]) is None
     assert replay_disagreement([scalar + 1], [scalar]).startswith("output 0 of 1: relative error 0.4 above")
+
+
+@pytest.mark.parametrize("hidden, refused", [(1, False), (2, False), (63, False), (64, True), (1152, True)])
+def test_rows_narrower_than_min_row_width_are_judged_as_a_whole_output(hidden, refused):
+    """In a row of one or two elements the row's relative error is one element's: a bf16 product to one column after
+    54 blocks summed in another order had a row 0.21 off (bound 0.12) while the whole output was at 0.016, and the
+    capture was refused as stale. One element 0.2 off stays within the whole output's bound at every width here."""
+    eager = tower_output(rows=ROWS, hidden=hidden).bfloat16()
+    replayed = eager.clone()
+    replayed[7, 0] = eager[7, 0] + 0.2 * eager[7].float().norm()  # row 7 at 0.2 of its norm
+    assert relative_error(replayed, eager) <= VERIFY_TOLERANCE[torch.bfloat16]
+    reason = replay_disagreement([replayed], [eager])
+    assert (reason is not None) == refused, reason
+    if refused:
+        assert reason.startswith(f"output 0 of 1: row 7 of {ROWS} has relative error 0.2"), reason
+
+
+def test_values_whose_squares_leave_float32s_range_are_judged_as_others():
+    """The norms were taken in float32: bf16 values near 1e20 (squares past float32's range) made the norm inf and
+    one-ulp rounding a NaN error, refused; float32 values near 1e-25 (squares below it) made it 0, and a replay of
+    zeros passed."""
+    exact = tower_output(rows=64)
+    assert replay_disagreement([rounding_noise(exact * 1e20, 1)], [(exact * 1e20).bfloat16()]) is None
+    tiny = exact * 1e-25
+    assert replay_disagreement([torch.zeros_like(tiny)], [tiny]).startswith(
+        "output 0 of 1: relative error 1 above 0.0001 for torch.float32")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_outputs_are_compared_not_raised_on(dtype):
+    """torch has no isposinf (nor isfinite, for e4m3fn) for float8: the check raised NotImplementedError, which the
+    capture reported as a replay that differs from eager."""
+    eager = tower_output(rows=8).to(dtype)
+    assert replay_disagreement([eager.clone()], [eager]) is None
+    replayed = eager.clone()
+    replayed[3] = float("nan")
+    assert replay_disagreement([replayed], [eager]).startswith("output 0 of 1: NaN in other places: row 3 has")
