@@ -44,6 +44,9 @@ class RejectHostReads:
     them) would slip through. Process-wide while active (other threads' reads are rejected too); re-entrant and
     safe to enter and leave from several threads: the first guard in replaces the methods, the last one out puts
     them back. The replacements are made once and kept (``_replacements``): opening a guard only swaps attributes.
+A replacement rejects only while a guard is open (one bound inside a guard, or put back by a stand-in's undo, passes
+its calls through), and the last guard out puts back only the attributes still holding its replacements (a stand-in
+set or undone inside a guard stays as it was left).
     Public so that device backends without a runtime sync-debug mode reuse it as their sync guard. Replacing
     ``__getitem__`` and ``__setitem__`` would make every tensor a Python sequence, for good: the guard puts the tensor
     types' sequence slots back as it found them, on entering and on leaving (``put_back_sequence_slots``).
@@ -140,7 +143,8 @@ class RejectHostReads:
         """``Tensor.to`` that rejects a blocking copy between the host and a device (``blocking_copy_of_to``); casts,
         non-blocking copies and ``x.to(x.device)`` go through."""
         def reject_host_copy(self, *args, **kwargs):
-            device = None if torch.compiler.is_compiling() else blocking_copy_of_to(self, args, kwargs)
+            device = None if not guard_open() or torch.compiler.is_compiling() else \
+                blocking_copy_of_to(self, args, kwargs)
             if device is not None:
                 what = "a device-to-host" if device.type == "cpu" else "a blocking host-to-device copy, a"
                 raise HostSyncError(f".to({str(device)!r}) on a tensor inside sync_guard(): {what} "
@@ -153,7 +157,7 @@ class RejectHostReads:
         """``fn`` that raises for the calls ``reads(*args, **kwargs)`` says read a device-computed size back (while
         torch.compile is not compiling)."""
         def reject_some(*args, **kwargs):
-            if not torch.compiler.is_compiling() and reads(*args, **kwargs):
+            if guard_open() and not torch.compiler.is_compiling() and reads(*args, **kwargs):
                 raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
                                     f"on the replay path")
             return fn(*args, **kwargs)
@@ -181,7 +185,7 @@ class RejectHostReads:
                     reads = slots.reads(*kinds)
                     if len(verdicts) < 4096:  # bounded: a few kinds of call per method, in practice
                         verdicts[kinds] = reads
-                if reads:
+                if reads and guard_open():
                     raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
                                         f"on the replay path")
             return fn(self, *args, **kwargs)
@@ -301,7 +305,7 @@ class RejectHostReads:
         """Replaces the host-reading attributes; returns (owner, name, the owner's own attribute or None) for each, and
         the sequence slots of the tensor types (``tensor_sequence_slots``), both as found."""
         replacements = cls._replacements()
-        saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in replacements]
+        saved = [(owner, name, owner.__dict__.get(name), replacement) for owner, name, replacement in replacements]
         slots = tensor_sequence_slots()
         try:
             for owner, name, replacement in replacements:
@@ -314,13 +318,28 @@ class RejectHostReads:
 
     @staticmethod
     def _put_back(found: tuple[list, dict]) -> None:
+        """Puts back each attribute that still holds the guard's replacement. One set or removed while the guard was
+        open (a test's stand-in, or its undo) stays as it is now: putting the saved one back undid the stand-in at
+        once, and left the guard's replacement in place for good once the stand-in's undo restored what it had seen.
+        Interrupted (Ctrl-C), it goes on with the rest, then raises: the guard has already counted itself closed."""
         saved, slots = found
-        for owner, name, original in saved:
-            if original is not None:
-                setattr(owner, name, original)
-            elif name in vars(owner):  # not there where an interrupted _replace had not reached it yet
-                delattr(owner, name)
-        put_back_sequence_slots(slots)
+        interrupted = None
+        for owner, name, original, replacement in saved:
+            try:
+                if vars(owner).get(name, _NOTHING) is not replacement:  # not reached by an interrupted _replace too
+                    continue
+                if original is not None:
+                    setattr(owner, name, original)
+                else:
+                    delattr(owner, name)
+            except BaseException as exc:  # each attribute is put back, whatever befell the one before
+                interrupted = interrupted or exc
+        try:
+            put_back_sequence_slots(slots)
+        except BaseException as exc:
+            interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
 
     def __enter__(self):
         RejectHostReads.switch.__enter__()
@@ -331,6 +350,12 @@ class RejectHostReads:
 
 
 RejectHostReads.switch = CountedSwitch(RejectHostReads._replace, RejectHostReads._put_back)
+
+
+def guard_open() -> bool:
+    """Whether a guard is open now, in any thread. A replacement found outside every guard passes its calls through:
+    a module imported inside a guard bound it (``from torch import nonzero``), or a stand-in's undo restored it."""
+    return RejectHostReads.switch.depth > 0
 
 _NOTHING = object()  # what Wrapped holds before it has wrapped anything, and what look() gives for no attribute
 
