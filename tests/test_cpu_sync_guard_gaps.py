@@ -10,6 +10,11 @@ too. The ``cuda`` test checks those claims against the runtime.
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
+import re
+
 import pytest
 import torch
 
@@ -316,6 +321,25 @@ def test_an_entry_interrupted_half_way_leaves_nothing_replaced(monkeypatch):
         put_back_sequence_slots(slots)
 
 
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+def test_sync_guard_rejects_serialising_storage_reads_and_torchs_functions_bound_in_functional(backend):
+    """torch.save and pickle copy each storage to the host, as a storage's tolist() reads it; torch.nn.functional
+    binds some of torch's functions under its own names (F.avg_pool1d is torch.avg_pool1d), which the guard
+    replaced in torch alone: all were let through. Copies that stay on the device, and sizes given as ints, still
+    pass."""
+    x, two = torch.ones(1, 1, 8), torch.tensor(2)
+    reads = [("torch.save", lambda: torch.save(x, io.BytesIO())), ("pickling a tensor", lambda: pickle.dumps(x)),
+             ("a storage's tolist()", lambda: x.untyped_storage().tolist()),
+             ("a storage's tolist()", lambda: x.storage().tolist()),  # a typed storage
+             ("torch.avg_pool1d()", lambda: torch.nn.functional.avg_pool1d(x, [two]))]
+    with backend.sync_guard():
+        for what, read in reads:
+            with pytest.raises(HostSyncError, match=re.escape(what)):
+                read()
+        copy.copy(x), copy.deepcopy(x), torch.nn.functional.avg_pool1d(x, [2]), torch.nn.functional.relu(x)
+    torch.save(x, io.BytesIO()), pickle.dumps(x), torch.nn.functional.avg_pool1d(x, [two])
+
+
 @pytest.mark.cuda
 @pytest.mark.filterwarnings(LIST_SUBSCRIPT_WARNING)
 @pytest.mark.filterwarnings("ignore:This overload of add is deprecated")
@@ -367,7 +391,11 @@ def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
              "torch.narrow(x, 0, tensor, 1)": lambda: torch.narrow(x, 0, zero, 1),
              "torch.masked_fill(x, mask, tensor)": lambda: torch.masked_fill(x, mask[:, None], value),
              "torch.tensor([tensor, tensor])": lambda: torch.tensor([value, value]),
-             "x.tensor_split((tensor, 3))": lambda: x.tensor_split((two, 3))}
+             "x.tensor_split((tensor, 3))": lambda: x.tensor_split((two, 3)),
+             "torch.save(x)": lambda: torch.save(x, io.BytesIO()),
+             "pickle.dumps(x)": lambda: pickle.dumps(x),
+             "x.untyped_storage().tolist()": lambda: x.untyped_storage().tolist(),
+             "F.avg_pool1d(x, [tensor])": lambda: torch.nn.functional.avg_pool1d(x[None], [two])}
     no_sync = {"x[mask] = 1.0": lambda: assign(x, mask, 1.0),
                "x[:, mask] = 2": lambda: assign(x, (slice(None), mask[:3]), 2),
                "masked_fill with a number": lambda: x.masked_fill(mask[:, None], 0.0),
@@ -389,7 +417,10 @@ def test_cuda_sync_debug_mode_agrees_with_the_cpu_guard_on_these_reads():
                "torch.where(mask, x, 0-dim tensor)": lambda: torch.where(mask[:, None], x, value),
                "torch.stack([0-dim tensors])": lambda: torch.stack([value, value]),
                "x.tensor_split(host 0-dim tensor)": lambda: x.tensor_split(host_sections),
-               "torch.tensor_split(x, host 1-dim tensor)": lambda: torch.tensor_split(x, host_indices)}
+               "torch.tensor_split(x, host 1-dim tensor)": lambda: torch.tensor_split(x, host_indices),
+               "copy.copy(x)": lambda: copy.copy(x),
+               "copy.deepcopy(x)": lambda: copy.deepcopy(x),
+               "F.avg_pool1d(x, [2])": lambda: torch.nn.functional.avg_pool1d(x[None], [2])}
     # refused by torch, before any read: tensor_split takes its tensor of indices or sections on the host only
     refused = {"x.tensor_split(device 0-dim tensor)": lambda: x.tensor_split(two),
                "torch.tensor_split(x, device 1-dim tensor)": lambda: torch.tensor_split(x, rows)}

@@ -88,7 +88,11 @@ set or undone inside a guard stays as it was left).
     v)``) is read in C++ before the function runs, so the functions are replaced in ``torch`` too, each judged as its
     method is where the method takes the call, else from its own schemas (``hwgraph.graphs.function_reads``, some 300
     of them, with ``torch.linspace``'s and ``torch.masked_fill``'s tensor start, end or value, read in the kernel, and
-    ``torch.tensor([a, b])``). torch.compile guards on the ``torch`` functions a compiled forward calls (tensor
+    ``torch.tensor([a, b])``), and in ``torch.nn.functional`` where it binds the same function under the same name
+    (``F.avg_pool1d``). Not judged: the functions ``torch.nn.functional`` calls through ``torch._C._nn`` (``F.pad``,
+    ``F.interpolate``, ``F.leaky_relu`` given a tensor as a size or a number). ``torch.save`` is rejected, and pickling
+    a tensor with it (its storage saves itself with ``torch.save``), as is a storage's ``tolist()``: each copies device
+    memory to the host. torch.compile guards on the ``torch`` functions a compiled forward calls (tensor
     methods carry no such guard): one that calls a replaced function is compiled again inside the first guard, once
     (the tower's own compiled forward calls none). Rejecting ``aten::_local_scalar_dense`` (what ``Tensor::item()``
     runs) on the CPU dispatch key would catch these without a recompile, but the CPU kernels run it on host values
@@ -276,9 +280,19 @@ set or undone inside a guard stays as it was left).
             "repeat_interleave() with tensor repeats and no output_size (its size is read back)",
             lambda *args, **kwargs: repeats_read_back(
                 args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None), kwargs))
+        # serialising copies each storage to the host: torch.save, and pickle, whose storages save themselves with it
+        own["save"] = rejecting("torch.save() (a copy of each tensor's storage to the host; pickling a tensor saves "
+                                "its storage with it)")
+        out += [(storage, "tolist", rejecting("a storage's tolist()")) for storage in (torch.UntypedStorage,
+                                                                                        torch.TypedStorage)]
         out = [(owner, name, make, getattr) for owner, name, make in out]
         out.append((tensor, "device", reporting_tensors_cpu, inspect.getattr_static))  # the property, not its value
-        return out + [(torch, name, make, getattr) for name, make in torch_function_wrappings(own)]
+        functions = torch_function_wrappings(own)
+        # torch.nn.functional binds some of torch's functions under the same names (F.avg_pool1d is
+        # torch.avg_pool1d): those are replaced there too, by the same replacements
+        functional = torch.nn.functional
+        return out + [(owner, name, make, getattr) for name, make in functions for owner in (torch, functional)
+                      if owner is torch or vars(functional).get(name, _NOTHING) is getattr(torch, name)]
 
     @classmethod
     def _replacements(cls) -> list:
