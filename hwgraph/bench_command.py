@@ -96,11 +96,39 @@ def writable_path(option: str, spec: str) -> Path:
     if os.path.basename(spec) in ("", ".", ".."):  # 'out/': Path drops the separator, and a file 'out' was written
         raise ValueError(f"{option} {spec!r} is a folder: expected a file path")
     path = Path(spec)
+    made: list[Path] = []  # the folders made for it, deepest first: removed again where the path is refused
     try:
+        folder = path.parent
+        while not folder.exists() and folder != folder.parent:
+            made.append(folder)
+            folder = folder.parent
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        remove_folders(made)
         raise ValueError(f"{option} {spec!r}: cannot create its folder {str(path.parent)!r}: "
                          f"{exc.strerror or exc}") from None
+    try:
+        return checked_file(option, spec, path)
+    except (ValueError, OSError) as exc:
+        remove_folders(made)
+        if isinstance(exc, ValueError):
+            raise
+        raise ValueError(f"{option} {spec!r}: cannot write there: {exc.strerror or exc}") from None
+
+
+def remove_folders(folders: list[Path]) -> None:
+    """Remove the empty ``folders``, deepest first (those ``writable_path`` made for a path it then refused)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def checked_file(option: str, spec: str, path: Path) -> Path:
+    """``path``, whose folder exists, once it is known to be a file (or pipe) that can be written; ``ValueError``
+    naming the option and the path otherwise (``OSError`` where the path cannot even be looked at: a name too
+    long)."""
     if path.is_dir():
         raise ValueError(f"{option} {spec!r} is a folder: expected a file path")
     # a named pipe is opened only to write the results: its reader takes a check's close for their end (and with no
@@ -154,11 +182,13 @@ def write_json(path: Path, text: str) -> None:
     if path.is_symlink() or (path.exists() and not path.is_file()):
         path.write_text(text)
         return
+    probe = partial_path(path)
     try:
-        partial_path(path).touch()
+        probe.touch()
     except OSError:  # writable_path checked the path itself, not its folder
         path.write_text(text)
         return
+    probe.unlink(missing_ok=True)
     write_reports(path.parent, {path.name: text})
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hwgraph.report import partial_path
+from hwgraph.report import keep_mode, partial_path
 
 
 def matplotlib_missing() -> str | None:
@@ -42,7 +42,7 @@ def draw(result: dict, rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    partial = partial_path(path)  # this process's: another run plotting into the same folder keeps its own
+    partial = partial_path(path)  # this write's: another run plotting into the same folder keeps its own
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     try:
         kernels = list(dict.fromkeys(r["kernel"] for r in rows))
@@ -72,6 +72,7 @@ def draw(result: dict, rows: list[dict], path: Path) -> None:
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(partial, format=path.suffix.lstrip(".") or "png")
+        keep_mode(path, partial)
         partial.replace(path)
     finally:
         plt.close(fig)

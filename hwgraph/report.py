@@ -3,7 +3,10 @@ dispatch."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import shutil
 from pathlib import Path
 
 MIB = 2**20
@@ -288,10 +291,18 @@ def bench_markdown(result: dict) -> str:
 
 
 def partial_path(path: Path) -> Path:
-    """The temporary file ``write_reports`` writes ``path``'s text into before renaming it into place: named for this
-    process, since another run writing into the same folder had its partial file overwritten, and deleted before its
-    rename (not ``mkstemp``'s: its files are private, and so the reports would be)."""
-    return path.with_name(f".{path.name}.{os.getpid()}.partial")
+    """A new temporary file name for ``path``'s text before it is renamed into place: named for this process and
+    this write, since another run writing into the same folder had its partial file overwritten, and deleted before
+    its rename, and a pid alone is shared by two containers writing into one mounted folder (both pid 1) and by two
+    threads (not ``mkstemp``'s: its files are private, and so the reports would be)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+
+
+def keep_mode(path: Path, partial: Path) -> None:
+    """Give ``partial`` the permissions of the file ``path`` it replaces, if there is one: a report kept private (0600)
+    or shared with a group (0664) became the umask's (0644) when it was written again."""
+    with contextlib.suppress(OSError):  # no file there yet: the umask's, as for any new file
+        shutil.copymode(path, partial)
 
 
 def write_reports(out: Path, texts: dict[str, str]) -> None:
@@ -301,7 +312,9 @@ def write_reports(out: Path, texts: dict[str, str]) -> None:
     try:
         for name, text in texts.items():
             partials[name] = partial_path(out / name)
+            partials[name].touch(exist_ok=False)  # a name another write took: an error, not its file truncated
             partials[name].write_text(text, encoding="utf-8")
+            keep_mode(out / name, partials[name])
         for name, partial in partials.items():
             partial.replace(out / name)
     finally:

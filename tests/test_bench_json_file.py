@@ -111,3 +111,41 @@ def test_json_to_dev_stdout_redirected_to_a_file_is_followed_by_the_tables_not_o
     assert results["rows"][0]["group"] == "1x4"
     assert text[end:].lstrip().startswith("## hwgraph bench: tiny")
     assert text.rstrip().endswith("JSON report: /dev/stdout")
+
+
+def test_two_writers_with_one_pid_keep_their_own_partial_files(tmp_path, monkeypatch):
+    """Two containers writing into one mounted folder are both pid 1 (and two threads share a pid): the second
+    writer's partial file, named for the pid alone, truncated the first one's mid-write, and the report that was
+    renamed into place came out corrupt."""
+    from hwgraph import report
+
+    monkeypatch.setattr(report.os, "getpid", lambda: 1)
+    assert report.partial_path(tmp_path / "report.json") != report.partial_path(tmp_path / "report.json")
+    other = tmp_path / ".report.json.1.partial"  # the first writer's, as the pid alone named it
+    other.write_text("the other writer's, mid-write")
+    report.write_reports(tmp_path, {"report.json": '{"ok": true}'})
+    assert other.read_text() == "the other writer's, mid-write"
+    assert json.loads((tmp_path / "report.json").read_text()) == {"ok": True}
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o664])
+def test_a_report_written_again_keeps_its_permissions(tmp_path, mode):
+    """The new file came from the partial, with the umask's permissions: a private report became world-readable."""
+    from hwgraph.bench_command import write_json
+
+    path = tmp_path / "bench.json"
+    path.write_text("old")
+    path.chmod(mode)
+    write_json(path, '{"rows": []}')
+    assert json.loads(path.read_text()) == {"rows": []} and path.stat().st_mode & 0o777 == mode
+
+
+def test_a_json_path_whose_name_is_too_long_is_refused_naming_it_and_leaves_no_folders(tmp_path):
+    """``Path.is_dir`` raises ENAMETOOLONG (it swallows only a few errors): a traceback instead of the option's
+    error, and the folders made for the path were left behind."""
+    from hwgraph.bench_command import writable_path
+
+    spec = str(tmp_path / "new" / "deeper" / ("x" * 300 + ".json"))
+    with pytest.raises(ValueError, match=r"^--json '.*x\.json': cannot write there: File name too long$"):
+        writable_path("--json", spec)
+    assert list(tmp_path.iterdir()) == []
