@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections import deque
 
 import pytest
 import torch
@@ -472,3 +473,93 @@ def test_overlapping_captures_in_two_threads_put_the_compiler_stance_back_when_t
     from hwgraph.graphs.read_recording import FORCED_EAGER
 
     assert FORCED_EAGER.depth == 0
+
+
+class Slotted:
+    __slots__ = ("__x", "y")
+
+    def __init__(self, x):
+        self.__x, self.y = x, None
+
+    def read(self):
+        return self.__x * 2
+
+
+def hooked():
+    """A module whose inner linear's forward hook adds a vector its closure holds."""
+    module, shift = Scaled(), {"v": torch.ones(4)}
+    module.lin.register_forward_hook(lambda lin, args, out: out + shift["v"])
+    return module, shift
+
+
+@pytest.mark.parametrize("make, replace, message", [
+    # another view of the same storage (a ring buffer's next slot), and the same storage moved by resize_
+    pytest.param(lambda: (types.SimpleNamespace(ring=None, x=None),),
+                 None, r"would read holder\.x, now a tensor of shape \(4,\), torch\.float32, at 0x", id="view"),
+    pytest.param(lambda: (Scaled(),), lambda m: resized(m.lin.weight),
+                 r"would read self\.lin\.weight, now a tensor of shape \(4, 4\)", id="storage-resized"),
+    pytest.param(lambda: (Scaled(),), lambda m: setattr(m.lin, "bias", None),
+                 r"would find self\.lin\.bias now None: the capture read a tensor of shape \(4,\)", id="bias-removed"),
+    pytest.param(lambda: (Slotted(torch.ones(3)).read,), lambda f: setattr(f.__self__, "_Slotted__x", torch.ones(3)),
+                 r"would read self\._Slotted__x, now", id="a-private-slot"),
+    pytest.param(lambda: (functools.partial(lambda d: d[1, "a"] + 1, {(1, "a"): torch.ones(3)}),),
+                 lambda f: f.args[0].__setitem__((1, "a"), torch.ones(3)),
+                 r"would read partial\.args\[0\]\[\(1, 'a'\)\]", id="a-tuple-key"),
+    pytest.param(lambda: (functools.partial(lambda q: q[0] + 1, deque([torch.ones(3)])),),
+                 lambda f: f.args[0].__setitem__(0, torch.ones(3)), r"would read partial\.args\[0\]\[0\]",
+                 id="a-deque"),
+    pytest.param(hooked, lambda m, shift: shift.__setitem__("v", torch.zeros(4)),
+                 r"would read self\.lin\._forward_hooks\[\d+\]\.<closure>\.shift\['v'\]",
+                 id="a-forward-hooks-closure"),
+    pytest.param(hooked, lambda m, shift: shift.clear(),
+                 r"would find self\.lin\._forward_hooks\[\d+\]\.<closure>\.shift\['v'\] now nothing",
+                 id="an-entry-gone"),
+])
+def test_replaced_views_moved_storages_removed_tensors_and_holders_the_search_skipped_are_refused(backend, make,
+                                                                                                  replace, message):
+    """A device graph reads the captured view's address at every replay: another view of the same storage, the same
+    storage resized elsewhere (FSDP's free and re-make), a tensor removed (``lin.bias = None``, an entry cleared) all
+    replayed on the CPU backend, which compared storages only and took a way to nothing for no read; and tensors held
+    in ``__slots__``, under a tuple key, in a deque or in a forward hook's closure were not searched at all."""
+    made = make()
+    if replace is None:  # the view case: the holder points at slot 0 of a ring, then at slot 1
+        holder = made[0]
+        holder.ring = torch.zeros(2, 4)
+        holder.x = holder.ring[0]
+        graph = backend.capture(lambda: holder.x * 2)
+        holder.ring[1].fill_(7.0)
+        holder.x = holder.ring[1]
+    else:
+        graph = backend.capture(made[0])
+        replace(*made)
+    with pytest.raises(CaptureError, match=message):
+        graph.replay()
+
+
+def resized(tensor):
+    """``tensor``'s storage freed and made again in place, its values put back: the same storage object elsewhere."""
+    values = tensor.detach().clone()
+    with torch.no_grad():
+        tensor.untyped_storage().resize_(0)
+        tensor.untyped_storage().resize_(values.numel() * values.element_size())
+        tensor.copy_(values)
+
+
+def test_a_builtin_callables_own_error_is_raised_not_taken_for_the_recordings(backend):
+    """A callable with no Python frame of its own raising only in the recorded run: the innermost frame was the
+    capture's own call of it, taken for the recording's, and the callable ran a third time, unchecked."""
+    values = map(torch.as_tensor, [1.0, "x", 2.0, 3.0])
+    with pytest.raises(CaptureError, match="capture failed: TypeError"):
+        backend.capture(functools.partial(next, values))  # the warm-up takes 1.0, the recorded run fails on "x"
+    assert next(values).item() == 2.0  # no third run took it
+
+
+def test_a_search_stopped_at_its_bound_says_how_many_reads_go_unchecked(backend, monkeypatch, caplog):
+    from hwgraph.graphs import capture_reads, read_ways
+
+    monkeypatch.setattr(read_ways, "MAX_OBJECTS", 3)
+    monkeypatch.setattr(capture_reads, "MAX_OBJECTS", 3)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+    with caplog.at_level("INFO", logger="hwgraph.graphs.capture_reads"):
+        backend.capture(lambda: model(torch.ones(4)))
+    assert "stopped at 3 objects: 8 of the 8 storages it read are not checked" in caplog.text

@@ -34,6 +34,16 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         return None
 
 
+def tensor_facts(tensor: torch.Tensor) -> tuple:
+    """(shape, dtype, address, strides) of ``tensor``: where its reads go. Address and strides None where it has none
+    (a sparse tensor)."""
+    try:
+        address, strides = tensor.data_ptr(), tensor.stride()
+    except (RuntimeError, NotImplementedError, TypeError):
+        address = strides = None
+    return tuple(tensor.shape), tensor.dtype, address, strides
+
+
 def tensors_in(values) -> Iterator[torch.Tensor]:
     """The tensors among ``values`` and in the lists and tuples among them (how ops take them: ``torch.cat``)."""
     for value in values:
@@ -59,6 +69,7 @@ class ReadRecorder(TorchDispatchMode):
         super().__init__()
         self.made: set[int] = set()
         self.read: dict[int, StorageWeakRef] = {}
+        self.views: dict[int, set[tuple]] = {}  # storage address -> the views of it read (tensor_facts)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -78,8 +89,11 @@ class ReadRecorder(TorchDispatchMode):
     def note_reads(self, tensors) -> None:
         for tensor in tensors:
             key = storage_key(tensor)
-            if key is not None and key not in self.made and key not in self.read:
+            if key is None or key in self.made:
+                continue
+            if key not in self.read:
                 self.read[key] = StorageWeakRef(tensor.untyped_storage())
+            self.views.setdefault(key, set()).add(tensor_facts(tensor))
 
     def note_made(self, tensors) -> None:
         for tensor in tensors:
