@@ -14,21 +14,26 @@ paths under a mode), the capture goes on unchecked (``captured_reads``). Where t
 (``MAX_OBJECTS``) with reads left without a way, it logs how many go unchecked.
 
 A replay follows the ways to the views read again before it reruns the callable (``ReadPaths.stale``): where every way
-to one now leads elsewhere (another tensor, another view of the same storage, the same storage moved by ``resize_``,
-``None``, or nothing: an entry or an attribute gone), the callable would not read what a device graph reads: the
-captured buffer. As the callable may itself put the captured tensor back before reading it (``self.table =
-cached(...)``, a holder that another graph's callable pointed at its own buffer), the replay reruns it and follows the
-ways again, and raises ``CaptureError`` naming both, before it writes any output, only for a read stale both times
-(``ReadPaths.check(before=...)``); a replay that finds nothing stale follows the ways once.
+to one now leads elsewhere (another tensor, another view of the same storage, the same storage moved by ``resize_`` or
+``share_memory_``, or ``None``), the callable would not read what a device graph reads: the captured buffer. A way
+that leads nowhere (an entry or an attribute gone: a hook registered again under a new handle, a tensor made a
+buffer) says nothing, as the tensor may now be read where the search does not go. As the callable may itself put the
+captured tensor back before reading it (``self.table = cached(...)``, a holder that another graph's callable pointed
+at its own buffer), the replay reruns it and follows the ways again, and raises ``CaptureError`` naming both, before
+it writes any output, only for a read stale both times (``ReadPaths.check(before=...)``); a replay that finds nothing
+stale follows the ways once.
 
 Checking every op of every replay under such a mode would see every read, but the mode alone costs about 15 us an op
 (the tiny tower's replay: 290 ops, 2.7 ms without a mode, 7 ms under one that does nothing), and dynamo runs no
 compiled frame under it; following the ways costs about 110 us a replay. What the ways miss: a tensor reached
 otherwise (through a class, a C++ object, an object of torch's such as a ``BlockMask``, the module of a method the
 callable calls, a ``threading.local``, a ``WeakValueDictionary``, or the table a ``functools.lru_cache`` function
-returns), a replaced view whose old one is still reached by another way (a second reference left unchanged), a
+returns), a tensor whose every way leads nowhere (``del holder.x``), a replaced view whose old one is still reached
+by another way (a second reference left unchanged), a
 tensor that a higher-order op's functions read other than as its operands (a ``torch.cond`` branch's closure: its
 dense kernel refuses a mode), and a replaced tensor read by a callable that then puts the captured one back itself.
+And one false refusal: a way to a view equal to one the capture read (the same address and layout), where the callable
+read that view otherwise (through a ``functools.lru_cache``), counts as the way to it, so replacing it is refused.
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ class Read:
     storage: StorageWeakRef
     ways: tuple[tuple, ...]
     captured: tuple[tuple, ...]  # tensor_facts: (shape, dtype, address, strides)
+    exact: bool = True  # the ways lead to views the capture read: a way leads to it where it finds that view
 
 
 @dataclass
@@ -144,22 +150,24 @@ class ReadPaths:
         kept = []
         for key, ref in read.items():
             found = ways.get(key, [])
-            found = [way for way in found if way[1] in (views or {}).get(key, ())] or found
-            if found:
-                kept.append(Read(ref, *zip(*found[:MAX_WAYS], strict=True)))
+            to_views = [way for way in found if way[1] in (views or {}).get(key, ())]
+            if found:  # no way to a view read (a view made where the search does not go): a way to the storage does
+                kept.append(Read(ref, *zip(*(to_views or found)[:MAX_WAYS], strict=True), exact=bool(to_views)))
         tree: dict = {}
         for i, r in enumerate(kept):
             for j, way in enumerate(r.ways):
                 node = tree
                 for step in way[:-1]:
                     node = node.setdefault(plain(step), ({}, []))[0]
-                node.setdefault(plain(way[-1]), ({}, []))[1].append((i, j, r.storage.cdata, r.captured[j]))
+                node.setdefault(plain(way[-1]), ({}, []))[1].append(
+                    (i, j, r.storage.cdata, r.captured[j] if r.exact else None))
         return cls(fn, kept, tree)
 
     def stale(self) -> dict[int, tuple[int, object]]:
         """The reads every way to which now leads elsewhere: read index -> (way index, what it leads to: another
-        tensor, another view of the storage, its storage moved (``resize_``), ``None``, or ``GONE``). Empty where the
-        callable would read what its capture read."""
+        tensor, another view of the storage or the storage moved (``resize_``), or ``None``). A way that leads nowhere
+        (an entry or an attribute gone: a hook registered again, a tensor made a buffer) says nothing: the tensor may
+        be read where the search did not go. Empty where the callable would read what its capture read."""
         same = [False] * len(self.reads)  # a way still leads to the storage read
         other: dict[int, tuple[int, torch.Tensor]] = {}  # read -> (way, the other tensor it leads to)
         self._follow(self.fn, self.tree, same, other)
@@ -177,21 +185,22 @@ class ReadPaths:
             now = {i: before[i] for i in now if i in before}
         for i, (j, tensor) in now.items():
             r = self.reads[i]
-            raise CaptureError(stale_read_message(self.fn, way_text(r.ways[j]), tensor, r.captured[j],
-                                                  not r.storage.expired()))
+            raise CaptureError(stale_read_message(self.fn, way_text(r.ways[j]), tensor, r.captured[j], r.storage))
 
     def _follow(self, obj, tree: dict, same: list, other: dict) -> None:
         for step, (subtree, ends) in tree.items():
             try:
                 value = FOLLOW[step[0]](obj, step[1])
-            except Exception:  # noqa: BLE001 - a way that no longer leads anywhere: the graph reads what it read
-                value = GONE
+            except Exception:  # noqa: BLE001 - a way that no longer leads anywhere says nothing
+                continue
+            if value is GONE:
+                continue
             if ends:
                 # Our weak reference keeps a storage's address from being reused: the same address is the same
-                # storage; and the same view of it where the tensor's own address and shape are the ones captured
+                # storage; and the same view of it where the tensor's own address and layout are the ones captured
                 key = storage_key(value) if isinstance(value, torch.Tensor) else None
                 for i, j, storage, captured in ends:
-                    if key == storage and tensor_facts(value) == captured:
+                    if key == storage and (captured is None or tensor_facts(value) == captured):
                         same[i] = True
                     elif i not in other:
                         other[i] = (j, value)
@@ -208,12 +217,21 @@ def callable_name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
-def stale_read_message(fn: Callable, where: str, found, captured: tuple, alive: bool) -> str:
-    """Why a replay is refused: ``where`` (a way) now leads to ``found`` instead of the tensor ``captured``."""
+def stale_read_message(fn: Callable, where: str, found, captured: tuple, storage: StorageWeakRef) -> str:
+    """Why a replay is refused: ``where`` (a way) now leads to ``found`` instead of the tensor ``captured`` (of
+    ``storage``)."""
     name = callable_name(fn)
+    alive = not storage.expired()
     since = "" if alive else ", freed since"
-    now = (f"would read {where}, now {describe(found)}, which existed before the replay but was not read by the "
-           f"capture" if isinstance(found, torch.Tensor) else f"would find {where} now {describe(found)}")
-    return (f"replay of {name} {now}: the capture read {described(captured)} there{since}. A device graph would read "
-            f"the captured buffer instead ({'stale values' if alive else 'freed memory'}). Copy new values into the "
-            f"captured tensor (copy_) instead of replacing or removing it, or capture again")
+    view = isinstance(found, torch.Tensor) and storage_key(found) == storage.cdata  # strides tell two views apart
+    if not isinstance(found, torch.Tensor):
+        now = f"would find {where} now {describe(found)}"
+    elif view:
+        now = (f"would read {where}, now {describe(found, strides=True)}: the storage the capture read, but another "
+               f"view of it or moved to another address (resize_, share_memory_)")
+    else:
+        now = (f"would read {where}, now {describe(found)}, which existed before the replay but was not read by the "
+               f"capture")
+    return (f"replay of {name} {now}: the capture read {described(captured, strides=view)} there{since}. A device "
+            f"graph would read the captured buffer instead ({'stale values' if alive else 'freed memory'}). Copy new "
+            f"values into the captured tensor (copy_) instead of replacing or removing it, or capture again")

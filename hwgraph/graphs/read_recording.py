@@ -35,13 +35,19 @@ def storage_key(tensor: torch.Tensor) -> int | None:
 
 
 def tensor_facts(tensor: torch.Tensor) -> tuple:
-    """(shape, dtype, address, strides) of ``tensor``: where its reads go. Address and strides None where it has none
-    (a sparse tensor)."""
+    """(shape, dtype, address, strides) of ``tensor``: where its reads go, the stride of a dimension of size 1 as 0
+    (it steps nowhere: ``col.t()`` and ``col.view(1, n)`` read alike). Address and strides None where it has none (a
+    sparse tensor)."""
     try:
-        address, strides = tensor.data_ptr(), tensor.stride()
+        shape = tuple(tensor.shape)
+    except (RuntimeError, NotImplementedError, TypeError):  # a strided nested tensor has no single shape
+        return None, tensor.dtype, None, None
+    try:
+        address = tensor.data_ptr()
+        strides = tuple(stride if size > 1 else 0 for size, stride in zip(shape, tensor.stride(), strict=True))
     except (RuntimeError, NotImplementedError, TypeError):
         address = strides = None
-    return tuple(tensor.shape), tensor.dtype, address, strides
+    return shape, tensor.dtype, address, strides
 
 
 def tensors_in(values) -> Iterator[torch.Tensor]:

@@ -134,8 +134,9 @@ def references(obj) -> Iterator[tuple[tuple, object]]:
     """(step, object) for each reference the search follows out of ``obj``."""
     if isinstance(obj, dict):
         module_entries = "module" if getattr(obj, "_hwgraph_module_dict", False) else None
-        for key, value in itertools.islice(obj.items(), MAX_ITEMS):  # any key: a replay looks it up again
-            yield (KEY, key, module_entries), value
+        for key, value in itertools.islice(obj.items(), MAX_ITEMS):  # a replay looks the key up again
+            if not isinstance(key, torch.Tensor):  # which a way would keep alive (a per-call input as a key)
+                yield (KEY, key, module_entries), value
         return
     if isinstance(obj, (list, tuple, deque)):
         for i, value in enumerate(itertools.islice(obj, MAX_ITEMS)):
@@ -196,19 +197,18 @@ class ModuleEntries(dict):
     _hwgraph_module_dict = True
 
 
-def describe(value) -> str:
-    """What a way leads to: a tensor (``described``), nothing (``GONE``: an object on the way is gone), or another
-    object (``None``: a bias removed)."""
+def describe(value, strides: bool = False) -> str:
+    """What a way leads to: a tensor (``described``) or another object (``None``: a bias removed)."""
     if isinstance(value, torch.Tensor):
-        return described(tensor_facts(value))
-    if value is GONE:
-        return "nothing (an object on the way is gone)"
+        return described(tensor_facts(value), strides)
     return "None" if value is None else f"a {type(value).__name__} ({reprlib.repr(value)})"
 
 
-def described(facts: tuple) -> str:
-    shape, dtype, address, _ = facts
-    return f"a tensor of shape {shape}, {dtype}, at {'no address' if address is None else hex(address)}"
+def described(facts: tuple, strides: bool = False) -> str:
+    """A tensor's ``tensor_facts`` in words; its strides too where asked (two views of one storage)."""
+    shape, dtype, address, steps = facts
+    return (f"a tensor of shape {shape}, {dtype}, at {'no address' if address is None else hex(address)}"
+            + (f", strides {steps}" if strides and steps is not None else ""))
 
 
 def ways_to_tensors(fn: Callable) -> tuple[dict[int, list[tuple[tuple, tuple]]], bool]:
