@@ -77,7 +77,7 @@ class ManagerStats:
 
 
 TOWER_METHODS = ("parameters", "set_attention", "attention_choice", "apply_attention_choice", "weights_key",
-                 "prepare_metadata", "forward_with_metadata")
+                 "weights_moved", "prepare_metadata", "forward_with_metadata")
 
 
 def check_tower(tower) -> None:
@@ -245,8 +245,8 @@ class EncoderGraphManager:
                 f"{what}: the tower's weights were moved since this manager was built for {self.dtype} on "
                 f"{self.device} (the tower is now {self.tower.dtype} on {self.tower.device}; another manager with "
                 f"another dtype or device, or tower.to(), moves it, and so does a parameter or buffer given a new "
-                f"tensor), so its graphs would read freed memory. close() this manager and build a new one on the "
-                f"tower as it is now")
+                f"tensor or new .data, or its storage resized), so its graphs would read freed memory. close() this "
+                f"manager and build a new one on the tower as it is now")
         if self.tower.attention_fn is not self._kernel:
             # Its eager calls would run the other kernel, and the CPU backend's replays (and compiled code's guards)
             # too: a compiled replay recompiled on the replay path.
@@ -483,6 +483,8 @@ class EncoderGraphManager:
             graph.replay()
             # One copy out of the graph's buffer: the next replay overwrites it, and rows past `tokens` are padding.
             group = graph.outputs[:, :tokens].clone()
+            if self.tower.weights_moved():  # every weight looked at while the device runs the replay
+                self._check_tower("encode()")  # raises: the replay read the old addresses
         finally:
             # also when a step raised (the copy out of the graph ran out of memory): what it queued still writes or
             # reads the buffers, and the metadata it filled is skipped by the next call as already there

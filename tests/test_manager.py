@@ -655,8 +655,33 @@ def test_a_manager_refuses_a_tower_one_of_whose_middle_weights_was_given_a_new_t
     m.encode(pixels, grid)
     doubled_middle_weight(tower, how)
     with pytest.raises(RuntimeError, match=r"the tower's weights were moved since this manager was built .* a "
-                                           r"parameter or buffer given a new tensor\)"):
+                                           r"parameter or buffer given a new tensor or new \.data"):
         m.encode(pixels, grid)
+
+
+@pytest.mark.parametrize("how", ["data", "resized"])
+def test_a_manager_refuses_the_replay_of_a_tower_whose_middle_weight_got_new_data_or_a_resized_storage(how):
+    """``weights_key()`` reads three addresses: a middle weight given new ``.data``, or its storage freed and made
+    again in place (FSDP), kept the same key, and on a device the graphs read the freed memory. The CPU backend's own
+    check of its reads is set aside here, as a device backend has none."""
+    tower, m, grid, pixels = replaying_manager(94)
+    for entry in m.graphs.values():
+        for graph in entry.graphs.values():
+            graph.reads = None
+    m.encode(pixels, grid)
+    weight = tower.blocks[1].mlp.linear_fc1.weight
+    if how == "data":
+        weight.data = weight.data * 2
+    else:
+        with torch.no_grad():
+            values = weight.detach().clone()
+            weight.untyped_storage().resize_(0)
+            weight.untyped_storage().resize_(values.numel() * values.element_size())
+            weight.copy_(values)
+    for _ in range(2):  # the replay's look at every weight, then the key before the next call
+        with pytest.raises(RuntimeError, match=r"encode\(\): the tower's weights were moved since this manager"):
+            m.encode(pixels, grid)
+    assert m.stats()["replays"] == 1  # the refused one is not counted
 
 
 def test_weights_copied_into_the_towers_own_tensors_keep_the_manager_replaying_them():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import weakref
 
 import torch
 from torch import nn
@@ -38,6 +39,11 @@ class _Registrations:
     def seen(cls, module, name, value):
         cls.count += 1  # returns None: the hook changes nothing
 
+
+#: each tower's weights and buffers, as its ``weights_key()`` last listed them: kept outside the tower, where the CPU
+#: backend's search for the tensors a capture read (``hwgraph.graphs.read_ways``) would find them first and name them
+#: by this list instead of their modules
+LAYOUT_TENSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 nn.modules.module.register_module_parameter_registration_hook(_Registrations.seen)
 nn.modules.module.register_module_buffer_registration_hook(_Registrations.seen)
@@ -185,15 +191,32 @@ class Qwen3OmniVisionTower(nn.Module):
         call, so it is cheap: three pointer reads (the first and the last weight, the rotary frequencies every
         forward reads) and a layout number, which counts changes of the addresses of all the tower's parameters and
         buffers, listed again only when a module of the process was given a parameter or buffer since the last
-        call. A new tensor set as a parameter's ``.data`` is not seen unless it is the first or last weight."""
-        if self.__dict__.get("_layout_registrations") != _Registrations.count:
-            layout = tuple(t.data_ptr() for t in (*self.parameters(), *self.buffers()))
-            if layout != self.__dict__.get("_layout"):
-                self.__dict__["_layout_version"] = self.__dict__.get("_layout_version", -1) + 1
-                self.__dict__["_layout"] = layout
+        call. A new tensor set as a parameter's ``.data``, or a weight's storage resized in place, is seen here only for
+        the first or last weight; ``weights_moved()`` sees it for any."""
+        # a copy of a tower (deepcopy, pickle) keeps the count in its __dict__, but has no list of its own yet
+        if self.__dict__.get("_layout_registrations") != _Registrations.count or self not in LAYOUT_TENSORS:
+            tensors = (*self.parameters(), *self.buffers())
+            LAYOUT_TENSORS[self] = tensors
+            self._note_layout(tuple(t.data_ptr() for t in tensors))
             self.__dict__["_layout_registrations"] = _Registrations.count
         return (self.patch_embed.proj.weight.data_ptr(), self.merger.mlp[-1].weight.data_ptr(),
                 self.rotary_pos_emb.inv_freq.data_ptr(), self.__dict__["_layout_version"])
+
+    def weights_moved(self) -> bool:
+        """Whether any weight or buffer lives elsewhere than ``weights_key()`` last saw: every one's address read again
+        (about 30 us for 27 blocks on a slow host), which catches what the key's three reads miss, a middle weight
+        given new ``.data`` or its storage resized in place. A move changes ``weights_key()`` from then on. The
+        manager asks after launching a replay, whose device work hides the cost, and refuses its result."""
+        self.weights_key()  # a parameter or buffer registered since: the list of tensors made again
+        return self._note_layout(tuple(t.data_ptr() for t in LAYOUT_TENSORS[self]))
+
+    def _note_layout(self, layout: tuple) -> bool:
+        """Keep ``layout`` (every weight's and buffer's address); True, and a new layout number, where it moved."""
+        if layout == self.__dict__.get("_layout"):
+            return False
+        self.__dict__["_layout_version"] = self.__dict__.get("_layout_version", -1) + 1
+        self.__dict__["_layout"] = layout
+        return True
 
     # ------------------------------------------------------------------ attention
     def set_attention(self, name: str | VarlenAttention | None = None, platform: PlatformInfo | None = None,
