@@ -190,7 +190,8 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
             raise RuntimeError(
                 f"replay: the tower's weights were moved since its encoder graphs were captured for {dtype} on "
                 f"{device} (the tower is now {tower.dtype} on {tower.device}; tower.to() or a manager with another "
-                f"dtype or device moves it), so the graphs would read freed memory. clear() this manager and "
+                f"dtype or device moves it, and so does a weight given a new tensor or new .data, or its storage "
+                f"resized), so the graphs would read freed memory. clear() this manager and "
                 f"capture() again on the tower as it is now")
         if tower.attention_fn is not kernel:
             # as EncoderGraphManager: the graphs would go on running the captured kernel while eager groups ran the
@@ -229,7 +230,14 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
     def _run_budget_graph(self, mm_kwargs: dict[str, Any], token_budget: int, path: str = "default",
                           axis_keys: tuple = ()) -> torch.Tensor | None:
         self._check_tower()  # every replay, from either dispatch (this one or upstream's packing)
-        return super()._run_budget_graph(mm_kwargs, token_budget, path, axis_keys)
+        output = super()._run_budget_graph(mm_kwargs, token_budget, path, axis_keys)
+        tower = self._tower()
+        moved = getattr(tower, "weights_moved", None)
+        if moved is not None and self._captured_tower is not None and moved():
+            # every weight looked at while the device runs the replay: a middle weight given new .data or a resized
+            # storage, which weights_key's reads miss, was read at its old, freed address
+            self._check_tower()  # raises: the key has moved too
+        return output
 
     def execute(self, mm_kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
         # None: vLLM's runners then call the model's embed_multimodal (gpu_model_runner, v2 encoder_runner), e.g. for
