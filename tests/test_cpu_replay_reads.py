@@ -205,9 +205,9 @@ def test_the_read_check_composes_with_the_sync_guard_a_callers_dispatch_mode_and
 
 
 def test_a_manager_replay_refuses_weights_given_new_data_that_its_own_check_misses():
-    """The manager compares the tower's weights' addresses before each call, but a middle parameter given new data
-    (``.data = ...``) escapes it (``Qwen3OmniVisionTower.weights_key``): its graphs would read the old weights on a
-    device, and the CPU backend's replay now says so."""
+    """A middle parameter given new data (``.data = ...``) escapes the manager's key read before each call
+    (``Qwen3OmniVisionTower.weights_key``; its look at every weight comes after the replay): its graphs would read
+    the old weights on a device, and the CPU backend's replay says so first."""
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("tiny").eval()
     manager = EncoderGraphManager(tower, budgets=[16], max_images_per_graph=2, graph_backend="cpu")
