@@ -5,6 +5,7 @@ report. The measurement itself is ``hwgraph.bench``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -117,12 +118,11 @@ def writable_path(option: str, spec: str) -> Path:
 
 
 def remove_folders(folders: list[Path]) -> None:
-    """Remove the empty ``folders``, deepest first (those ``writable_path`` made for a path it then refused)."""
+    """Remove the empty ``folders``, deepest first (those ``writable_path`` made for a path it then refused); one that
+    cannot be removed (never made: its name too long; not empty) is passed over."""
     for folder in folders:
-        try:
+        with contextlib.suppress(OSError):
             folder.rmdir()
-        except OSError:
-            return
 
 
 def checked_file(option: str, spec: str, path: Path) -> Path:

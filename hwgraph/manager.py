@@ -190,6 +190,7 @@ class EncoderGraphManager:
         # its name, for stats(): the tower's may change later (another manager, set_attention), and reading it after
         # a move chooses a kernel again, on the tower
         self._kernel_name = tower.attention_kernel
+        tower.weights_moved()  # a move since the key was last read (a weight given new .data) counted first
         self._weights = tower.weights_key()  # where the weights the graphs read live (see _check_tower)
         self.calibrate_on_capture = calibrate
         if slot_counts is None:
@@ -483,8 +484,10 @@ class EncoderGraphManager:
             graph.replay()
             # One copy out of the graph's buffer: the next replay overwrites it, and rows past `tokens` are padding.
             group = graph.outputs[:, :tokens].clone()
-            if self.tower.weights_moved():  # every weight looked at while the device runs the replay
-                self._check_tower("encode()")  # raises: the replay read the old addresses
+            # every weight looked at while the device runs the replay; the key compared whatever this look found, as
+            # another manager's look on the same tower may have found a move first
+            self.tower.weights_moved()
+            self._check_tower("encode()")  # raises where the replay read the old addresses
         finally:
             # also when a step raised (the copy out of the graph ran out of memory): what it queued still writes or
             # reads the buffers, and the metadata it filled is skipped by the next call as already there

@@ -311,10 +311,11 @@ def write_reports(out: Path, texts: dict[str, str]) -> None:
     partials: dict[str, Path] = {}
     try:
         for name, text in texts.items():
-            partials[name] = partial_path(out / name)
-            partials[name].touch(exist_ok=False)  # a name another write took: an error, not its file truncated
-            partials[name].write_text(text, encoding="utf-8")
-            keep_mode(out / name, partials[name])
+            partial = partial_path(out / name)
+            partial.touch(exist_ok=False)  # a name another write took: an error, not its file truncated or removed
+            partials[name] = partial
+            partial.write_text(text, encoding="utf-8")
+            keep_mode(out / name, partial)
         for name, partial in partials.items():
             partial.replace(out / name)
     finally:

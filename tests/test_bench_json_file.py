@@ -149,3 +149,25 @@ def test_a_json_path_whose_name_is_too_long_is_refused_naming_it_and_leaves_no_f
     with pytest.raises(ValueError, match=r"^--json '.*x\.json': cannot write there: File name too long$"):
         writable_path("--json", spec)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_every_folder_made_for_a_refused_path_is_removed(tmp_path, monkeypatch):
+    """Removing the folders made for a refused path stopped at the first it could not remove (the one whose name is
+    too long, never made), and left the ones above it."""
+    from hwgraph.bench_command import writable_path
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="File name too long"):
+        writable_path("--json", f"new1/{'y' * 300}/bench.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_partial_name_another_write_took_is_left_to_it(tmp_path, monkeypatch):
+    from hwgraph import report
+
+    taken = tmp_path / ".report.json.taken.partial"
+    taken.write_text("the other write's")
+    monkeypatch.setattr(report, "partial_path", lambda path: taken)
+    with pytest.raises(FileExistsError):
+        report.write_reports(tmp_path, {"report.json": "{}"})
+    assert taken.read_text() == "the other write's" and not (tmp_path / "report.json").exists()

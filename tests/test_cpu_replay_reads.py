@@ -535,11 +535,13 @@ def test_replaced_views_moved_storages_removed_tensors_and_holders_the_search_sk
 
 def resized(tensor):
     """``tensor``'s storage freed and made again in place, its values put back: the same storage object elsewhere."""
-    values = tensor.detach().clone()
+    values, address = tensor.detach().clone(), tensor.data_ptr()
     with torch.no_grad():
         tensor.untyped_storage().resize_(0)
+        squatter = torch.empty_like(values)  # takes the freed memory: the storage comes back elsewhere
         tensor.untyped_storage().resize_(values.numel() * values.element_size())
         tensor.copy_(values)
+    assert tensor.data_ptr() != address, squatter.data_ptr()
 
 
 def test_a_builtin_callables_own_error_is_raised_not_taken_for_the_recordings(backend):

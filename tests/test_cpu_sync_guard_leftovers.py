@@ -90,3 +90,36 @@ def test_an_exit_interrupted_half_way_puts_back_the_rest_and_then_raises(monkeyp
     torch.zeros(n), torch.ones(3).flip(n - 2), torch.nonzero(torch.ones(2)), torch.ones(1).item()
     with RejectHostReads(), pytest.raises(HostSyncError):
         torch.zeros(n)
+
+
+def test_a_getitem_left_behind_is_put_back_by_the_next_guard(monkeypatch, tensor_attributes_kept):
+    """A Python ``__getitem__`` on ``torch.Tensor`` fills the type's sequence slots: the guard's replacement, put back
+    by a stand-in's undo after the guard closed, made ``torch.tensor([a.sum(), b.sum()])`` fail ("len() of a 0-d
+    tensor") for the rest of the process, later guards included, which saved it as the original."""
+    a, b = torch.ones(2), torch.ones(3)
+    with RejectHostReads():
+        monkeypatch.setattr(torch.Tensor, "__getitem__", lambda self, index: "stand-in")
+    monkeypatch.undo()
+    assert "__getitem__" in replaced_now()
+    with RejectHostReads():
+        pass
+    assert "__getitem__" not in vars(torch.Tensor)
+    assert torch.tensor([a.sum(), b.sum()]).tolist() == [2.0, 3.0] and a[0].item() == 1.0
+
+
+def test_a_compiled_function_is_compiled_once_whatever_the_guards_depth():
+    """The replacements asked whether a guard was open before whether dynamo was compiling: dynamo traced that and
+    guarded on the guards' depth, so a function calling ``x.to(dtype)`` compiled again in a nested guard."""
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(1)
+        return gm.forward
+
+    fn = torch.compile(lambda x: torch.repeat_interleave(x.to(torch.float64), 2) + 1, backend=counting)
+    x = torch.ones(3)
+    with RejectHostReads():
+        fn(x)
+        with RejectHostReads(), RejectHostReads():
+            fn(x)
+    assert len(compiles) == 1  # (outside a guard it is compiled again: it calls a function the guard replaces)

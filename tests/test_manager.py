@@ -673,11 +673,14 @@ def test_a_manager_refuses_the_replay_of_a_tower_whose_middle_weight_got_new_dat
     if how == "data":
         weight.data = weight.data * 2
     else:
+        address = weight.data_ptr()
         with torch.no_grad():
             values = weight.detach().clone()
             weight.untyped_storage().resize_(0)
+            squatter = torch.empty_like(values)  # takes the freed memory: the storage comes back elsewhere
             weight.untyped_storage().resize_(values.numel() * values.element_size())
             weight.copy_(values)
+        assert weight.data_ptr() != address, squatter.data_ptr()
     for _ in range(2):  # the replay's look at every weight, then the key before the next call
         with pytest.raises(RuntimeError, match=r"encode\(\): the tower's weights were moved since this manager"):
             m.encode(pixels, grid)
@@ -1373,3 +1376,51 @@ def test_graphed_calls_refuses_a_call_count_that_is_not_a_positive_int_by_name(c
     for helper in (graphed_calls, graphed_ms):
         with pytest.raises(ValueError, match=rf"calls must be a positive int.*got {calls!r}"):
             helper(lambda: None, calls=calls)
+
+
+def test_a_manager_built_after_a_weight_got_new_data_encodes():
+    """The key a manager keeps is the tower's as it is: one read before a middle weight got new ``.data`` (an earlier
+    manager's) kept the old layout number, the first replay's look then found the move, and every call raised."""
+    tower, first, grid, pixels = replaying_manager(95)
+    first.encode(pixels, grid)
+    first.close()
+    weight = tower.blocks[1].mlp.linear_fc1.weight
+    weight.data = weight.data * 2  # weights loaded by .data, then a new manager built for them
+    m = make_manager(tower, budgets=[16], max_images=1)
+    m.capture()
+    for _ in range(2):
+        assert_outputs_equal(m.encode(pixels, grid), eager_per_image(tower, pixels, grid))
+    assert m.stats()["replays"] == 2
+
+
+def test_a_move_another_managers_look_found_first_still_refuses_this_replay(monkeypatch):
+    """Two managers on one tower, replaying at once: the other manager's look at every weight found the move (and
+    counted it) while this replay ran, so this manager's own look found nothing new and returned what its replay read
+    at the old address."""
+    tower, m, grid, pixels = replaying_manager(96)
+    for entry in m.graphs.values():
+        for graph in entry.graphs.values():
+            graph.reads = None  # as on a device: no check of the CPU backend's own
+    m.encode(pixels, grid)
+    weight = tower.blocks[1].mlp.linear_fc1.weight
+    weight.data = weight.data * 2
+    fill = m._fill
+
+    def fill_while_another_manager_looks(*args):
+        fill(*args)
+        assert tower.weights_moved()  # the other manager's look, during this replay
+
+    monkeypatch.setattr(m, "_fill", fill_while_another_manager_looks)
+    with pytest.raises(RuntimeError, match=r"encode\(\): the tower's weights were moved since this manager"):
+        m.encode(pixels, grid)
+
+
+def test_a_block_swapped_in_is_a_move():
+    """A submodule assigned (``tower.blocks[1] = block``) runs no parameter or buffer registration hook: the list of
+    weights was not made again, and the graphs went on reading the old block's."""
+    tower, m, grid, pixels = replaying_manager(97)
+    block = copy.deepcopy(tower.blocks[1])
+    m.encode(pixels, grid)
+    tower.blocks[1] = block
+    with pytest.raises(RuntimeError, match=r"encode\(\): the tower's weights were moved since this manager"):
+        m.encode(pixels, grid)

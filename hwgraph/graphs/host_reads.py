@@ -16,6 +16,7 @@ import threading
 from typing import ClassVar
 
 import torch
+from torch.utils import _pytree as pytree
 
 from hwgraph.graphs.base import CountedSwitch, HostSyncError
 from hwgraph.graphs.function_reads import torch_function_wrappings
@@ -45,8 +46,8 @@ class RejectHostReads:
     safe to enter and leave from several threads: the first guard in replaces the methods, the last one out puts
     them back. The replacements are made once and kept (``_replacements``): opening a guard only swaps attributes.
 A replacement rejects only while a guard is open (one bound inside a guard, or put back by a stand-in's undo, passes
-its calls through), and the last guard out puts back only the attributes still holding its replacements (a stand-in
-set or undone inside a guard stays as it was left).
+its calls through, and the next guard puts back what it wraps), and the last guard out puts back only the attributes
+still holding its replacements (a stand-in set or undone inside a guard stays as it was left).
     Public so that device backends without a runtime sync-debug mode reuse it as their sync guard. Replacing
     ``__getitem__`` and ``__setitem__`` would make every tensor a Python sequence, for good: the guard puts the tensor
     types' sequence slots back as it found them, on entering and on leaving (``put_back_sequence_slots``).
@@ -136,6 +137,8 @@ set or undone inside a guard stays as it was left).
     _last_found: ClassVar[list] = []
     _last_replacements: ClassVar[list] = []
     _wrapped_lock: ClassVar[threading.Lock] = threading.Lock()
+    #: the tensor types' sequence slots as the first guard found them (``_replace``)
+    _first_slots: ClassVar[dict | None] = None
 
     @staticmethod
     def _rejecting(fn, what: str):
@@ -147,7 +150,9 @@ set or undone inside a guard stays as it was left).
         """``Tensor.to`` that rejects a blocking copy between the host and a device (``blocking_copy_of_to``); casts,
         non-blocking copies and ``x.to(x.device)`` go through."""
         def reject_host_copy(self, *args, **kwargs):
-            device = None if not guard_open() or torch.compiler.is_compiling() else \
+            # is_compiling() first: dynamo would trace guard_open() and guard on the guards' depth, compiling again
+            # for each depth
+            device = None if torch.compiler.is_compiling() or not guard_open() else \
                 blocking_copy_of_to(self, args, kwargs)
             if device is not None:
                 what = "a device-to-host" if device.type == "cpu" else "a blocking host-to-device copy, a"
@@ -161,7 +166,7 @@ set or undone inside a guard stays as it was left).
         """``fn`` that raises for the calls ``reads(*args, **kwargs)`` says read a device-computed size back (while
         torch.compile is not compiling)."""
         def reject_some(*args, **kwargs):
-            if guard_open() and not torch.compiler.is_compiling() and reads(*args, **kwargs):
+            if not torch.compiler.is_compiling() and guard_open() and reads(*args, **kwargs):
                 raise HostSyncError(f"{what} on a tensor inside sync_guard(): a device-to-host synchronisation "
                                     f"on the replay path")
             return fn(*args, **kwargs)
@@ -281,8 +286,9 @@ set or undone inside a guard stays as it was left).
             lambda *args, **kwargs: repeats_read_back(
                 args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None), kwargs))
         # serialising copies each storage to the host: torch.save, and pickle, whose storages save themselves with it
-        own["save"] = rejecting("torch.save() (a copy of each tensor's storage to the host; pickling a tensor saves "
-                                "its storage with it)")
+        own["save"] = rejecting_calls("torch.save() (a copy of each tensor's storage to the host; pickling a tensor "
+                                      "saves its storage with it)",
+                                      lambda *args, **kwargs: saves_memory(args[0] if args else kwargs.get("obj")))
         out += [(storage, "tolist", rejecting("a storage's tolist()")) for storage in (torch.UntypedStorage,
                                                                                         torch.TypedStorage)]
         out = [(owner, name, make, getattr) for owner, name, make in out]
@@ -319,8 +325,17 @@ set or undone inside a guard stays as it was left).
         """Replaces the host-reading attributes; returns (owner, name, the owner's own attribute or None) for each, and
         the sequence slots of the tensor types (``tensor_sequence_slots``), both as found."""
         replacements = cls._replacements()
-        saved = [(owner, name, owner.__dict__.get(name), replacement) for owner, name, replacement in replacements]
-        slots = tensor_sequence_slots()
+        saved, left = [], False
+        for owner, name, replacement in replacements:
+            own = owner.__dict__.get(name)
+            # left outside every guard (a stand-in's undo put it back): what it wraps goes back
+            if own is not None and own is replacement:
+                own, left = cls._wrapped_original(owner, name), True
+            saved.append((owner, name, own, replacement))
+        # a __getitem__ left behind made every tensor a Python sequence: the slots the first guard found go back
+        slots = cls._first_slots if left and cls._first_slots is not None else tensor_sequence_slots()
+        if cls._first_slots is None:
+            cls._first_slots = slots
         try:
             for owner, name, replacement in replacements:
                 setattr(owner, name, replacement)
@@ -329,6 +344,18 @@ set or undone inside a guard stays as it was left).
             cls._put_back((saved, slots))
             raise
         return saved, slots
+
+    @classmethod
+    def _wrapped_original(cls, owner, name: str):
+        """The owner's own attribute that the replacement of ``owner.name`` wraps, or None where the owner inherits it
+        (putting it back removes the replacement)."""
+        with cls._wrapped_lock:
+            found = next((w.found for w in cls._wrapped if w.owner is owner and w.name == name), None)
+        if isinstance(owner, type):
+            inherited = next((vars(base)[name] for base in owner.__mro__[1:] if name in vars(base)), _NOTHING)
+            if found is inherited:
+                return None
+        return found
 
     @staticmethod
     def _put_back(found: tuple[list, dict]) -> None:
@@ -389,6 +416,17 @@ class Wrapped:
         if found is not self.found and found is not self.replacement:
             self.replacement, self.found = self.make(found), found
         return self.replacement
+
+
+#: what ``torch.save`` writes without touching tensor memory, in plain dicts, lists and tuples
+PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
+
+
+def saves_memory(obj) -> bool:
+    """Whether ``torch.save(obj)`` may copy tensor memory to the host: ``obj`` is more than plain dicts, lists and
+    tuples of Python values (a tensor, a storage, which pickling a tensor saves with ``torch.save``, a module, any
+    other object, which may hold them)."""
+    return any(not isinstance(leaf, PLAIN_VALUES) for leaf in pytree.tree_leaves(obj))
 
 
 def is_mask(index) -> bool:

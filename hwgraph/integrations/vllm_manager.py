@@ -106,6 +106,8 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
             log.warning("no encoder graphs captured on %s, every group runs eagerly: %s", self.backend.name, refusal)
             return
         tower = self._tower()
+        if tower is not None and hasattr(tower, "weights_moved"):
+            tower.weights_moved()  # a move since the key was last read (a weight given new .data) counted first
         # The graphs read the weights where they live now; replay checks that they did not move (_check_tower).
         self._captured_tower = None if tower is None else (tower.weights_key(), tower.dtype, tower.device,
                                                            tower.attention_fn, tower.attention_kernel)
@@ -231,12 +233,13 @@ class SingleReplayEncoderCudaGraphManager(EncoderCudaGraphManager):
                           axis_keys: tuple = ()) -> torch.Tensor | None:
         self._check_tower()  # every replay, from either dispatch (this one or upstream's packing)
         output = super()._run_budget_graph(mm_kwargs, token_budget, path, axis_keys)
-        tower = self._tower()
-        moved = getattr(tower, "weights_moved", None)
-        if moved is not None and self._captured_tower is not None and moved():
+        moved = getattr(self._tower(), "weights_moved", None)
+        if moved is not None:
             # every weight looked at while the device runs the replay: a middle weight given new .data or a resized
-            # storage, which weights_key's reads miss, was read at its old, freed address
-            self._check_tower()  # raises: the key has moved too
+            # storage, which weights_key's reads miss, was read at its old, freed address; the key compared whatever
+            # this look found, as another manager's look on the same tower may have found the move first
+            moved()
+            self._check_tower()
         return output
 
     def execute(self, mm_kwargs: dict[str, Any]) -> list[torch.Tensor] | None:

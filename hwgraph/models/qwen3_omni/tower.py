@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class _Registrations:
-    """How many parameters and buffers any module of the process has been given since hwgraph was imported: torch's
-    global registration hooks count them (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``,
-    a buffer assigned). ``weights_key`` lists every weight's address again only when this moved."""
+    """How many parameters, buffers and submodules any module of the process has been given since hwgraph was
+    imported: torch's global registration hooks count them (``module.weight = nn.Parameter(...)``,
+    ``load_state_dict(assign=True)``, a buffer assigned, ``tower.blocks[1] = block``). ``weights_key`` lists every
+    weight's address again only when this moved."""
     count = 0
 
     @classmethod
@@ -47,6 +48,8 @@ LAYOUT_TENSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 nn.modules.module.register_module_parameter_registration_hook(_Registrations.seen)
 nn.modules.module.register_module_buffer_registration_hook(_Registrations.seen)
+# a submodule assigned (``tower.blocks[1] = block``): its weights are listed again too
+nn.modules.module.register_module_module_registration_hook(_Registrations.seen)
 
 AUTO = "auto"
 
