@@ -621,15 +621,20 @@ def test_a_recapture_without_clear_keeps_no_graph_of_the_earlier_capture(monkeyp
         m.clear()
 
 
-def test_a_replay_after_the_towers_weights_moved_raises_naming_the_move():
+def replayed_once():
+    """A tiny tower, a CPU manager that has captured it and replayed one 64-token image, and that image's kwargs."""
     torch.manual_seed(0)
     tower = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval()
-    adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
-    m = cpu_manager(adapter)
+    m = cpu_manager(hv.Qwen3OmniEncoderCudaGraphAdapter(tower))
     m.capture(graph_pool=None)
     kwargs = mm_kwargs(tower, [(1, 8, 8)])
     m.execute(kwargs)
     assert m.replays == 1
+    return tower, m, kwargs
+
+
+def test_a_replay_after_the_towers_weights_moved_raises_naming_the_move():
+    tower, m, kwargs = replayed_once()
     tower.to(torch.float64)  # new weights: the graphs captured before would read the freed float32 ones
     message = r"weights were moved since .* captured for torch.float32 on cpu \(the tower is now torch.float64 on cpu"
     with pytest.raises(RuntimeError, match=message):
@@ -647,13 +652,7 @@ def test_a_replay_after_a_middle_weight_got_new_data_raises_naming_the_move(monk
     from hwgraph.graphs import cpu
 
     monkeypatch.setattr(cpu, "captured_reads", lambda fn: (fn(), None))
-    torch.manual_seed(0)
-    tower = Qwen3OmniVisionTower.from_preset("tiny", attention="TORCH_SDPA").eval()
-    adapter = hv.Qwen3OmniEncoderCudaGraphAdapter(tower)
-    m = cpu_manager(adapter)
-    m.capture(graph_pool=None)
-    kwargs = mm_kwargs(tower, [(1, 8, 8)])
-    m.execute(kwargs)
+    tower, m, kwargs = replayed_once()
     weight = tower.blocks[1].mlp.linear_fc1.weight
     weight.data = weight.data * 2
     for _ in range(2):  # the replay's look at every weight, then the key before the next replay
