@@ -207,7 +207,7 @@ class Qwen3OmniVisionTower(nn.Module):
 
     def weights_moved(self) -> bool:
         """Whether any weight or buffer lives elsewhere than ``weights_key()`` last saw: every one's address read again
-        (about 30 us for 27 blocks on a slow host), which catches what the key's three reads miss, a middle weight
+        (about 40 us for 27 blocks on a slow host), which catches what the key's three reads miss, a middle weight
         given new ``.data`` or its storage resized in place. A move changes ``weights_key()`` from then on. The
         manager asks after launching a replay, whose device work hides the cost, and refuses its result."""
         self.weights_key()  # a parameter or buffer registered since: the list of tensors made again
