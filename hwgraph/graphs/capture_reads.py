@@ -48,20 +48,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from hwgraph.graphs import read_recording
 from hwgraph.graphs.base import CaptureError
-from hwgraph.graphs.read_recording import ReadRecorder, forced_eager, storage_key
-from hwgraph.graphs.read_ways import (
-    FOLLOW,
-    GONE,
-    MAX_OBJECTS,
-    MAX_WAYS,
-    describe,
-    described,
-    tensor_facts,
-    way_text,
-    ways_to_tensors,
-)
+from hwgraph.graphs.read_recording import ReadRecorder, forced_eager, storage_key, tensor_facts
+from hwgraph.graphs.read_ways import FOLLOW, GONE, MAX_OBJECTS, MAX_WAYS, describe, described, way_text, ways_to_tensors
 
 log = logging.getLogger(__name__)
+
 
 def captured_reads(fn: Callable) -> tuple[object, ReadPaths | None]:
     """``fn()`` under a ``ReadRecorder``: its result, and the ways from ``fn`` to the tensors it read from outside,
@@ -90,8 +81,8 @@ def captured_reads(fn: Callable) -> tuple[object, ReadPaths | None]:
         log.debug("recording the reads of %s failed where a run without it did not, so its replays are not checked "
                   "for replaced tensors", callable_name(fn), exc_info=exc)
         return out, None
-    unchecked = [key for key in recorder.read if key not in ways]
-    if unchecked and not complete:
+    unchecked = [] if complete else [key for key in recorder.read if key not in ways]
+    if unchecked:
         log.info("the search for the tensors %s reads stopped at %d objects: %d of the %d storages it read are not "
                  "checked at its replays for replaced tensors", callable_name(fn), MAX_OBJECTS, len(unchecked),
                  len(recorder.read))
@@ -138,11 +129,12 @@ class ReadPaths:
 
     fn: Callable
     reads: list[Read]
-    tree: dict  # the ways as a tree: step -> (subtree, [(read index, way index, storage address) ending here])
+    tree: dict  # the ways as a tree: step -> (subtree, [(read index, way index, storage address, the view's
+    # tensor_facts or None: any view of the storage) ending here])
 
     @classmethod
     def of(cls, fn: Callable, ways: dict[int, list], read: dict[int, StorageWeakRef],
-           views: dict[int, set] | None = None) -> ReadPaths:
+           views: dict[int, set]) -> ReadPaths:
         """The ways (``ways_to_tensors(fn)``) to the storages ``fn`` read (``ReadRecorder.read``): to the views of
         them it read (``ReadRecorder.views``), where any way leads to one. A way to another view of a storage read
         (``holder.ring`` where ``holder.x = holder.ring[0]`` was read) would find the storage unchanged after
@@ -150,7 +142,7 @@ class ReadPaths:
         kept = []
         for key, ref in read.items():
             found = ways.get(key, [])
-            to_views = [way for way in found if way[1] in (views or {}).get(key, ())]
+            to_views = [way for way in found if way[1] in views.get(key, ())]
             if found:  # no way to a view read (a view made where the search does not go): a way to the storage does
                 kept.append(Read(ref, *zip(*(to_views or found)[:MAX_WAYS], strict=True), exact=bool(to_views)))
         tree: dict = {}
